@@ -1,0 +1,249 @@
+"""AST of a .ucl spec: plain dataclasses, each carrying the Span it came from."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Union
+
+from .errors import Span
+
+
+@dataclass(frozen=True)
+class Ident:
+    name: str
+    span: Span
+
+
+# ---- expressions -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Int:
+    value: int
+    span: Span
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class BinOp:
+    op: str  # + - * / // %
+    left: "Expr"
+    right: "Expr"
+    span: Span
+
+
+@dataclass(frozen=True)
+class Neg:
+    operand: "Expr"
+    span: Span
+
+
+@dataclass(frozen=True)
+class Call:
+    func: str
+    args: tuple["Expr", ...]
+    span: Span
+
+
+Expr = Union[Int, Var, BinOp, Neg, Call]
+
+
+# ---- names ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pattern:
+    """A parameter-name pattern: dotted segments, ``{capture}`` (digits), ``*`` (within one
+    segment) and ``**`` (any run of characters, dots included)."""
+
+    text: str
+    span: Span
+
+    @cached_property
+    def captures(self) -> tuple[str, ...]:
+        return tuple(re.findall(r"\{([A-Za-z_]\w*)\}", self.text))
+
+    @cached_property
+    def regex(self) -> re.Pattern:
+        out, i, t = [], 0, self.text
+        while i < len(t):
+            if t.startswith("**", i):
+                out.append(".*")
+                i += 2
+            elif t[i] == "*":
+                out.append(r"[^.]*")
+                i += 1
+            elif t[i] == "{":
+                j = t.index("}", i)
+                out.append(f"(?P<{t[i + 1:j]}>\\d+)")
+                i = j + 1
+            else:
+                out.append(re.escape(t[i]))
+                i += 1
+        return re.compile("".join(out))
+
+    def match(self, name: str) -> re.Match | None:
+        return self.regex.fullmatch(name)
+
+
+@dataclass(frozen=True)
+class DimRef:
+    """``0``, ``0.1`` (factor 1 of a view of dim 0), ``0.q`` (part q of a concat), ``0.k.0``."""
+
+    path: tuple[Union[int, str], ...]
+    span: Span
+
+    @property
+    def root(self) -> int:
+        return self.path[0]  # type: ignore[return-value]
+
+    def __str__(self) -> str:
+        return ".".join(str(p) for p in self.path)
+
+
+# ---- parameter transforms ------------------------------------------------------------
+@dataclass(frozen=True)
+class Split:
+    dim: DimRef
+    axes: tuple[Ident, ...]
+    mode: str  # even | uneven | shared
+    span: Span
+
+
+@dataclass(frozen=True)
+class Replicate:
+    axes: tuple[Ident, ...]  # empty: every axis
+    span: Span
+
+
+@dataclass(frozen=True)
+class View:
+    dim: DimRef
+    factors: tuple[Expr, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Part:
+    name: Ident
+    size: Expr
+
+
+@dataclass(frozen=True)
+class Concat:
+    dim: DimRef
+    parts: tuple[Part, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Pad:
+    dim: DimRef
+    target: Expr
+    multiple: bool  # pad to a multiple of target, else to exactly target
+    span: Span
+
+
+@dataclass(frozen=True)
+class Place:
+    axis: Ident
+    coords: tuple[Union[str, Expr], ...]  # "first" | "last" | Expr
+    span: Span
+
+
+@dataclass(frozen=True)
+class Index:
+    capture: Ident
+    count: Expr
+    axis: Ident
+    virtual: Expr | None
+    sizes: tuple[Expr, ...] | None
+    span: Span
+
+
+Transform = Union[Split, Replicate, View, Concat, Pad, Place, Index]
+
+
+# ---- state transforms ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Dtype:
+    name: Ident
+    span: Span
+
+
+@dataclass(frozen=True)
+class Scalar:
+    span: Span
+
+
+@dataclass(frozen=True)
+class Follow:
+    span: Span
+
+
+@dataclass(frozen=True)
+class Flat:
+    axes: tuple[Ident, ...]
+    per_param: bool
+    reverse: bool
+    align: Expr | None
+    pad_multiple: Expr | None
+    bucket: Expr | None
+    span: Span
+
+
+StateTransform = Union[Dtype, Scalar, Follow, Flat]
+
+
+# ---- statements --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DimsDecl:
+    names: tuple[Ident, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class LetDecl:
+    name: Ident
+    value: Expr
+    span: Span
+
+
+@dataclass(frozen=True)
+class MeshDecl:
+    axes: tuple[Ident, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class IgnoreDecl:
+    patterns: tuple[Pattern, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class StateDecl:
+    kinds: tuple[Ident, ...]
+    pattern: Pattern | None
+    transforms: tuple[StateTransform, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: Pattern
+    shape: tuple[Expr, ...] | None
+    transforms: tuple[Transform, ...]
+    span: Span
+
+
+Statement = Union[DimsDecl, LetDecl, MeshDecl, IgnoreDecl, StateDecl, Rule]
+
+
+@dataclass(frozen=True)
+class Module:
+    statements: tuple[Statement, ...]
+    source: str = field(repr=False)
+    filename: str

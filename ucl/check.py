@@ -1,0 +1,242 @@
+"""Static checks of a parsed spec. Collects every diagnostic before raising, never just the first."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import ast
+from .errors import Diagnostic, SpecError, did_you_mean
+from .expr import FUNCTIONS, calls_in, names_in
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+          "int8", "int16", "int32", "int64", "uint8", "bool")
+PARAM = "param"  # the kind naming the model weights themselves
+PLACEMENT = (ast.Place, ast.Index)
+
+
+@dataclass
+class Checked:
+    """What the checker learns from a module; the Spec wraps it."""
+
+    dims: list[str] = field(default_factory=list)
+    lets: list[tuple[str, ast.Expr]] = field(default_factory=list)
+    axes: list[str] = field(default_factory=list)
+    rules: list[ast.Rule] = field(default_factory=list)
+    placements: list[ast.Rule] = field(default_factory=list)
+    ignores: list[ast.Pattern] = field(default_factory=list)
+    states: list[ast.StateDecl] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=lambda: [PARAM])
+
+
+class _Checker:
+    def __init__(self, module: ast.Module):
+        self.m = module
+        self.out = Checked()
+        self.diags: list[Diagnostic] = []
+
+    def error(self, code, message, span, hint=None):
+        self.diags.append(Diagnostic(code, message, span, hint))
+
+    # -- names ------------------------------------------------------------------------------
+    def declared(self) -> set[str]:
+        return set(self.out.dims) | {n for n, _ in self.out.lets} | set(self.out.axes)
+
+    def check_expr(self, expr: ast.Expr, *, allow_axes: bool = True):
+        known = set(self.out.dims) | {n for n, _ in self.out.lets}
+        if allow_axes:
+            known |= set(self.out.axes)
+        for var in names_in(expr):
+            if var.name not in known:
+                if not allow_axes and var.name in self.out.axes:
+                    self.error("UCL106", f"mesh axis {var.name!r} cannot be used here: shapes are "
+                               "global and must not depend on the mesh", var.span)
+                else:
+                    self.error("UCL101", f"unknown name {var.name!r}", var.span, did_you_mean(var.name, known))
+        for call in calls_in(expr):
+            if call.func not in FUNCTIONS:
+                self.error("UCL107", f"unknown function {call.func!r}", call.span,
+                           did_you_mean(call.func, FUNCTIONS) or f"functions: {', '.join(FUNCTIONS)}")
+            else:
+                arity = FUNCTIONS[call.func][0]
+                if arity is not None and len(call.args) != arity:
+                    self.error("UCL107", f"{call.func} takes {arity} arguments, got {len(call.args)}", call.span)
+
+    def check_axis(self, ident: ast.Ident):
+        if ident.name not in self.out.axes:
+            hint = did_you_mean(ident.name, self.out.axes)
+            if not self.out.axes:
+                hint = "declare the axes first, e.g. `mesh pp, dp, tp`"
+            self.error("UCL103", f"unknown mesh axis {ident.name!r}", ident.span, hint)
+
+    def declare(self, ident: ast.Ident, what: str):
+        if ident.name in self.declared():
+            self.error("UCL102", f"{what} {ident.name!r} is already declared", ident.span)
+            return False
+        if ident.name in FUNCTIONS:
+            self.error("UCL102", f"{ident.name!r} is a built-in function name", ident.span)
+            return False
+        return True
+
+    # -- statements ---------------------------------------------------------------------------
+    def run(self) -> Checked:
+        for st in self.m.statements:
+            getattr(self, "on_" + type(st).__name__)(st)
+        return self.out
+
+    def on_DimsDecl(self, st: ast.DimsDecl):
+        for ident in st.names:
+            if self.declare(ident, "dim"):
+                self.out.dims.append(ident.name)
+
+    def on_LetDecl(self, st: ast.LetDecl):
+        self.check_expr(st.value)
+        if self.declare(st.name, "name"):
+            self.out.lets.append((st.name.name, st.value))
+
+    def on_MeshDecl(self, st: ast.MeshDecl):
+        for ident in st.axes:
+            if self.declare(ident, "mesh axis"):
+                self.out.axes.append(ident.name)
+
+    def on_IgnoreDecl(self, st: ast.IgnoreDecl):
+        self.out.ignores.extend(st.patterns)
+
+    def on_StateDecl(self, st: ast.StateDecl):
+        for ident in st.kinds:
+            if ident.name not in self.out.kinds:
+                self.out.kinds.append(ident.name)
+        layouts = [t for t in st.transforms if isinstance(t, (ast.Flat, ast.Scalar, ast.Follow))]
+        if len(layouts) > 1:
+            self.error("UCL110", "a state takes at most one of flat, scalar and follow", layouts[1].span)
+        for t in st.transforms:
+            if isinstance(t, ast.Dtype) and t.name.name not in DTYPES:
+                self.error("UCL111", f"unknown dtype {t.name.name!r}", t.name.span,
+                           did_you_mean(t.name.name, DTYPES) or f"dtypes: {', '.join(DTYPES)}")
+            if isinstance(t, ast.Scalar) and any(k.name == PARAM for k in st.kinds):
+                self.error("UCL110", "the model weights (param) cannot be scalar", t.span)
+            if isinstance(t, ast.Flat):
+                for axis in t.axes:
+                    self.check_axis(axis)
+                for e in (t.align, t.pad_multiple, t.bucket):
+                    if e is not None:
+                        self.check_expr(e)
+                if t.per_param and (t.bucket is not None or t.reverse):
+                    self.error("UCL110", "per_param flat buffers take no bucket or reverse", t.span)
+        self.out.states.append(st)
+
+    def on_Rule(self, st: ast.Rule):
+        if st.shape is not None:
+            for e in st.shape:
+                self.check_expr(e, allow_axes=False)
+        placement_only = st.shape is None and all(isinstance(t, PLACEMENT) for t in st.transforms)
+        self.check_transforms(st)
+        (self.out.placements if placement_only else self.out.rules).append(st)
+
+    # -- transforms ---------------------------------------------------------------------------
+    def check_transforms(self, st: ast.Rule):
+        ndim = len(st.shape) if st.shape is not None else None
+        structure: dict[tuple, tuple] = {}  # path -> ("view", nfactors) | ("concat", names)
+        split_paths: dict[tuple, ast.Split] = {}
+        split_axes: dict[str, ast.Split] = {}
+        placed_axes: dict[str, object] = {}
+        padded: set[int] = set()
+        captures = set(st.pattern.captures)
+
+        def resolve(ref: ast.DimRef) -> bool:
+            root = ref.path[0]
+            if ndim is not None and not (0 <= root < ndim):
+                self.error("UCL108", f"dim {root} does not exist: the declared shape has {ndim} dims", ref.span)
+                return False
+            for depth in range(1, len(ref.path)):
+                parent, step = ref.path[:depth], ref.path[depth]
+                kind = structure.get(parent)
+                if kind is None:
+                    self.error("UCL108", f"dim {'.'.join(map(str, parent))} has no view or concat, so "
+                               f"{ref} means nothing", ref.span, "declare `view` or `concat` before using it")
+                    return False
+                if kind[0] == "view" and not (isinstance(step, int) and 0 <= step < kind[1]):
+                    self.error("UCL108", f"{ref}: the view has {kind[1]} factors (0..{kind[1] - 1})", ref.span)
+                    return False
+                if kind[0] == "concat" and step not in kind[1]:
+                    self.error("UCL108", f"{ref}: the concat has no part {step!r}", ref.span, did_you_mean(str(step), kind[1]))
+                    return False
+            return True
+
+        for t in st.transforms:
+            if isinstance(t, (ast.View, ast.Concat)):
+                if resolve(t.dim):
+                    path = t.dim.path
+                    if path in structure:
+                        self.error("UCL109", f"dim {t.dim} is already viewed or concatenated", t.dim.span)
+                    elif path in split_paths:
+                        self.error("UCL109", f"view or concat of dim {t.dim} must come before its split", t.span)
+                    elif isinstance(t, ast.View):
+                        structure[path] = ("view", len(t.factors))
+                    else:
+                        names = [p.name.name for p in t.parts]
+                        if len(set(names)) != len(names):
+                            self.error("UCL109", "concat parts must have distinct names", t.span)
+                        structure[path] = ("concat", names)
+                for e in (t.factors if isinstance(t, ast.View) else [p.size for p in t.parts]):
+                    self.check_expr(e)
+            elif isinstance(t, ast.Split):
+                for axis in t.axes:
+                    self.check_axis(axis)
+                    if axis.name in placed_axes:
+                        self.error("UCL109", f"axis {axis.name!r} already places this parameter; it cannot also split it", axis.span)
+                    split_axes.setdefault(axis.name, t)
+                if resolve(t.dim):
+                    split_paths[t.dim.path] = t
+            elif isinstance(t, ast.Pad):
+                if len(t.dim.path) != 1:
+                    self.error("UCL108", "pad applies to a whole dim (write `pad 0 ...`)", t.dim.span)
+                elif resolve(t.dim):
+                    if t.dim.root in padded:
+                        self.error("UCL109", f"dim {t.dim} is padded twice", t.span)
+                    if t.dim.path in structure or t.dim.path in split_paths:
+                        self.error("UCL109", f"pad dim {t.dim} before viewing or splitting it", t.span)
+                    padded.add(t.dim.root)
+                self.check_expr(t.target)
+            elif isinstance(t, ast.Replicate):
+                for axis in t.axes:
+                    self.check_axis(axis)
+            elif isinstance(t, ast.Place):
+                self.check_axis(t.axis)
+                for c in t.coords:
+                    if not isinstance(c, str):
+                        self.check_expr(c)
+                self._placed(placed_axes, split_axes, t.axis, t)
+            elif isinstance(t, ast.Index):
+                self.check_axis(t.axis)
+                if t.capture.name not in captures:
+                    self.error("UCL112", f"the pattern has no capture {{{t.capture.name}}}", t.capture.span,
+                               did_you_mean(t.capture.name, captures) or f"captures: {', '.join(sorted(captures)) or 'none'}")
+                self.check_expr(t.count)
+                for e in ([t.virtual] if t.virtual is not None else []) + list(t.sizes or ()):
+                    self.check_expr(e)
+                self._placed(placed_axes, split_axes, t.axis, t)
+        for t in st.transforms:
+            if isinstance(t, ast.Replicate):
+                for axis in t.axes:
+                    if axis.name in split_axes:
+                        self.error("UCL109", f"axis {axis.name!r} both splits and replicates this parameter", axis.span)
+        # A node whose descendants are split cannot itself be split (one split per path family).
+        for path, t in split_paths.items():
+            for other in split_paths:
+                if other != path and other[:len(path)] == path and structure.get(path, ("",))[0] == "view":
+                    self.error("UCL109", f"dim {t.dim} is split, and so is its factor "
+                               f"{'.'.join(map(str, other))}; split one of them", t.span)
+
+    def _placed(self, placed_axes, split_axes, axis: ast.Ident, t):
+        if axis.name in split_axes:
+            self.error("UCL109", f"axis {axis.name!r} already splits this parameter; it cannot also place it", axis.span)
+        if axis.name in placed_axes:
+            self.error("UCL109", f"axis {axis.name!r} places this parameter twice", axis.span)
+        placed_axes[axis.name] = t
+
+
+def check(module: ast.Module) -> Checked:
+    checker = _Checker(module)
+    result = checker.run()
+    if checker.diags:
+        raise SpecError(checker.diags, module.source, module.filename)
+    return result

@@ -1,0 +1,82 @@
+"""Integer expressions of the language: evaluation with exact division and clear errors."""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+from . import ast
+from .errors import Diagnostic, did_you_mean
+
+FUNCTIONS = {
+    "ceil_div": (2, lambda a, b: -(-a // b)),
+    "min": (None, min),
+    "max": (None, max),
+    "lcm": (None, math.lcm),
+    "gcd": (None, math.gcd),
+}
+
+
+class ExprError(Exception):
+    """Internal: carries a Diagnostic out of evaluation; callers turn it into a UclError."""
+
+    def __init__(self, diagnostic: Diagnostic):
+        super().__init__(diagnostic.message)
+        self.diagnostic = diagnostic
+
+
+def names_in(expr: ast.Expr):
+    """Yield every Var in an expression (for static checks)."""
+    if isinstance(expr, ast.Var):
+        yield expr
+    elif isinstance(expr, ast.BinOp):
+        yield from names_in(expr.left)
+        yield from names_in(expr.right)
+    elif isinstance(expr, ast.Neg):
+        yield from names_in(expr.operand)
+    elif isinstance(expr, ast.Call):
+        for a in expr.args:
+            yield from names_in(a)
+
+
+def calls_in(expr: ast.Expr):
+    if isinstance(expr, ast.Call):
+        yield expr
+        for a in expr.args:
+            yield from calls_in(a)
+    elif isinstance(expr, ast.BinOp):
+        yield from calls_in(expr.left)
+        yield from calls_in(expr.right)
+    elif isinstance(expr, ast.Neg):
+        yield from calls_in(expr.operand)
+
+
+def evaluate(expr: ast.Expr, env: Mapping[str, int]) -> int:
+    if isinstance(expr, ast.Int):
+        return expr.value
+    if isinstance(expr, ast.Var):
+        if expr.name not in env:
+            raise ExprError(Diagnostic("UCL101", f"unknown name {expr.name!r}", expr.span, did_you_mean(expr.name, env)))
+        return env[expr.name]
+    if isinstance(expr, ast.Neg):
+        return -evaluate(expr.operand, env)
+    if isinstance(expr, ast.Call):
+        arity, fn = FUNCTIONS[expr.func]
+        return int(fn(*(evaluate(a, env) for a in expr.args)))
+    a, b = evaluate(expr.left, env), evaluate(expr.right, env)
+    op = expr.op
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    if b == 0:
+        raise ExprError(Diagnostic("UCL105", "division by zero", expr.span))
+    if op == "/":
+        if a % b:
+            raise ExprError(Diagnostic("UCL104", f"{a} / {b} is not exact", expr.span,
+                                       "use // to round down or ceil_div(a, b) to round up"))
+        return a // b
+    if op == "//":
+        return a // b
+    return a % b

@@ -1,0 +1,128 @@
+"""Mesh: named axes with sizes, slowest first; ranks are numbered row-major (like a torch DeviceMesh)."""
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from .errors import MeshError
+
+
+class Mesh:
+    """``Mesh(pp=2, dp=2, tp=2)``: 8 ranks, tp fastest (Megatron's order).
+
+    ``Mesh()`` (no axes) is the *universal* layout: every tensor whole, unpadded, under its global name.
+    """
+
+    __slots__ = ("axes", "__dict__")
+
+    def __init__(self, axes: Mapping[str, int] | Iterable[tuple[str, int]] = (), /, **sizes: int):
+        items = list(axes.items() if isinstance(axes, Mapping) else axes) + list(sizes.items())
+        seen = set()
+        for name, size in items:
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_]\w*", name):
+                raise MeshError(f"bad mesh axis name {name!r}", code="UCL301")
+            if name in seen:
+                raise MeshError(f"mesh axis {name!r} given twice", code="UCL301")
+            if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+                raise MeshError(f"mesh axis {name}={size!r}: a size must be a positive integer", code="UCL302")
+            seen.add(name)
+        self.axes: tuple[tuple[str, int], ...] = tuple((n, int(s)) for n, s in items)
+
+    @classmethod
+    def parse(cls, text: str) -> "Mesh":
+        """``"pp=2,dp=2,tp=2"``; ``"universal"`` or ``""`` for the universal layout."""
+        text = text.strip()
+        if text in ("", "universal"):
+            return cls()
+        items = []
+        for part in text.split(","):
+            m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*", part)
+            if not m:
+                raise MeshError(f"cannot read mesh {text!r}: write it like pp=2,dp=2,tp=2", code="UCL301")
+            items.append((m.group(1), int(m.group(2))))
+        return cls(items)
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s for _, s in self.axes)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.axes else 1
+
+    @property
+    def is_universal(self) -> bool:
+        return not self.axes
+
+    def axis_size(self, name: str) -> int:
+        """Size of an axis; an axis the mesh does not name has size 1."""
+        for n, s in self.axes:
+            if n == name:
+                return s
+        return 1
+
+    @cached_property
+    def strides(self) -> dict[str, int]:
+        out, stride = {}, 1
+        for name, size in reversed(self.axes):
+            out[name] = stride
+            stride *= size
+        return out
+
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.size:
+            raise MeshError(f"rank {rank} is outside a mesh of {self.size} ranks", code="UCL303")
+        return {n: (rank // self.strides[n]) % s for n, s in self.axes}
+
+    def rank(self, **coords: int) -> int:
+        return sum(coords.get(n, 0) * self.strides[n] for n, _ in self.axes)
+
+    def ranks_where(self, fixed: Mapping[str, int]) -> np.ndarray:
+        """All ranks whose coordinates match ``fixed`` (other axes free), ascending."""
+        ranks = np.zeros(1, dtype=np.int64)
+        for name, size in self.axes:
+            if name in fixed:
+                ranks = ranks + fixed[name] * self.strides[name]
+            else:
+                ranks = (ranks[:, None] + np.arange(size, dtype=np.int64)[None, :] * self.strides[name]).ravel()
+        return np.sort(ranks)
+
+    def check_axes(self, declared: Iterable[str]) -> None:
+        from .errors import did_you_mean
+        declared = list(declared)
+        for name in self.names:
+            if name not in declared:
+                hint = did_you_mean(name, declared)
+                raise MeshError(f"mesh axis {name!r} is not declared by the spec (it declares: "
+                                f"{', '.join(declared) or 'none'})" + (f"; {hint}" if hint else ""), code="UCL304")
+
+    # -- value semantics ----------------------------------------------------------------------
+    def __eq__(self, other):
+        return isinstance(other, Mesh) and self.axes == other.axes
+
+    def __hash__(self):
+        return hash(self.axes)
+
+    def __str__(self):
+        return ",".join(f"{n}={s}" for n, s in self.axes) or "universal"
+
+    def __repr__(self):
+        return f"Mesh({', '.join(f'{n}={s}' for n, s in self.axes)})"
+
+    def to_json(self) -> list:
+        return [[n, s] for n, s in self.axes]
+
+    @classmethod
+    def from_json(cls, data) -> "Mesh":
+        return cls([(str(n), int(s)) for n, s in data])
+
+
+UNIVERSAL = Mesh()

@@ -1,0 +1,206 @@
+"""Binding: a Spec applied to one model's parameter names and shapes (pure, no mesh yet)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Iterable, Mapping
+
+from . import ast
+from .check import PARAM
+from .errors import BindError, Diagnostic, MeshError, did_you_mean
+from .expr import ExprError, evaluate
+from .mesh import Mesh
+
+
+@dataclass(eq=False)
+class Tensor:
+    """One logical tensor: a parameter (kind ``param``) or one of its optimizer states."""
+
+    id: int
+    name: str  # global parameter name
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    rule: ast.Rule
+    placement: ast.Rule | None
+    match: re.Match
+    state: ast.StateDecl | None = None
+    flat: ast.Flat | None = None
+    scalar: bool = False
+    flat_group: int = -1  # index into Model.flat_groups
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(eq=False)
+class FlatGroup:
+    """Tensors of one kind flattened together by one ``state ... : flat over ...`` statement."""
+
+    id: int
+    kind: str
+    decl: ast.StateDecl
+    flat: ast.Flat
+    members: list[Tensor] = field(default_factory=list)
+
+
+class Model:
+    def __init__(self, spec, dims: Mapping[str, int], params, frozen: Iterable[str] = ()):
+        self.spec = spec
+        ck = spec.checked
+        params = list(params.items() if isinstance(params, Mapping) else params)
+        self.params: dict[str, tuple[int, ...]] = {str(n): tuple(int(x) for x in s) for n, s in params}
+        self.frozen = frozenset(frozen)
+        problems: list[Diagnostic] = []
+
+        missing = [d for d in ck.dims if d not in dims]
+        extra = [d for d in dims if d not in ck.dims]
+        if missing:
+            problems.append(Diagnostic("UCL209", f"dims not given: {', '.join(missing)}", None,
+                                       f"the spec declares: {', '.join(ck.dims)}"))
+        for d in extra:
+            problems.append(Diagnostic("UCL209", f"unknown dim {d!r}", None, did_you_mean(d, ck.dims)))
+        for d, v in dims.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                problems.append(Diagnostic("UCL209", f"dim {d}={v!r} must be a non-negative integer"))
+        for f in self.frozen - set(self.params):
+            problems.append(Diagnostic("UCL201", f"frozen parameter {f!r} is not a parameter of the model"))
+        if problems:
+            self._fail(problems)
+        self.dims = {d: int(dims[d]) for d in ck.dims}
+        base_env = dict(self.dims)
+        for name, expr in ck.lets:  # lets that need mesh sizes are evaluated per mesh
+            try:
+                base_env[name] = evaluate(expr, base_env)
+            except ExprError as e:
+                if e.diagnostic.code != "UCL101":
+                    problems.append(e.diagnostic)
+        self.static_env = base_env
+
+        self.tensors: list[Tensor] = []
+        self.flat_groups: list[FlatGroup] = []
+        groups: dict[tuple[int, str], FlatGroup] = {}
+        for name, shape in self.params.items():
+            rule, placement = self._match(name, problems)
+            if rule is None:
+                continue
+            self._check_shape(name, shape, rule, problems)
+            m = rule.pattern.match(name)
+            for kind in ck.kinds:
+                decl = self._state_decl(name, kind, problems)
+                if kind != PARAM and (decl is None or name in self.frozen):
+                    continue
+                t = Tensor(len(self.tensors), name, kind, shape, "float32", rule, placement, m, decl)
+                for tr in (decl.transforms if decl else ()):
+                    if isinstance(tr, ast.Dtype):
+                        t.dtype = tr.name.name
+                    elif isinstance(tr, ast.Flat):
+                        t.flat = tr
+                    elif isinstance(tr, ast.Scalar):
+                        t.scalar, t.shape = True, ()
+                if t.flat is not None:
+                    g = groups.get((id(decl), kind))
+                    if g is None:
+                        g = groups[(id(decl), kind)] = FlatGroup(len(self.flat_groups), kind, decl, t.flat)
+                        self.flat_groups.append(g)
+                    t.flat_group = g.id
+                    g.members.append(t)
+                self.tensors.append(t)
+        if problems:
+            self._fail(problems)
+        for g in self.flat_groups:
+            if g.flat.reverse:
+                g.members.reverse()
+        self._by_key = {t.key: t for t in self.tensors}
+        self._lowered: dict[Mesh, object] = {}
+
+    # -- binding helpers -------------------------------------------------------------------
+    def _fail(self, problems):
+        raise BindError(problems, self.spec.text, self.spec.filename)
+
+    def _match(self, name, problems):
+        ck = self.spec.checked
+        hits = [r for r in ck.rules if r.pattern.match(name)]
+        ignored = any(p.match(name) for p in ck.ignores)
+        places = [r for r in ck.placements if r.pattern.match(name)]
+        if len(places) > 1:
+            problems.append(Diagnostic("UCL202", f"parameter {name!r} is placed by {len(places)} rules (lines "
+                                       f"{', '.join(str(r.span.line) for r in places)})", places[1].pattern.span))
+        if len(hits) == 1 and not ignored:
+            return hits[0], (places[0] if places else None)
+        if ignored and not hits:
+            return None, None
+        if not hits:
+            known = [r.pattern.text for r in ck.rules]
+            problems.append(Diagnostic("UCL201", f"parameter {name!r} {tuple(self.params[name])} matches no rule",
+                                       None, "add a rule for it or `ignore` it"))
+        else:
+            lines = ", ".join(f"{r.pattern.text} (line {r.span.line})" for r in hits)
+            problems.append(Diagnostic("UCL202", f"parameter {name!r} matches {len(hits) + ignored} rules: {lines}"
+                                       + (" and an ignore" if ignored else ""), hits[-1].pattern.span,
+                                       "make the patterns disjoint"))
+        return None, None
+
+    def _check_shape(self, name, shape, rule, problems):
+        if rule.shape is not None:
+            if len(rule.shape) != len(shape):
+                problems.append(Diagnostic("UCL203", f"parameter {name!r} has shape {list(shape)} ({len(shape)} dims) "
+                                           f"but the rule declares {len(rule.shape)} dims", rule.pattern.span))
+                return
+            for d, (expr, actual) in enumerate(zip(rule.shape, shape)):
+                try:
+                    want = evaluate(expr, self.static_env)
+                except ExprError as e:
+                    problems.append(e.diagnostic)
+                    continue
+                if want != actual:
+                    problems.append(Diagnostic("UCL203", f"parameter {name!r} has shape {list(shape)}, but the rule "
+                                               f"declares dim {d} = {want}", expr.span))
+        for t in rule.transforms:
+            ref = getattr(t, "dim", None)
+            if ref is not None and ref.root >= len(shape):
+                problems.append(Diagnostic("UCL108", f"parameter {name!r} has {len(shape)} dims; dim {ref.root} "
+                                           "does not exist", ref.span))
+
+    def _state_decl(self, name, kind, problems):
+        decls = [d for d in self.spec.checked.states if any(k.name == kind for k in d.kinds)
+                 and (d.pattern is None or d.pattern.match(name))]
+        if len(decls) > 1:
+            problems.append(Diagnostic("UCL208", f"state {kind!r} of {name!r} is declared by {len(decls)} statements "
+                                       f"(lines {', '.join(str(d.span.line) for d in decls)})", decls[1].span))
+        return decls[0] if decls else None
+
+    # -- queries -----------------------------------------------------------------------------
+    def tensor(self, key: str) -> Tensor:
+        return self._by_key[key]
+
+    def env(self, mesh: Mesh) -> dict[str, int]:
+        mesh.check_axes(self.spec.checked.axes)
+        env = dict(self.dims)
+        env.update({a: mesh.axis_size(a) for a in self.spec.checked.axes})
+        for name, expr in self.spec.checked.lets:
+            try:
+                env[name] = evaluate(expr, env)
+            except ExprError as e:
+                self._fail([e.diagnostic])
+        return env
+
+    def lower(self, mesh: Mesh):
+        """The ShardMap of this model on ``mesh`` (cached)."""
+        if mesh not in self._lowered:
+            from .lower import lower
+            self._lowered[mesh] = lower(self, mesh)
+        return self._lowered[mesh]
+
+    def fingerprint(self) -> dict:
+        return {"dims": self.dims, "params": {n: list(s) for n, s in self.params.items()},
+                "frozen": sorted(self.frozen)}

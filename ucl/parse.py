@@ -1,0 +1,272 @@
+"""Text -> AST. The Lark transformer only builds dataclasses; every semantic check is in check.py."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+
+from . import ast
+from .errors import Diagnostic, Span, SpecError, did_you_mean
+from .paths import data_dir
+
+KEYWORDS = ("dims", "let", "mesh", "ignore", "state", "for", "split", "over", "uneven", "shared",
+            "replicate", "view", "as", "concat", "pad", "to", "multiple_of", "on", "first", "last",
+            "index", "of", "virtual", "sizes", "dtype", "scalar", "follow", "flat", "per_param",
+            "reverse", "align", "bucket")
+
+_READABLE = {
+    "PATTERN": "a parameter pattern", "NAME": "a name", "INT": "an integer",
+    "DIMREF": "a dimension (0, 0.1, 0.q)", "_NL": "end of line", "$END": "end of file",
+    "SPLIT_MODE": "uneven or shared",
+}
+
+
+@lru_cache(maxsize=1)
+def _parser() -> Lark:
+    grammar = (data_dir("grammar") / "ucl.lark").read_text()
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+def _span_of(meta_or_tok) -> Span:
+    if isinstance(meta_or_tok, Token):
+        return Span(meta_or_tok.line, meta_or_tok.column, meta_or_tok.end_line, meta_or_tok.end_column)
+    m = meta_or_tok
+    if getattr(m, "empty", False):
+        return Span(1, 1, 1, 1)
+    return Span(m.line, m.column, m.end_line, m.end_column)
+
+
+def _ident(tok: Token) -> ast.Ident:
+    return ast.Ident(str(tok), _span_of(tok))
+
+
+def _dimref(tok: Token) -> ast.DimRef:
+    path = tuple(int(p) if p.isdigit() else p for p in str(tok).split("."))
+    return ast.DimRef(path, _span_of(tok))
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    # expressions
+    def int(self, meta, c):
+        return ast.Int(int(c[0]), _span_of(c[0]))
+
+    def var(self, meta, c):
+        return ast.Var(str(c[0]), _span_of(c[0]))
+
+    def call(self, meta, c):
+        return ast.Call(str(c[0]), tuple(c[1:]), _span_of(meta))
+
+    def neg(self, meta, c):
+        return ast.Neg(c[0], _span_of(meta))
+
+    def _bin(self, op, meta, c):
+        return ast.BinOp(op, c[0], c[1], _span_of(meta))
+
+    def add(self, meta, c):
+        return self._bin("+", meta, c)
+
+    def sub(self, meta, c):
+        return self._bin("-", meta, c)
+
+    def mul(self, meta, c):
+        return self._bin("*", meta, c)
+
+    def div(self, meta, c):
+        return self._bin("/", meta, c)
+
+    def floordiv(self, meta, c):
+        return self._bin("//", meta, c)
+
+    def mod(self, meta, c):
+        return self._bin("%", meta, c)
+
+    # statements
+    def start(self, meta, c):
+        return list(c)
+
+    def dims_decl(self, meta, c):
+        return ast.DimsDecl(tuple(_ident(t) for t in c), _span_of(meta))
+
+    def let_decl(self, meta, c):
+        return ast.LetDecl(_ident(c[0]), c[1], _span_of(meta))
+
+    def mesh_decl(self, meta, c):
+        return ast.MeshDecl(tuple(_ident(t) for t in c), _span_of(meta))
+
+    def ignore_decl(self, meta, c):
+        return ast.IgnoreDecl(tuple(ast.Pattern(str(t), _span_of(t)) for t in c), _span_of(meta))
+
+    def state_decl(self, meta, c):
+        kinds = tuple(_ident(t) for t in c if isinstance(t, Token) and t.type == "NAME")
+        rest = [x for x in c if not (isinstance(x, Token) and x.type == "NAME")]
+        pattern = None
+        if rest and (rest[0] is None or isinstance(rest[0], Token)):
+            tok = rest.pop(0)
+            pattern = ast.Pattern(str(tok), _span_of(tok)) if tok is not None else None
+        return ast.StateDecl(kinds, pattern, tuple(rest), _span_of(meta))
+
+    def rule(self, meta, c):
+        pattern = ast.Pattern(str(c[0]), _span_of(c[0]))
+        return ast.Rule(pattern, c[1], tuple(c[2:]), _span_of(meta))
+
+    def shape(self, meta, c):
+        return tuple(x for x in c if x is not None)
+
+    # transforms
+    def axes(self, meta, c):
+        return tuple(_ident(t) for t in c)
+
+    def split(self, meta, c):
+        return ast.Split(_dimref(c[0]), c[1], str(c[2]) if c[2] is not None else "even", _span_of(meta))
+
+    def replicate(self, meta, c):
+        return ast.Replicate(c[0] or (), _span_of(meta))
+
+    def view(self, meta, c):
+        return ast.View(_dimref(c[0]), tuple(c[1:]), _span_of(meta))
+
+    def part(self, meta, c):
+        return ast.Part(_ident(c[0]), c[1])
+
+    def concat(self, meta, c):
+        return ast.Concat(_dimref(c[0]), tuple(c[1:]), _span_of(meta))
+
+    def pad(self, meta, c):
+        multiple, target = c[1]
+        return ast.Pad(_dimref(c[0]), target, multiple, _span_of(meta))
+
+    def pad_exact(self, meta, c):
+        return (False, c[0])
+
+    def pad_multiple(self, meta, c):
+        return (True, c[0])
+
+    def coord_first(self, meta, c):
+        return "first"
+
+    def coord_last(self, meta, c):
+        return "last"
+
+    def coord_expr(self, meta, c):
+        return c[0]
+
+    def place(self, meta, c):
+        return ast.Place(_ident(c[0]), tuple(c[1:]), _span_of(meta))
+
+    def index(self, meta, c):
+        capture, count, axis, option = c
+        virtual = sizes = None
+        if isinstance(option, tuple) and option[0] == "virtual":
+            virtual = option[1]
+        elif isinstance(option, tuple):
+            sizes = option[1]
+        return ast.Index(_ident(capture), count, _ident(axis), virtual, sizes, _span_of(meta))
+
+    def index_virtual(self, meta, c):
+        return ("virtual", c[0])
+
+    def index_sizes(self, meta, c):
+        return ("sizes", tuple(c))
+
+    # state transforms
+    def dtype(self, meta, c):
+        return ast.Dtype(_ident(c[0]), _span_of(meta))
+
+    def scalar(self, meta, c):
+        return ast.Scalar(_span_of(meta))
+
+    def follow(self, meta, c):
+        return ast.Follow(_span_of(meta))
+
+    def flat(self, meta, c):
+        opts = dict(per_param=False, reverse=False, align=None, pad_multiple=None, bucket=None)
+        for key, value in c[1:]:
+            opts[key] = value
+        return ast.Flat(c[0], span=_span_of(meta), **opts)
+
+    def flat_per_param(self, meta, c):
+        return ("per_param", True)
+
+    def flat_reverse(self, meta, c):
+        return ("reverse", True)
+
+    def flat_align(self, meta, c):
+        return ("align", c[0])
+
+    def flat_pad(self, meta, c):
+        return ("pad_multiple", c[0])
+
+    def flat_bucket(self, meta, c):
+        return ("bucket", c[0])
+
+
+def _describe_expected(expected) -> str:
+    parser = _parser()
+    words = []
+    for name in sorted(expected):
+        if name in _READABLE:
+            words.append(_READABLE[name])
+            continue
+        try:
+            term = parser.get_terminal(name)
+            pattern = term.pattern
+            words.append(f"'{pattern.value}'" if pattern.type == "str" else name.lower())
+        except KeyError:
+            words.append(name.lower())
+    words = sorted(set(words))
+    if len(words) > 8:
+        words = words[:8] + ["..."]
+    return ", ".join(words)
+
+
+def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
+    line, col = max(err.line, 1), max(err.column, 1)
+    if isinstance(err, UnexpectedCharacters):
+        ch = text[err.pos_in_stream] if err.pos_in_stream < len(text) else "?"
+        return Diagnostic("UCL001", f"unexpected character {ch!r}", Span(line, col, line, col + 1),
+                          "names may use letters, digits, '_', '-', '.', '*' and {captures}")
+    if isinstance(err, UnexpectedEOF) or (isinstance(err, UnexpectedToken) and err.token.type == "$END"):
+        lines = text.splitlines() or [""]
+        last = len(lines)
+        return Diagnostic("UCL003", "the spec ends in the middle of a statement",
+                          Span(last, len(lines[-1]) + 1, last, len(lines[-1]) + 2),
+                          f"expected {_describe_expected(err.expected)}")
+    tok = err.token
+    shown = "end of line" if tok.type == "_NL" else repr(str(tok))
+    end_col = col + 1 if tok.type == "_NL" else (tok.end_column or col + 1)
+    hint = did_you_mean(str(tok), KEYWORDS) if tok.type in ("NAME", "PATTERN") else None
+    expected = _describe_expected(err.expected)
+    return Diagnostic("UCL002", f"unexpected {shown}; expected {expected}", Span(line, col, line, end_col), hint)
+
+
+def parse(text: str, filename: str = "<spec>") -> ast.Module:
+    """Parse spec text into an AST. Raises SpecError with every syntax error found (one per line)."""
+    if not isinstance(text, str):
+        raise SpecError([Diagnostic("UCL001", "a spec must be text")], None, filename)
+    source = text if text.endswith("\n") else text + "\n"
+    diagnostics: list[Diagnostic] = []
+    work = source
+    for _ in range(50):
+        try:
+            tree = _parser().parse(work)
+            break
+        except UnexpectedInput as err:
+            diagnostics.append(_syntax_diagnostic(err, work))
+            # Blank the offending line (keeping offsets) and parse again to find further errors.
+            lines = work.split("\n")
+            bad = max(err.line, 1) - 1
+            if bad >= len(lines) or not lines[bad].strip():
+                break
+            lines[bad] = " " * len(lines[bad])
+            work = "\n".join(lines)
+    else:
+        tree = None
+    if diagnostics:
+        raise SpecError(diagnostics, source, filename)
+    try:
+        statements = _ToAst().transform(tree)
+    except VisitError as err:  # only on a grammar/transformer mismatch: a bug, but still a UclError
+        raise SpecError([Diagnostic("UCL001", f"internal parse error: {err.orig_exc}")], source, filename) from None
+    return ast.Module(tuple(statements), source, filename)

@@ -1,0 +1,321 @@
+"""Plans: box-to-box copies and fills between the datasets of a source and a target layout.
+
+``compile(model, src, dst)`` is pure. Before any byte moves it proves coverage: every element of
+every target dataset has exactly one source element or is a declared fill (padding).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PlanError
+from .layout import I64, intersect, product
+from .lower import Holding, ShardMap, Slot
+from .mesh import Mesh
+from .model import Model
+
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+            "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
+PLAN_VERSION = 1
+COPY_COLUMNS = ("tensor", "src_rank", "src_slot", "dst_rank", "dst_slot")
+BOX_COLUMNS = ("src_start", "dst_start", "global_start", "size")
+FILL_COLUMNS = ("tensor", "dst_rank", "dst_slot")
+
+
+@dataclass
+class Plan:
+    """Struct-of-arrays tables (see docs/ir.md). Boxes have ``ndim`` columns, leading dims padded
+    with start 0, size 1. ``tensor`` -1 in fills marks padding of a flat buffer."""
+
+    src_mesh: Mesh
+    dst_mesh: Mesh
+    ndim: int
+    tensors: list[dict]  # {name, kind, shape, dtype}
+    slots: list[Slot]
+    copies: dict[str, np.ndarray]
+    fills: dict[str, np.ndarray]
+    datasets: list[dict]  # target datasets to create: {key, shape, dtype}
+    dataset_ranks: dict[str, np.ndarray]  # "rank", "dataset": which rank creates which dataset
+    itemsize: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.itemsize = np.array([ITEMSIZE[t["dtype"]] for t in self.tensors] or [0], dtype=I64)
+
+    # -- statistics ---------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        return len(self.copies["tensor"]) + len(self.fills["dst_rank"])
+
+    def _copy_bytes(self) -> np.ndarray:
+        vol = np.prod(self.copies["size"], axis=1, dtype=I64)
+        return vol * self.itemsize[self.copies["tensor"]]
+
+    def bytes_read_per_rank(self) -> np.ndarray:
+        """Bytes each target rank reads from the source (index = target rank)."""
+        return np.bincount(self.copies["dst_rank"], weights=self._copy_bytes(), minlength=self.dst_mesh.size).astype(I64)
+
+    @property
+    def bytes_read(self) -> int:
+        return int(self._copy_bytes().sum())
+
+    @property
+    def bytes_unique(self) -> int:
+        """Distinct source bytes the plan touches (each replica-deduplicated source box once)."""
+        if not len(self.copies["tensor"]):
+            return 0
+        keys = np.concatenate([self.copies[c][:, None] for c in ("tensor", "src_rank", "src_slot")]
+                              + [self.copies["src_start"], self.copies["size"]], axis=1)
+        _, first = np.unique(keys, axis=0, return_index=True)
+        return int(self._copy_bytes()[first].sum())
+
+    @property
+    def read_amplification(self) -> float:
+        """Bytes read over distinct bytes read (1.0 = every byte once; >1 when replicas reread)."""
+        u = self.bytes_unique
+        return self.bytes_read / u if u else 1.0
+
+    def peak_memory_bound(self) -> int:
+        """Bytes the executors hold at once: one target dataset plus its largest source box."""
+        if not self.datasets:
+            return 0
+        ds_bytes = max(int(np.prod(d["shape"], dtype=I64)) * ITEMSIZE[d["dtype"]] for d in self.datasets)
+        box = int(self._copy_bytes().max()) if len(self.copies["tensor"]) else 0
+        return ds_bytes + box
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.copies.values()) + sum(a.nbytes for a in self.fills.values()) + \
+            sum(a.nbytes for a in self.dataset_ranks.values())
+
+    def summary(self) -> str:
+        return (f"plan {self.src_mesh} -> {self.dst_mesh}: {len(self.copies['tensor'])} copies, "
+                f"{len(self.fills['dst_rank'])} fills, {len(self.datasets)} target datasets; "
+                f"reads {self.bytes_read:,} B ({self.read_amplification:.2f}x of {self.bytes_unique:,} distinct); "
+                f"peak memory bound {self.peak_memory_bound():,} B")
+
+    # -- explanation ----------------------------------------------------------------------------
+    def explain(self, name: str) -> str:
+        """A per-target-rank table of where each box of parameter ``name`` (all kinds) comes from."""
+        ids = [i for i, t in enumerate(self.tensors) if t["name"] == name]
+        if not ids:
+            from .errors import did_you_mean
+            hint = did_you_mean(name, {t["name"] for t in self.tensors})
+            raise PlanError(f"no parameter {name!r} in this plan" + (f"; {hint}" if hint else ""), code="UCL311")
+        lines = []
+        for i in ids:
+            t = self.tensors[i]
+            lines.append(f"{t['name']} ({t['kind']}, {t['dtype']}, global {list(t['shape'])})")
+            lines.append(f"  {'dst rank':>8}  {'dst dataset':<40} {'dst box':<22} <- {'src rank':>8}  "
+                         f"{'src dataset':<40} {'src box':<22} global box")
+            sel = np.flatnonzero(self.copies["tensor"] == i)
+            sel = sel[np.lexsort((self.copies["src_rank"][sel], self.copies["dst_rank"][sel]))]
+            nd = len(t["shape"])
+            for r in sel:
+                c = {k: v[r] for k, v in self.copies.items()}
+                size = c["size"][self.ndim - nd:]
+                lines.append(f"  {c['dst_rank']:>8}  {self.slots[c['dst_slot']].key:<40} "
+                             f"{_box(c['dst_start'][self.ndim - nd:], size):<22} <- {c['src_rank']:>8}  "
+                             f"{self.slots[c['src_slot']].key:<40} {_box(c['src_start'][self.ndim - nd:], size):<22} "
+                             f"{_box(c['global_start'][self.ndim - nd:], size)}")
+            fsel = np.flatnonzero(self.fills["tensor"] == i)
+            for r in fsel:
+                lines.append(f"  {self.fills['dst_rank'][r]:>8}  {self.slots[self.fills['dst_slot'][r]].key:<40} "
+                             f"{_box(self.fills['dst_start'][r][self.ndim - nd:], self.fills['size'][r][self.ndim - nd:]):<22}"
+                             " <- zeros (padding)")
+        return "\n".join(lines)
+
+    # -- serialisation ------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": "ucl-plan", "version": PLAN_VERSION, "ndim": self.ndim,
+            "src_mesh": self.src_mesh.to_json(), "dst_mesh": self.dst_mesh.to_json(),
+            "tensors": [dict(t, shape=list(t["shape"])) for t in self.tensors],
+            "slots": [[s.key, s.base, list(s.shape), list(s.dataset_shape)] for s in self.slots],
+            "datasets": [dict(d, shape=list(d["shape"])) for d in self.datasets],
+            "copies": {k: v.tolist() for k, v in self.copies.items()},
+            "fills": {k: v.tolist() for k, v in self.fills.items()},
+            "dataset_ranks": {k: v.tolist() for k, v in self.dataset_ranks.items()},
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        if d.get("format") != "ucl-plan" or d.get("version", 0) > PLAN_VERSION:
+            raise PlanError("not a ucl plan, or one from a newer ucl", code="UCL312")
+        K = d["ndim"]
+
+        def arrays(table, cols2d):
+            return {k: np.asarray(v, dtype=I64).reshape((-1, K) if k in cols2d else (-1,)) for k, v in table.items()}
+
+        return cls(Mesh.from_json(d["src_mesh"]), Mesh.from_json(d["dst_mesh"]), K,
+                   [dict(t, shape=tuple(t["shape"])) for t in d["tensors"]],
+                   [Slot(k, b, tuple(s), tuple(ds)) for k, b, s, ds in d["slots"]],
+                   arrays(d["copies"], BOX_COLUMNS), arrays(d["fills"], ("dst_start", "size")),
+                   [dict(x, shape=tuple(x["shape"])) for x in d["datasets"]],
+                   {k: np.asarray(v, dtype=I64) for k, v in d["dataset_ranks"].items()})
+
+
+def _box(start, size) -> str:
+    return "[" + ", ".join(f"{a}:{a + b}" for a, b in zip(start, size)) + "]"
+
+
+# ---- compilation ---------------------------------------------------------------------------------
+class _Rows:
+    def __init__(self):
+        self.cols: dict[str, list[np.ndarray]] = {}
+
+    def add(self, **cols):
+        for k, v in cols.items():
+            self.cols.setdefault(k, []).append(v)
+
+    def build(self, names2d, names1d, K) -> dict[str, np.ndarray]:
+        out = {}
+        for k in names1d:
+            out[k] = np.concatenate(self.cols[k]).astype(I64) if k in self.cols else np.zeros(0, dtype=I64)
+        for k in names2d:
+            out[k] = np.concatenate(self.cols[k]).astype(I64) if k in self.cols else np.zeros((0, K), dtype=I64)
+        return out
+
+
+def _pad_cols(a: np.ndarray, K: int, fill: int) -> np.ndarray:
+    """(rows, nd) -> (rows, K) with leading columns set to ``fill``."""
+    rows, nd = a.shape
+    if nd == K:
+        return a
+    return np.concatenate([np.full((rows, K - nd), fill, dtype=I64), a], axis=1)
+
+
+def _bbox(piece) -> tuple[np.ndarray, np.ndarray]:
+    lo = np.array([d.segs[:, 0].min() if len(d.segs) else 0 for d in piece], dtype=I64)
+    hi = np.array([(d.segs[:, 0] + d.segs[:, 2]).max() if len(d.segs) else 0 for d in piece], dtype=I64)
+    return lo, hi
+
+
+def _fill_boxes(piece) -> np.ndarray:
+    """Local boxes of a piece that are padding: (rows, nd, 2) of (local start, length)."""
+    per_dim, any_fill = [], False
+    for d in piece:
+        runs = [np.concatenate([d.segs[:, 1:3], np.zeros((len(d.segs), 1), dtype=I64)], axis=1),
+                np.concatenate([d.fills, np.ones((len(d.fills), 1), dtype=I64)], axis=1)]
+        per_dim.append(np.concatenate(runs))
+        any_fill |= len(d.fills) > 0
+    if not any_fill:
+        return np.zeros((0, len(piece), 2), dtype=I64)
+    prod = product(per_dim)  # (rows, nd, 3)
+    is_fill = prod[:, :, 2].any(axis=1)
+    return prod[is_fill][:, :, :2]
+
+
+def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
+    """Plan the move of every tensor of ``model`` from layout ``src`` to layout ``dst``."""
+    S, T = model.lower(src), model.lower(dst)
+    K = max([len(t.shape) for t in model.tensors] + [1])
+    slot_ids: dict[Slot, int] = {}
+
+    def sid(slot: Slot) -> int:
+        return slot_ids.setdefault(slot, len(slot_ids))
+
+    copies, fills = _Rows(), _Rows()
+    for t in model.tensors:
+        sources = _dedup_sources(S, t)
+        src_lo = np.array([lo for lo, _, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
+        src_hi = np.array([hi for _, hi, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
+        for h in T.holdings[t.id]:
+            ranks = T.ranks(h.fixed)
+            dslot = sid(h.slot)
+            for piece in h.pieces:
+                rows = _piece_rows(t, piece, sources, src_lo, src_hi)
+                if rows is not None and len(rows[0]):
+                    g, dl, sl, n, src_rank, src_slot = rows
+                    m = len(g)
+                    copies.add(tensor=np.full(m * len(ranks), t.id), src_rank=np.tile(src_rank, len(ranks)),
+                               src_slot=np.tile([sid(s) for s in src_slot], len(ranks)),
+                               dst_rank=np.repeat(ranks, m), dst_slot=np.full(m * len(ranks), dslot),
+                               src_start=np.tile(_pad_cols(sl, K, 0), (len(ranks), 1)),
+                               dst_start=np.tile(_pad_cols(dl, K, 0), (len(ranks), 1)),
+                               global_start=np.tile(_pad_cols(g, K, 0), (len(ranks), 1)),
+                               size=np.tile(_pad_cols(n, K, 1), (len(ranks), 1)))
+                fb = _fill_boxes(piece)
+                if len(fb):
+                    m = len(fb)
+                    fills.add(tensor=np.full(m * len(ranks), t.id), dst_rank=np.repeat(ranks, m),
+                              dst_slot=np.full(m * len(ranks), dslot),
+                              dst_start=np.tile(_pad_cols(fb[:, :, 0], K, 0), (len(ranks), 1)),
+                              size=np.tile(_pad_cols(fb[:, :, 1], K, 1), (len(ranks), 1)))
+    for fixed, slot, start, length in T.flat_fills:
+        ranks = T.ranks(fixed)
+        m = len(ranks)
+        fills.add(tensor=np.full(m, -1), dst_rank=ranks, dst_slot=np.full(m, sid(slot)),
+                  dst_start=_pad_cols(np.full((m, 1), start, dtype=I64), K, 0),
+                  size=_pad_cols(np.full((m, 1), length, dtype=I64), K, 1))
+
+    datasets, ds_rank, ds_id, ds_index = [], [], [], {}
+    for fixed, key, shape, dtype in T.datasets:
+        i = ds_index.setdefault((key, shape, dtype), len(datasets))
+        if i == len(datasets):
+            datasets.append({"key": key, "shape": tuple(shape), "dtype": dtype})
+        ranks = T.ranks(fixed)
+        ds_rank.append(ranks)
+        ds_id.append(np.full(len(ranks), i, dtype=I64))
+    c = copies.build(BOX_COLUMNS, COPY_COLUMNS, K)
+    # Sequential reads: group by source rank (file), then dataset, then position.
+    order = np.lexsort(tuple(c["src_start"][:, k] for k in range(K - 1, -1, -1)) + (c["src_slot"], c["src_rank"]))
+    c = {k: v[order] for k, v in c.items()}
+    return Plan(src, dst, K,
+                [{"name": t.name, "kind": t.kind, "shape": t.shape, "dtype": t.dtype} for t in model.tensors],
+                list(slot_ids), c, fills.build(("dst_start", "size"), FILL_COLUMNS, K), datasets,
+                {"rank": np.concatenate(ds_rank) if ds_rank else np.zeros(0, dtype=I64),
+                 "dataset": np.concatenate(ds_id) if ds_id else np.zeros(0, dtype=I64)})
+
+
+def _dedup_sources(S: ShardMap, t) -> list:
+    """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once."""
+    seen, out, volume = set(), [], 0
+    for h in S.holdings[t.id]:
+        sig = tuple(tuple(d.segs.tobytes() for d in p) for p in h.pieces)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        rank = S.mesh.rank(**h.fixed) if not S.mesh.is_universal else 0
+        for p in h.pieces:
+            vol = int(np.prod([d.segs[:, 2].sum() for d in p], dtype=np.int64))
+            if vol == 0:
+                continue
+            volume += vol
+            lo, hi = _bbox(p)
+            out.append((lo, hi, p, rank, h.slot))
+    if volume != t.numel:
+        what = "overlapping, non-identical replicas" if volume > t.numel else "elements no rank holds"
+        raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the source holds {volume} elements of {t.numel}: {what}",
+                        code="UCL313" if volume > t.numel else "UCL314")
+    return out
+
+
+def _piece_rows(t, piece, sources, src_lo, src_hi):
+    want = int(np.prod([d.segs[:, 2].sum() for d in piece], dtype=np.int64))
+    if want == 0:
+        return None
+    lo, hi = _bbox(piece)
+    cand = np.flatnonzero(np.all((src_lo < hi) & (src_hi > lo), axis=1))
+    gs, dls, sls, ns, ranks, slots = [], [], [], [], [], []
+    got = 0
+    for i in cand:
+        _, _, sp, rank, slot = sources[i]
+        per_dim = [intersect(d.segs, s.segs) for d, s in zip(piece, sp)]
+        rows = product(per_dim)  # (rows, nd, 4): global, dst local, src local, length
+        if not len(rows):
+            continue
+        gs.append(rows[:, :, 0])
+        dls.append(rows[:, :, 1])
+        sls.append(rows[:, :, 2])
+        ns.append(rows[:, :, 3])
+        got += int(np.prod(rows[:, :, 3], axis=1).sum())
+        ranks.append(np.full(len(rows), rank, dtype=I64))
+        slots.extend([slot] * len(rows))
+    if got != want:
+        raise PlanError(f"{t.name} ({t.kind}): a target box of {want} elements found {got} source elements",
+                        code="UCL314")
+    nd = len(t.shape)
+    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros((0, nd), dtype=I64))
+    return cat(gs), cat(dls), cat(sls), cat(ns), np.concatenate(ranks), slots
