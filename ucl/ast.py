@@ -160,6 +160,8 @@ class Index:
     axis: Ident
     virtual: Expr | None
     sizes: tuple[Expr, ...] | None
+    first: Expr | None
+    last: Expr | None
     span: Span
 
 

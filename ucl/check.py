@@ -211,8 +211,10 @@ class _Checker:
                     self.error("UCL112", f"the pattern has no capture {{{t.capture.name}}}", t.capture.span,
                                did_you_mean(t.capture.name, captures) or f"captures: {', '.join(sorted(captures)) or 'none'}")
                 self.check_expr(t.count)
-                for e in ([t.virtual] if t.virtual is not None else []) + list(t.sizes or ()):
+                for e in [x for x in (t.virtual, t.first, t.last) if x is not None] + list(t.sizes or ()):
                     self.check_expr(e)
+                if t.sizes is not None and (t.virtual or t.first or t.last) is not None:
+                    self.error("UCL110", "`sizes` cannot be combined with virtual, first or last", t.span)
                 self._placed(placed_axes, split_axes, t.axis, t)
         for t in st.transforms:
             if isinstance(t, ast.Replicate):

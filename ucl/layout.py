@@ -9,7 +9,7 @@ the product of its dims' runs; a contiguous flat range of it is at most ``2*ndim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Mapping
 
 import numpy as np
@@ -55,9 +55,19 @@ class DimLayout:
     segs: np.ndarray
     fills: np.ndarray
 
+    @cached_property
+    def sig(self) -> tuple:
+        """Hashable identity of the geometry (plans of equal geometry are computed once)."""
+        return (self.local, self.segs.tobytes(), self.fills.tobytes())
+
     def restrict(self, lo: int, hi: int) -> "DimLayout":
         """Keep local positions [lo, hi) (coordinates stay those of the whole local dim)."""
         s = self.segs
+        if len(s) == 1 and len(self.fills) == 0:  # the common case, without numpy overhead
+            g, l, n = (int(x) for x in s[0])
+            a, b = max(l, lo), min(l + n, hi)
+            segs = np.array([[g + a - l, a, b - a]], dtype=I64) if a < b else _EMPTY3
+            return DimLayout(hi - lo, segs, _EMPTY2)
         a = np.maximum(s[:, 1], lo)
         b = np.minimum(s[:, 1] + s[:, 2], hi)
         keep = a < b

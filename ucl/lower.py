@@ -161,20 +161,33 @@ def _placement(model: Model, tensor: Tensor, env: dict, mesh: Mesh):
 
 
 def _stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh):
-    if t.sizes is not None and size > 1:
-        sizes = [_eval(model, tensor, e, env, mesh) for e in t.sizes]
-        if len(sizes) != size or sum(sizes) != count:
+    ev = (lambda e: _eval(model, tensor, e, env, mesh))
+    if size > 1 and (t.sizes is not None or t.first is not None or t.last is not None):
+        if t.sizes is not None:
+            sizes = [ev(e) for e in t.sizes]
+        else:  # Megatron's --decoder-first/last-pipeline-num-layers: the middle stages share the rest
+            first = ev(t.first) if t.first is not None else None
+            last = ev(t.last) if t.last is not None else None
+            inner = size - (first is not None) - (last is not None)
+            rest = count - (first or 0) - (last or 0)
+            if (inner == 0 and rest != 0) or (inner > 0 and (rest < 0 or rest % inner)):
+                _fail(model, tensor, t.span, LayoutError(
+                    "UCL204", f"after first/last stages, {rest} {t.capture.name}-values cannot be spread evenly "
+                    f"over {inner} stages of {t.axis.name}={size}"), mesh)
+            mid = [rest // inner] * inner if inner else []
+            sizes = ([first] if first is not None else []) + mid + ([last] if last is not None else [])
+        if len(sizes) != size or sum(sizes) != count or min(sizes) < 0:
             _fail(model, tensor, t.span, LayoutError(
-                "UCL207", f"sizes {sizes} must list {size} stages summing to {count}"), mesh)
+                "UCL207", f"stage sizes {sizes} must list {size} stages summing to {count}"), mesh)
         bounds = np.cumsum(sizes)
         stage = int(np.searchsorted(bounds, value, side="right"))
         return stage, value - (int(bounds[stage - 1]) if stage else 0)
-    virtual = _eval(model, tensor, t.virtual, env, mesh) if t.virtual is not None else 1
+    virtual = ev(t.virtual) if t.virtual is not None else 1
     chunks = size * virtual
     if count % chunks:
         _fail(model, tensor, t.span, LayoutError(
             "UCL204", f"{count} {t.capture.name}-values cannot be spread evenly over {t.axis.name}={size}"
-            + (f" x virtual {virtual}" if virtual > 1 else ""), "give explicit `sizes [...]`"), mesh)
+            + (f" x virtual {virtual}" if virtual > 1 else ""), "give `first`/`last` stage sizes or `sizes [...]`"), mesh)
     per = count // chunks
     chunk = value // per
     return chunk % size, (chunk // size) * per + value % per
@@ -225,18 +238,37 @@ def lower(model: Model, mesh: Mesh) -> ShardMap:
             sm.holdings[t.id].append(Holding(fixed, Slot(key, 0, shape, shape), [layouts]))
             sm.datasets.append((fixed, key, shape, t.dtype))
 
+    geometry_cache: dict = {}
     for g in model.flat_groups:
-        _lower_flat(model, g, info, env, mesh, sm)
+        _lower_flat(model, g, info, env, mesh, sm, geometry_cache)
     return sm
 
 
-def _lower_flat(model, group, info, env, mesh, sm: ShardMap):
+def _lower_flat(model, group, info, env, mesh, sm: ShardMap, cache: dict):
+    """Place one flat group's tensors. The geometry is shared by every kind of the same statement
+    with the same members (fp32, exp_avg, exp_avg_sq), so it is computed once."""
+    if not group.members:
+        return
+    key = (group.number, tuple(t.name for t in group.members))
+    if key not in cache:
+        cache[key] = _flat_geometry(model, group, info, env, mesh)
+    holdings, fills, datasets = cache[key]
+    by_name = {t.name: t for t in group.members}
+    prefix = f"{group.kind}/"
+    for name, coords, suffix, base, shape, part, pieces in holdings:
+        t = by_name[name]
+        sm.holdings[t.id].append(Holding(coords, Slot(prefix + suffix, base, shape, (part,)), pieces))
+    for coords, suffix, part, start, length in fills:
+        sm.flat_fills.append((coords, Slot(prefix + suffix, 0, (part,), (part,)), start, length))
+    for coords, suffix, part in datasets:
+        sm.datasets.append((coords, prefix + suffix, (part,), group.members[0].dtype))
+
+
+def _flat_geometry(model, group, info, env, mesh):
     flat = group.flat
     flat_axes = [a.name for a in flat.axes]
     parts = int(np.prod([mesh.axis_size(a) for a in flat_axes], dtype=np.int64))
-    first = group.members[0] if group.members else None
-    if first is None:
-        return
+    first = group.members[0]
     align = _eval(model, first, flat.align, env, mesh) if flat.align is not None else 1
     multiple = _eval(model, first, flat.pad_multiple, env, mesh) if flat.pad_multiple is not None else 1
     bucket = _eval(model, first, flat.bucket, env, mesh) if flat.bucket is not None else None
@@ -250,7 +282,8 @@ def _lower_flat(model, group, info, env, mesh, sm: ShardMap):
                 "UCL210", f"it is split over {', '.join(sorted(clash))} and also flattened over it"), mesh)
         member_axes |= used | set(allowed)
     member_axes -= set(flat_axes)
-    flat_dtype = first.dtype
+    holdings, fills, datasets = [], [], []
+    part_coords = [_unravel(j, flat_axes, mesh) for j in range(parts)]
 
     for fixed in _enumerate(sorted(member_axes), mesh, {}):
         # The buffer on this coordinate: held members in order, each flattened, aligned.
@@ -266,11 +299,10 @@ def _lower_flat(model, group, info, env, mesh, sm: ShardMap):
             entries.append((t, layouts, local))
         if not entries:
             continue
-        buffers = [entries] if flat.per_param is False and bucket is None else []
         if flat.per_param:
             buffers = [[e] for e in entries]
         elif bucket is not None:
-            cur, size = [], 0
+            buffers, cur, size = [], [], 0
             for e in entries:
                 cur.append(e)
                 size += int(np.prod([x.local for x in e[1]], dtype=np.int64))
@@ -279,11 +311,13 @@ def _lower_flat(model, group, info, env, mesh, sm: ShardMap):
                     cur, size = [], 0
             if cur:
                 buffers.append(cur)
+        else:
+            buffers = [entries]
         for b, members in enumerate(buffers):
             if flat.per_param:
-                key = f"{group.kind}/{members[0][2]}"
+                suffix = members[0][2]
             else:
-                key = f"{group.kind}/@flat{group.id}" + (f".{b}" if bucket is not None else "")
+                suffix = f"@flat{group.number}" + (f".{b}" if bucket is not None else "")
             offsets, pos = [], 0
             for t, layouts, _ in members:
                 pos = -(-pos // align) * align
@@ -305,29 +339,24 @@ def _lower_flat(model, group, info, env, mesh, sm: ShardMap):
                 for j in range(off // part, (off + n - 1) // part + 1):
                     lo, hi = max(off, j * part), min(off + n, (j + 1) * part)
                     covered[j].append((lo - j * part, hi - lo))
-                    boxes = flat_boxes(shape, lo - off, hi - off)
-                    pieces = [tuple(_box_dims(layouts, start, size)) for start, size in boxes]
-                    coords = dict(fixed)
-                    coords.update(_unravel(j, flat_axes, mesh))
-                    slot = Slot(key, off - j * part, shape, (part,))
-                    sm.holdings[t.id].append(Holding(coords, slot, pieces))
+                    pieces = [tuple(_box_dims(layouts, start, size)) for start, size in flat_boxes(shape, lo - off, hi - off)]
+                    holdings.append((t.name, {**fixed, **part_coords[j]}, suffix, off - j * part, shape, part, pieces))
             for j in range(parts):
-                coords = dict(fixed)
-                coords.update(_unravel(j, flat_axes, mesh))
-                sm.datasets.append((coords, key, (part,), flat_dtype))
-                raw = Slot(key, 0, (part,), (part,))
+                coords = {**fixed, **part_coords[j]}
+                datasets.append((coords, suffix, part))
                 pos = 0
                 for lo, n in sorted(covered[j]):
                     if lo > pos:
-                        sm.flat_fills.append((coords, raw, pos, lo - pos))
+                        fills.append((coords, suffix, part, pos, lo - pos))
                     pos = lo + n
                 if part > pos:
-                    sm.flat_fills.append((coords, raw, pos, part - pos))
+                    fills.append((coords, suffix, part, pos, part - pos))
+    return holdings, fills, datasets
 
 
 def _box_dims(layouts, start, size):
     for d, s, z in zip(layouts, start, size):
-        yield d.restrict(s, s + z)
+        yield d if (s == 0 and z == d.local) else d.restrict(s, s + z)
 
 
 def _unravel(j: int, axes: list[str], mesh: Mesh) -> dict[str, int]:

@@ -47,6 +47,7 @@ class FlatGroup:
     """Tensors of one kind flattened together by one ``state ... : flat over ...`` statement."""
 
     id: int
+    number: int  # index of its statement among flat statements: datasets are KIND/@flat<number>
     kind: str
     decl: ast.StateDecl
     flat: ast.Flat
@@ -89,6 +90,7 @@ class Model:
         self.tensors: list[Tensor] = []
         self.flat_groups: list[FlatGroup] = []
         groups: dict[tuple[int, str], FlatGroup] = {}
+        flat_decls = [d for d in ck.states if any(isinstance(x, ast.Flat) for x in d.transforms)]
         for name, shape in self.params.items():
             rule, placement = self._match(name, problems)
             if rule is None:
@@ -110,7 +112,8 @@ class Model:
                 if t.flat is not None:
                     g = groups.get((id(decl), kind))
                     if g is None:
-                        g = groups[(id(decl), kind)] = FlatGroup(len(self.flat_groups), kind, decl, t.flat)
+                        g = groups[(id(decl), kind)] = FlatGroup(len(self.flat_groups), flat_decls.index(decl), kind,
+                                                                   decl, t.flat)
                         self.flat_groups.append(g)
                     t.flat_group = g.id
                     g.members.append(t)

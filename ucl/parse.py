@@ -156,19 +156,23 @@ class _ToAst(Transformer):
         return ast.Place(_ident(c[0]), tuple(c[1:]), _span_of(meta))
 
     def index(self, meta, c):
-        capture, count, axis, option = c
-        virtual = sizes = None
-        if isinstance(option, tuple) and option[0] == "virtual":
-            virtual = option[1]
-        elif isinstance(option, tuple):
-            sizes = option[1]
-        return ast.Index(_ident(capture), count, _ident(axis), virtual, sizes, _span_of(meta))
+        capture, count, axis, *options = c
+        opts = {"virtual": None, "sizes": None, "first": None, "last": None}
+        for key, value in options:
+            opts[key] = value
+        return ast.Index(_ident(capture), count, _ident(axis), span=_span_of(meta), **opts)
 
     def index_virtual(self, meta, c):
         return ("virtual", c[0])
 
     def index_sizes(self, meta, c):
         return ("sizes", tuple(c))
+
+    def index_first(self, meta, c):
+        return ("first", c[0])
+
+    def index_last(self, meta, c):
+        return ("last", c[0])
 
     # state transforms
     def dtype(self, meta, c):

@@ -217,32 +217,42 @@ def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
         return slot_ids.setdefault(slot, len(slot_ids))
 
     copies, fills = _Rows(), _Rows()
+    geometry: dict[tuple, tuple] = {}  # (target piece, source pieces) -> rows; layers repeat geometry
+    source_ids: dict[tuple, int] = {}
     for t in model.tensors:
         sources = _dedup_sources(S, t)
-        src_lo = np.array([lo for lo, _, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
-        src_hi = np.array([hi for _, hi, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
+        src_key = source_ids.setdefault(tuple(_sig(p) for _, _, p, _, _ in sources), len(source_ids))
+        src_rank = np.array([r for _, _, _, r, _ in sources], dtype=I64)
+        src_slot = np.array([sid(s) for _, _, _, _, s in sources], dtype=I64)
+        src_lo = src_hi = None
         for h in T.holdings[t.id]:
             ranks = T.ranks(h.fixed)
+            nr = len(ranks)
             dslot = sid(h.slot)
             for piece in h.pieces:
-                rows = _piece_rows(t, piece, sources, src_lo, src_hi)
-                if rows is not None and len(rows[0]):
-                    g, dl, sl, n, src_rank, src_slot = rows
-                    m = len(g)
-                    copies.add(tensor=np.full(m * len(ranks), t.id), src_rank=np.tile(src_rank, len(ranks)),
-                               src_slot=np.tile([sid(s) for s in src_slot], len(ranks)),
-                               dst_rank=np.repeat(ranks, m), dst_slot=np.full(m * len(ranks), dslot),
-                               src_start=np.tile(_pad_cols(sl, K, 0), (len(ranks), 1)),
-                               dst_start=np.tile(_pad_cols(dl, K, 0), (len(ranks), 1)),
-                               global_start=np.tile(_pad_cols(g, K, 0), (len(ranks), 1)),
-                               size=np.tile(_pad_cols(n, K, 1), (len(ranks), 1)))
-                fb = _fill_boxes(piece)
-                if len(fb):
-                    m = len(fb)
-                    fills.add(tensor=np.full(m * len(ranks), t.id), dst_rank=np.repeat(ranks, m),
-                              dst_slot=np.full(m * len(ranks), dslot),
-                              dst_start=np.tile(_pad_cols(fb[:, :, 0], K, 0), (len(ranks), 1)),
-                              size=np.tile(_pad_cols(fb[:, :, 1], K, 1), (len(ranks), 1)))
+                key = (_sig(piece), src_key)
+                geo = geometry.get(key)
+                if geo is None:
+                    if src_lo is None:
+                        src_lo = np.array([lo for lo, _, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
+                        src_hi = np.array([hi for _, hi, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
+                    g, dl, sl, n, idx = _piece_rows(t, piece, sources, src_lo, src_hi)
+                    fb = _fill_boxes(piece)
+                    geo = geometry[key] = (_pad_cols(g, K, 0), _pad_cols(dl, K, 0), _pad_cols(sl, K, 0),
+                                           _pad_cols(n, K, 1), idx, _pad_cols(fb[:, :, 0], K, 0), _pad_cols(fb[:, :, 1], K, 1))
+                g, dl, sl, n, idx, fstart, fsize = geo
+                m = len(g)
+                if m:
+                    copies.add(tensor=np.full(m * nr, t.id), src_rank=np.tile(src_rank[idx], nr),
+                               src_slot=np.tile(src_slot[idx], nr), dst_rank=np.repeat(ranks, m),
+                               dst_slot=np.full(m * nr, dslot), src_start=np.tile(sl, (nr, 1)),
+                               dst_start=np.tile(dl, (nr, 1)), global_start=np.tile(g, (nr, 1)),
+                               size=np.tile(n, (nr, 1)))
+                m = len(fstart)
+                if m:
+                    fills.add(tensor=np.full(m * nr, t.id), dst_rank=np.repeat(ranks, m),
+                              dst_slot=np.full(m * nr, dslot), dst_start=np.tile(fstart, (nr, 1)),
+                              size=np.tile(fsize, (nr, 1)))
     for fixed, slot, start, length in T.flat_fills:
         ranks = T.ranks(fixed)
         m = len(ranks)
@@ -292,30 +302,33 @@ def _dedup_sources(S: ShardMap, t) -> list:
     return out
 
 
+def _sig(piece) -> tuple:
+    return tuple(d.sig for d in piece)
+
+
 def _piece_rows(t, piece, sources, src_lo, src_hi):
+    """Rows (global start, dst local start, src local start, size, source index) covering one
+    target piece; proves the piece is covered exactly once."""
+    nd = len(t.shape)
     want = int(np.prod([d.segs[:, 2].sum() for d in piece], dtype=np.int64))
+    empty = np.zeros((0, nd), dtype=I64)
     if want == 0:
-        return None
+        return empty, empty, empty, empty, np.zeros(0, dtype=I64)
     lo, hi = _bbox(piece)
     cand = np.flatnonzero(np.all((src_lo < hi) & (src_hi > lo), axis=1))
-    gs, dls, sls, ns, ranks, slots = [], [], [], [], [], []
+    found, idx = [], []
     got = 0
     for i in cand:
-        _, _, sp, rank, slot = sources[i]
+        sp = sources[i][2]
         per_dim = [intersect(d.segs, s.segs) for d, s in zip(piece, sp)]
         rows = product(per_dim)  # (rows, nd, 4): global, dst local, src local, length
         if not len(rows):
             continue
-        gs.append(rows[:, :, 0])
-        dls.append(rows[:, :, 1])
-        sls.append(rows[:, :, 2])
-        ns.append(rows[:, :, 3])
+        found.append(rows)
         got += int(np.prod(rows[:, :, 3], axis=1).sum())
-        ranks.append(np.full(len(rows), rank, dtype=I64))
-        slots.extend([slot] * len(rows))
+        idx.append(np.full(len(rows), i, dtype=I64))
     if got != want:
         raise PlanError(f"{t.name} ({t.kind}): a target box of {want} elements found {got} source elements",
                         code="UCL314")
-    nd = len(t.shape)
-    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros((0, nd), dtype=I64))
-    return cat(gs), cat(dls), cat(sls), cat(ns), np.concatenate(ranks), slots
+    rows = np.concatenate(found)
+    return rows[:, :, 0], rows[:, :, 1], rows[:, :, 2], rows[:, :, 3], np.concatenate(idx)

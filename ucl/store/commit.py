@@ -1,0 +1,243 @@
+"""Atomic publication of checkpoints and a root directory holding several steps.
+
+A checkpoint is written under a hidden temp name ``.<name>.tmp-<random>`` and becomes
+visible only through one ``rename`` after every byte is fsynced. ``latest`` is a small
+text file replaced the same way, and only ever points at a committed checkpoint.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import shutil
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import StoreError
+from .format import MANIFEST_NAME
+
+if TYPE_CHECKING:
+    from .hdf5 import Checkpoint, CheckpointWriter
+
+LATEST_NAME = "latest"
+_TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-z-]+$")
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+def tmp_name(final_name: str, tag: str = "") -> str:
+    """Hidden sibling name for writing ``final_name``; readers and ``steps()`` skip it."""
+    return f".{final_name}.tmp-{tag}{secrets.token_hex(6)}"
+
+
+def is_tmp_name(name: str) -> bool:
+    return bool(_TMP_RE.match(name))
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file (or directory) by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so renames inside it are durable; some filesystems refuse, which is fine."""
+    try:
+        fsync_path(path)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES):
+            raise
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace ``path`` by ``data`` atomically: write a temp sibling, fsync, rename, fsync dir."""
+    parent = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(parent, tmp_name(os.path.basename(path)))
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(parent)
+
+
+def publish_dir(tmp: str, final: str) -> None:
+    """Make a fully written temp directory visible as ``final`` (must not exist yet)."""
+    fsync_dir(tmp)
+    if os.path.lexists(final):  # rename() would silently replace an empty directory
+        raise StoreError(f"cannot commit: {final} already exists", code="UCL405")
+    os.rename(tmp, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+def cleanup_stale(root: str, min_age_s: float = 0.0) -> list[str]:
+    """Remove temp directories/files left in ``root`` by killed writers.
+
+    Only entries matching the temp pattern and unmodified for ``min_age_s`` seconds
+    are removed; pass a margin if other writers may be running. Returns removed paths.
+    """
+    removed = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return removed
+    now = time.time()
+    for name in sorted(names):
+        if not is_tmp_name(name):
+            continue
+        p = os.path.join(root, name)
+        try:
+            if now - os.lstat(p).st_mtime < min_age_s:
+                continue
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            else:
+                os.unlink(p)
+            removed.append(p)
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+def is_committed(path: str) -> bool:
+    """A committed checkpoint is a non-temp directory holding ``manifest.json``."""
+    return not is_tmp_name(os.path.basename(os.path.normpath(path))) and \
+        os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
+class CheckpointRoot:
+    """A directory of checkpoints ``step_00000100/`` ... plus a ``latest`` pointer."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = os.path.abspath(os.fspath(root))
+
+    def __repr__(self) -> str:
+        return f"CheckpointRoot({self.root!r})"
+
+    @staticmethod
+    def dir_name(step: int) -> str:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise StoreError(f"step must be a non-negative integer, got {step!r}", code="UCL413")
+        return f"step_{step:08d}"
+
+    def path_for(self, step: int) -> str:
+        return os.path.join(self.root, self.dir_name(step))
+
+    def steps(self) -> list[int]:
+        """Steps of committed checkpoints, ascending."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            m = _STEP_RE.match(name)
+            if m and is_committed(os.path.join(self.root, name)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def _resolve(self, name: int | str) -> str:
+        """A step, a directory name in the root, or a path inside the root -> directory name."""
+        if isinstance(name, int) and not isinstance(name, bool):
+            return self.dir_name(name)
+        name = os.fspath(name)
+        if os.path.isabs(name) or os.sep in name:
+            full = os.path.abspath(name)
+            if os.path.dirname(full) != self.root:
+                raise StoreError(f"{full} is not a checkpoint directly inside {self.root}", code="UCL413")
+            name = os.path.basename(full)
+        if name in ("", ".", "..") or "/" in name or is_tmp_name(name):
+            raise StoreError(f"invalid checkpoint name {name!r}", code="UCL413")
+        return name
+
+    def latest_name(self) -> str | None:
+        """Directory name ``latest`` points at, or None when there is no ``latest``."""
+        try:
+            with open(os.path.join(self.root, LATEST_NAME), "rb") as f:
+                raw = f.read(4096)
+        except FileNotFoundError:
+            return None
+        try:
+            name = raw.decode("utf-8").strip()
+            return self._resolve(name)
+        except (UnicodeDecodeError, StoreError):
+            raise StoreError(f"{self.root}/{LATEST_NAME} is corrupt: {raw[:80]!r}", code="UCL413") from None
+
+    def latest(self) -> str | None:
+        """Path of the latest committed checkpoint, or None. A dangling pointer raises UCL413."""
+        name = self.latest_name()
+        if name is None:
+            return None
+        path = os.path.join(self.root, name)
+        if not is_committed(path):
+            raise StoreError(f"{self.root}/{LATEST_NAME} points at {name}, which is not a committed "
+                             "checkpoint", code="UCL413")
+        return path
+
+    def latest_step(self) -> int | None:
+        name = self.latest_name()
+        m = _STEP_RE.match(name) if name else None
+        return int(m.group(1)) if m else None
+
+    def set_latest(self, name: int | str) -> str:
+        """Point ``latest`` at a committed checkpoint (step, name or path); atomic. Returns its path."""
+        dname = self._resolve(name)
+        path = os.path.join(self.root, dname)
+        if not is_committed(path):
+            raise StoreError(f"cannot point latest at {path}: not a committed checkpoint", code="UCL413")
+        write_atomic(os.path.join(self.root, LATEST_NAME), (dname + "\n").encode())
+        return path
+
+    def prune(self, keep: int) -> list[str]:
+        """Delete all but the ``keep`` newest steps, never the one ``latest`` points at.
+
+        A victim is first renamed to a temp name (one atomic step), so a half-deleted
+        checkpoint is never visible. Returns the removed paths.
+        """
+        if not isinstance(keep, int) or keep < 0:
+            raise StoreError(f"keep must be a non-negative integer, got {keep!r}", code="UCL413")
+        protected = self.latest_name()
+        steps = self.steps()
+        victims = steps[: max(0, len(steps) - keep)]
+        removed = []
+        for step in victims:
+            name = self.dir_name(step)
+            if name == protected:
+                continue
+            path = os.path.join(self.root, name)
+            doomed = os.path.join(self.root, tmp_name(name, "del-"))
+            os.rename(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            removed.append(path)
+        if removed:
+            fsync_dir(self.root)
+        return removed
+
+    def cleanup_stale(self, min_age_s: float = 0.0) -> list[str]:
+        return cleanup_stale(self.root, min_age_s)
+
+    def writer(self, step: int, nranks: int, **fields: Any) -> "CheckpointWriter":
+        """A CheckpointWriter for ``path_for(step)``; call ``set_latest(step)`` after its commit."""
+        from .hdf5 import CheckpointWriter
+
+        os.makedirs(self.root, exist_ok=True)
+        return CheckpointWriter(self.path_for(step), nranks, **fields)
+
+    def open(self, step: int | None = None) -> "Checkpoint":
+        """Open checkpoint ``step``, or the latest one when ``step`` is None."""
+        from .hdf5 import Checkpoint
+
+        path = self.path_for(step) if step is not None else self.latest()
+        if path is None:
+            raise StoreError(f"no latest checkpoint in {self.root}", code="UCL404")
+        return Checkpoint.open(path)

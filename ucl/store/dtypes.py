@@ -1,0 +1,172 @@
+"""Logical dtypes and their on-disk storage types.
+
+numpy has no bfloat16 or float8, so those are stored as raw bits in an unsigned
+integer of the same width and the *logical* dtype is recorded beside them. Every
+conversion here is a bit-level view, never a numeric cast, so round trips are exact.
+Storage is always little-endian.
+
+torch is imported lazily: only when handed a tensor (then it is already imported)
+or when asked to build one.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from ..errors import StoreError
+
+# logical name -> little-endian storage dtype
+_STORAGE: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "float8_e4m3fn": np.dtype("u1"),
+    "float8_e5m2": np.dtype("u1"),
+    "int8": np.dtype("i1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "uint8": np.dtype("u1"),
+    "bool": np.dtype("?"),
+}
+
+LOGICAL_DTYPES: tuple[str, ...] = tuple(_STORAGE)
+
+# logical dtypes whose storage type differs from their meaning (raw bits)
+BIT_DTYPES = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+# numpy (incl. ml_dtypes) names that map 1:1 to a logical dtype
+_NUMPY_NAMES = {
+    "float32": "float32", "float64": "float64", "float16": "float16",
+    "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
+    "uint8": "uint8", "bool": "bool",
+    # ml_dtypes registers these names; their bytes are the same bits we store
+    "bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
+}
+
+
+def _unsupported(what: str, hint: str = "") -> StoreError:
+    msg = f"unsupported dtype {what}; supported: {', '.join(LOGICAL_DTYPES)}"
+    return StoreError(msg + (f" ({hint})" if hint else ""), code="UCL412")
+
+
+def check_logical(logical: str) -> str:
+    """Return ``logical`` if it names a supported logical dtype, else raise UCL412."""
+    if logical not in _STORAGE:
+        raise _unsupported(repr(logical))
+    return logical
+
+
+def storage_dtype(logical: str) -> np.dtype:
+    """The numpy dtype a logical dtype is stored as (little-endian)."""
+    return _STORAGE[check_logical(logical)]
+
+
+def itemsize(logical: str) -> int:
+    """Bytes per element of a logical dtype."""
+    return storage_dtype(logical).itemsize
+
+
+def logical_of_numpy_dtype(dt: Any) -> str:
+    """Logical dtype of a numpy dtype. uint16 is refused: it is ambiguous with bf16 bits."""
+    dt = np.dtype(dt)
+    name = _NUMPY_NAMES.get(dt.name)
+    if name is None:
+        hint = "pass dtype='bfloat16' if these are bfloat16 bits" if dt.name == "uint16" else ""
+        raise _unsupported(f"numpy {dt}", hint)
+    return name
+
+
+def logical_of_torch_dtype(dt: Any) -> str:
+    """Logical dtype of a ``torch.dtype`` (e.g. ``torch.bfloat16`` -> ``"bfloat16"``)."""
+    name = str(dt).rsplit(".", 1)[-1]
+    if name not in _STORAGE:
+        raise _unsupported(f"torch {dt}")
+    return name
+
+
+def torch_dtype(logical: str) -> Any:
+    """The ``torch.dtype`` of a logical dtype (imports torch)."""
+    import torch
+
+    return getattr(torch, check_logical(logical))
+
+
+def contiguous(arr: np.ndarray) -> np.ndarray:
+    """C-contiguous version of ``arr`` that keeps 0-d arrays 0-d (np.ascontiguousarray does not)."""
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def to_numpy(obj: Any, dtype: str | None = None) -> tuple[np.ndarray, str]:
+    """Convert a tensor or array to ``(C-contiguous little-endian storage array, logical dtype)``.
+
+    Tensors are detached and copied to CPU; bf16/fp8 come back as their raw bits.
+    ``dtype`` declares the logical dtype of a numpy array that already holds storage
+    bits (e.g. uint16 holding bfloat16); the array must then have that storage dtype.
+    The result may share memory with the input.
+    """
+    if _is_tensor(obj):
+        t = obj.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        logical = logical_of_torch_dtype(t.dtype)
+        if dtype is not None and dtype != logical:
+            raise StoreError(f"tensor has dtype {logical}, but dtype={dtype!r} was given", code="UCL409")
+        t = t.contiguous()
+        if logical == "bfloat16":
+            import torch
+
+            arr = t.view(torch.int16).numpy().view("<u2")
+        elif logical in BIT_DTYPES:
+            import torch
+
+            arr = t.view(torch.uint8).numpy()
+        else:
+            arr = t.numpy()
+        return contiguous(arr), logical
+
+    arr = np.asarray(obj)
+    if dtype is not None:
+        want = storage_dtype(dtype)
+        if arr.dtype.name in BIT_DTYPES and arr.dtype.name == dtype:
+            arr = arr.view(want)  # ml_dtypes array of the declared type
+        if arr.dtype.newbyteorder("<") != want.newbyteorder("<") or arr.dtype.kind != want.kind:
+            raise StoreError(
+                f"array of dtype {arr.dtype} cannot hold {dtype} data (expected storage dtype {want})",
+                code="UCL409",
+            )
+        logical = dtype
+    else:
+        logical = logical_of_numpy_dtype(arr.dtype)
+        if logical in BIT_DTYPES:
+            arr = arr.view(storage_dtype(logical))
+    want = storage_dtype(logical)
+    if arr.dtype != want:  # only byte order can differ here
+        arr = arr.astype(want)
+    return contiguous(arr), logical
+
+
+def to_torch(array: np.ndarray, logical: str) -> Any:
+    """Build a CPU tensor of ``logical`` dtype from a storage array (bit-exact, owns a copy if needed)."""
+    import torch
+
+    want = storage_dtype(logical)
+    arr = np.asarray(array)
+    if arr.dtype.newbyteorder("<") != want.newbyteorder("<") or arr.dtype.kind != want.kind:
+        raise StoreError(f"array of dtype {arr.dtype} is not {logical} storage ({want})", code="UCL409")
+    arr = contiguous(arr.astype(want, copy=False))
+    if not arr.flags.writeable:
+        arr = arr.copy()  # torch.from_numpy wants writable memory
+    if logical == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    if logical in BIT_DTYPES:
+        return torch.from_numpy(arr).view(getattr(torch, logical))
+    return torch.from_numpy(arr)
