@@ -201,9 +201,19 @@ StateTransform = Union[Dtype, Scalar, Follow, Flat]
 
 # ---- statements --------------------------------------------------------------------------
 @dataclass(frozen=True)
+class DimItem:
+    name: Ident
+    config_keys: tuple[str, ...]  # Hugging Face config.json fields to read it from (first present wins)
+
+
+@dataclass(frozen=True)
 class DimsDecl:
-    names: tuple[Ident, ...]
+    items: tuple[DimItem, ...]
     span: Span
+
+    @property
+    def names(self) -> tuple[Ident, ...]:
+        return tuple(i.name for i in self.items)
 
 
 @dataclass(frozen=True)

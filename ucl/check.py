@@ -18,6 +18,7 @@ class Checked:
     """What the checker learns from a module; the Spec wraps it."""
 
     dims: list[str] = field(default_factory=list)
+    config_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
     lets: list[tuple[str, ast.Expr]] = field(default_factory=list)
     axes: list[str] = field(default_factory=list)
     rules: list[ast.Rule] = field(default_factory=list)
@@ -83,9 +84,10 @@ class _Checker:
         return self.out
 
     def on_DimsDecl(self, st: ast.DimsDecl):
-        for ident in st.names:
-            if self.declare(ident, "dim"):
-                self.out.dims.append(ident.name)
+        for item in st.items:
+            if self.declare(item.name, "dim"):
+                self.out.dims.append(item.name.name)
+                self.out.config_keys[item.name.name] = item.config_keys or (item.name.name,)
 
     def on_LetDecl(self, st: ast.LetDecl):
         self.check_expr(st.value)

@@ -10,7 +10,7 @@ from . import ast
 from .errors import Diagnostic, Span, SpecError, did_you_mean
 from .paths import data_dir
 
-KEYWORDS = ("dims", "let", "mesh", "ignore", "state", "for", "split", "over", "uneven", "shared",
+KEYWORDS = ("dims", "from", "let", "mesh", "ignore", "state", "for", "split", "over", "uneven", "shared",
             "replicate", "view", "as", "concat", "pad", "to", "multiple_of", "on", "first", "last",
             "index", "of", "virtual", "sizes", "dtype", "scalar", "follow", "flat", "per_param",
             "reverse", "align", "bucket")
@@ -87,7 +87,10 @@ class _ToAst(Transformer):
         return list(c)
 
     def dims_decl(self, meta, c):
-        return ast.DimsDecl(tuple(_ident(t) for t in c), _span_of(meta))
+        return ast.DimsDecl(tuple(c), _span_of(meta))
+
+    def dim_item(self, meta, c):
+        return ast.DimItem(_ident(c[0]), tuple(str(t) for t in c[1:] if t is not None))
 
     def let_decl(self, meta, c):
         return ast.LetDecl(_ident(c[0]), c[1], _span_of(meta))

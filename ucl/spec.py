@@ -55,6 +55,31 @@ class Spec:
     def kinds(self) -> list[str]:
         return list(self.checked.kinds)
 
+    def dims_from_config(self, config: "Mapping | str | Path") -> dict[str, int]:
+        """Read this spec's dims from a Hugging Face ``config.json`` (a dict, a file, or a folder
+        holding one), using the ``dims x from field | other_field`` declarations."""
+        import json
+        if not isinstance(config, Mapping):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            try:
+                config = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise SpecError([Diagnostic("UCL211", f"cannot read config {path}: {e}")], None, str(path)) from None
+        out, missing = {}, []
+        for dim, keys in self.checked.config_keys.items():
+            for k in keys:
+                if config.get(k) is not None:
+                    out[dim] = int(config[k])
+                    break
+            else:
+                missing.append(f"{dim} (from {' | '.join(keys)})")
+        if missing:
+            raise SpecError([Diagnostic("UCL211", f"the config has no value for: {', '.join(missing)}")],
+                            None, self.filename)
+        return out
+
     def bind(self, dims: Mapping[str, int], params: Mapping[str, Iterable[int]] | Iterable[tuple[str, Iterable[int]]],
              frozen: Iterable[str] = ()):
         """Match every parameter to its rule and check shapes. ``params`` is ordered (model order)."""
