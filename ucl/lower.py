@@ -63,6 +63,19 @@ def _fail(model: Model, tensor: Tensor, span, err: LayoutError | Diagnostic, mes
     raise BindError([Diagnostic(d.code, msg, d.span or span, d.hint)], model.spec.text, model.spec.filename)
 
 
+def _layouts(model, tensor, dims, fixed, mesh):
+    """Per-dim layouts on one coordinate; a split that does not fit is reported at its own span."""
+    out = []
+    for k, d in enumerate(dims):
+        try:
+            out.append(dim_layout(d, _coords_key(fixed, (d,), mesh)))
+        except LayoutError as e:
+            spans = [t.span for t in tensor.rule.transforms if isinstance(t, ast.Split) and t.dim.root == k]
+            _fail(model, tensor, spans[0] if spans else tensor.rule.span,
+                  LayoutError(e.code, f"dim {k}: {e}", e.hint), mesh)
+    return tuple(out)
+
+
 def _eval(model, tensor, expr, env, mesh):
     try:
         return evaluate(expr, env)
@@ -229,10 +242,7 @@ def lower(model: Model, mesh: Mesh) -> ShardMap:
             continue
         axes = sorted({a for d in dims for a in d.node.axes()})
         for fixed in _enumerate(axes, mesh, allowed):
-            try:
-                layouts = tuple(dim_layout(d, _coords_key(fixed, (d,), mesh)) for d in dims)
-            except LayoutError as e:
-                _fail(model, t, t.rule.span, e, mesh)
+            layouts = _layouts(model, t, dims, fixed, mesh)
             shape = tuple(x.local for x in layouts)
             key = f"{t.kind}/{local}"
             sm.holdings[t.id].append(Holding(fixed, Slot(key, 0, shape, shape), [layouts]))
@@ -292,10 +302,7 @@ def _flat_geometry(model, group, info, env, mesh):
             dims, allowed, local = info[t.id]
             if any(fixed.get(a) not in c for a, c in allowed.items()):
                 continue
-            try:
-                layouts = tuple(dim_layout(d, _coords_key(fixed, (d,), mesh)) for d in dims)
-            except LayoutError as e:
-                _fail(model, t, t.rule.span, e, mesh)
+            layouts = _layouts(model, t, dims, fixed, mesh)
             entries.append((t, layouts, local))
         if not entries:
             continue
