@@ -80,6 +80,60 @@ class Spec:
                             None, self.filename)
         return out
 
+    def synthesize_params(self, dims: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+        """Parameter names and shapes from the spec alone, for planning from metadata: every layout
+        rule must declare its shape, and each capture must be spread by an ``index c of N`` so
+        its values are known. Order: rules before the first rule with captures, then the captured
+        rules index-major (layer 0's rules, then layer 1's...), then the remaining rules."""
+        from .expr import ExprError, evaluate
+        import itertools
+        from . import ast as A
+        env = dict(dims)
+        problems = []
+        for name, expr in self.checked.lets:
+            try:
+                env[name] = evaluate(expr, env)
+            except ExprError:
+                pass
+        counts: dict[str, int] = {}
+        for rule in self.checked.rules + self.checked.placements:
+            for t in rule.transforms:
+                if isinstance(t, A.Index):
+                    try:
+                        counts[t.capture.name] = evaluate(t.count, env)
+                    except ExprError as e:
+                        problems.append(e.diagnostic)
+        head, body, tail = [], [], []
+        for order, rule in enumerate(self.checked.rules):
+            if rule.shape is None or "*" in rule.pattern.text:
+                problems.append(Diagnostic("UCL212", f"rule {rule.pattern.text!r} needs a declared shape and no "
+                                           "globs to synthesize its parameters; pass the parameters instead",
+                                           rule.pattern.span))
+                continue
+            try:
+                shape = tuple(evaluate(e, env) for e in rule.shape)
+            except ExprError as e:
+                problems.append(e.diagnostic)
+                continue
+            caps = rule.pattern.captures
+            if not caps:
+                (tail if body else head).append((rule.pattern.text, shape))
+                continue
+            missing = [c for c in caps if c not in counts]
+            if missing:
+                problems.append(Diagnostic("UCL212", f"capture {{{missing[0]}}} has no `index {missing[0]} of N` "
+                                           "saying how many values it takes", rule.pattern.span))
+                continue
+            for values in itertools.product(*(range(counts[c]) for c in caps)):
+                name = rule.pattern.text
+                for c, v in zip(caps, values):
+                    name = name.replace("{" + c + "}", str(v))
+                body.append((values, order, name, shape))
+        if problems:
+            raise SpecError(problems, self.text, self.filename)
+        body.sort(key=lambda x: (x[0], x[1]))
+        return dict(head + [(n, s) for _, _, n, s in body] + tail)
+
     def bind(self, dims: Mapping[str, int], params: Mapping[str, Iterable[int]] | Iterable[tuple[str, Iterable[int]]],
              frozen: Iterable[str] = ()):
         """Match every parameter to its rule and check shapes. ``params`` is ordered (model order)."""
@@ -111,6 +165,6 @@ def load_spec(source: "str | Path | Spec") -> Spec:
         spec = Spec.from_file(path)
         spec.name = source
         return spec
-    if "\n" not in source and source.endswith(".ucl"):
-        return Spec.from_file(source)
+    if "\n" not in source and (Path(source).is_file() or source.endswith(".ucl")):
+        return Spec.from_file(source)  # a missing .ucl path gets "cannot read spec", not a parse error
     return Spec.from_text(source)

@@ -1,0 +1,284 @@
+"""The ``ucl`` command line. Exit codes: 0 ok, 1 user error (a clear message, no traceback), 2 usage."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import UclError
+
+EPILOG = """meshes are written slowest axis first, like pp=2,dp=2,tp=2 (tp fastest); 'universal' is the
+consolidated layout. SPEC is a .ucl file or stdlib:NAME. DIMS is hidden=4096,heads=32,... or a
+Hugging Face config.json (or a folder holding one)."""
+
+
+def _console():
+    from rich.console import Console
+    return Console(highlight=False, soft_wrap=True)
+
+
+def _dims(spec, text: str | None) -> dict[str, int]:
+    if text is None:
+        raise UclError("this command needs --dims (hidden=4096,heads=32,... or a config.json)", code="UCL009")
+    if os.path.exists(text):
+        return spec.dims_from_config(text)
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        if not eq or not value.strip().lstrip("-").isdigit():
+            raise UclError(f"cannot read dims {text!r}: write them like hidden=4096,heads=32 "
+                           "or give a config.json", code="UCL009")
+        out[name.strip()] = int(value)
+    return out
+
+
+def _params(spec, dims, source: str | None):
+    if source is None:
+        return spec.synthesize_params(dims)
+    from .hf import read_tensor_names
+    return read_tensor_names(source)
+
+
+# ---- commands ------------------------------------------------------------------------------------------
+def cmd_check(args) -> int:
+    from .spec import load_spec
+    spec = load_spec(args.spec)
+    con = _console()
+    if args.dims is None:
+        con.print(f"[green]ok[/]: {spec.name or spec.filename}: {len(spec.checked.rules)} rules, "
+                  f"{len(spec.checked.placements)} placement rules, axes {', '.join(spec.axes) or '-'}, "
+                  f"kinds {', '.join(spec.kinds)}")
+        return 0
+    dims = _dims(spec, args.dims)
+    if args.against:
+        from .hf import check_against, read_tensor_names
+        problems = check_against(spec, dims, read_tensor_names(args.against))
+        if problems:
+            for p in problems:
+                con.print(f"[red]error[/]: {p}")
+            con.print(f"{len(problems)} problem(s): {args.against} does not match {spec.name or spec.filename}")
+            return 1
+        con.print(f"[green]ok[/]: every tensor of {args.against} is matched exactly once with its shape")
+        return 0
+    model = spec.bind(dims, _params(spec, dims, None))
+    con.print(f"[green]ok[/]: {len(model.params)} parameters, {len(model.tensors)} tensors bound")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .mesh import Mesh
+    from .plan import compile
+    from .spec import load_spec
+    spec = load_spec(args.spec)
+    dims = _dims(spec, args.dims)
+    model = spec.bind(dims, _params(spec, dims, args.params))
+    plan = compile(model, Mesh.parse(args.src), Mesh.parse(args.dst))
+    con = _console()
+    con.print(plan.summary())
+    per = plan.bytes_read_per_rank()
+    if len(per):
+        con.print(f"bytes read per target rank: min {int(per.min()):,}  max {int(per.max()):,}  "
+                  f"total {int(per.sum()):,}")
+    if args.explain:
+        print(plan.explain(args.explain))
+    if args.json:
+        Path(args.json).write_text(plan.to_json())
+        con.print(f"plan written to {args.json}")
+    return 0
+
+
+def cmd_reshard(args) -> int:
+    from .checkpoint import reshard
+    from .mesh import Mesh
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+    to = Mesh.parse(args.to)
+    con = _console()
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=con, transient=True, disable=args.quiet) as bar:
+        task = bar.add_task(f"reshard -> {to}", total=None)
+        stats = reshard(args.src, args.dst, to, workers=args.workers,
+                        progress=lambda n: bar.advance(task, n))
+    con.print(f"[green]wrote[/] {args.dst} ({to}): {stats.datasets_written} datasets, "
+              f"{stats.bytes_written:,} B written, {stats.bytes_read:,} B read "
+              f"({stats.bytes_needed:,} B needed) in {stats.seconds:.2f} s (plan {stats.compile_seconds:.2f} s)")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from rich.table import Table
+    from .checkpoint import mesh_of, model_of, open_checkpoint
+    from .store import itemsize
+    con = _console()
+    with open_checkpoint(args.ckpt) as ck:
+        m = ck.manifest
+        total = sum(int(_prod(e["shape"])) * itemsize(e["dtype"]) for ds in m.datasets for e in ds.values())
+        con.print(f"{args.ckpt}: ucl format v{m.version}, layout {mesh_of(ck)} ({ck.nranks} rank files), "
+                  f"{total:,} bytes, spec {m.spec_name or '(embedded)'}")
+        if m.dims:
+            con.print("dims: " + ", ".join(f"{k}={v}" for k, v in m.dims.items()))
+        if m.state:
+            con.print("state: " + json.dumps(m.state)[:200])
+        from rich.markup import escape
+        table = Table("parameter", "shape", "kinds (dtype)", "layout rule")
+        for col in table.columns:
+            col.overflow = "fold"
+        if m.spec and m.params is not None:
+            model = model_of(ck)
+            by = {}
+            for t in model.tensors:
+                by.setdefault(t.name, []).append(f"{t.kind} ({t.dtype})")
+            for name, shape in model.params.items():
+                t = next(x for x in model.tensors if x.name == name)
+                rule = "; ".join(_transform_text(model, t))
+                table.add_row(escape(name), escape(str(list(shape))), ", ".join(by.get(name, [])), escape(rule))
+            con.print(table)
+        if args.ranks:
+            for r in range(ck.nranks):
+                con.print(f"rank {r} ({m.files[r]}):")
+                for key, e in sorted(m.datasets[r].items()):
+                    con.print(escape(f"  {key:<60} {str(e['shape']):<16} {e['dtype']}"))
+    return 0
+
+
+def _transform_text(model, t) -> list[str]:
+    text = model.spec.text.splitlines()
+    r = t.rule
+    lines = text[r.span.line - 1:r.span.end_line]
+    body = " ".join(x.strip() for x in lines)
+    return [body.split(":", 1)[1].strip() if ":" in body else body]
+
+
+def _prod(xs):
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+def cmd_verify(args) -> int:
+    from .checkpoint import open_checkpoint
+    con = _console()
+    with open_checkpoint(args.ckpt) as ck:
+        problems = ck.verify()
+    if problems:
+        for p in problems:
+            con.print(f"[red]error[/]: {p}")
+        con.print(f"{len(problems)} problem(s) in {args.ckpt}")
+        return 1
+    con.print(f"[green]ok[/]: {args.ckpt}: every file present and every checksum matches")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo_run import run_demo
+    return run_demo(args.workdir, src=args.src, dst=args.dst, keep=args.keep, console=_console())
+
+
+def cmd_spec_list(args) -> int:
+    from .spec import stdlib_names
+    for n in stdlib_names():
+        print(f"stdlib:{n}")
+    return 0
+
+
+def cmd_spec_show(args) -> int:
+    from .spec import load_spec
+    print(load_spec(args.spec).text, end="")
+    return 0
+
+
+def cmd_spec_from_hf(args) -> int:
+    from .hf import draft_spec_from_hf
+    text = draft_spec_from_hf(args.config)
+    if args.output:
+        Path(args.output).write_text(text)
+        _console().print(f"draft spec written to {args.output}; review it, then `ucl check {args.output} "
+                         f"--dims {args.config} --against MODEL`")
+    else:
+        print(text, end="")
+    return 0
+
+
+# ---- parser ------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ucl", description="Universal, reshardable checkpoints for distributed "
+                                 "LLM training.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"ucl {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("check", help="check a spec (and optionally a model against it)", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", metavar="SPEC")
+    p.add_argument("--dims", metavar="DIMS", help="model dims, or a config.json")
+    p.add_argument("--against", metavar="MODEL", help="a .safetensors file, a save_pretrained folder or a ucl "
+                   "checkpoint: every tensor must match exactly one rule with the right shape")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("plan", help="compile a reshard plan and show its statistics", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", metavar="SPEC")
+    p.add_argument("--dims", metavar="DIMS", required=True)
+    p.add_argument("--from", dest="src", metavar="MESH", required=True)
+    p.add_argument("--to", dest="dst", metavar="MESH", required=True)
+    p.add_argument("--params", metavar="MODEL", help="parameter names and shapes from a model or checkpoint "
+                   "(default: synthesized from the spec's declared shapes)")
+    p.add_argument("--explain", metavar="PARAM", help="print where every box of PARAM comes from")
+    p.add_argument("--json", metavar="FILE", help="write the plan as JSON (docs/ir.md)")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("reshard", help="write a checkpoint in another layout", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST", help="must not exist; appears atomically when complete")
+    p.add_argument("--to", metavar="MESH", required=True)
+    p.add_argument("--workers", type=int, default=None, help="processes (default: min(2, cores))")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_reshard)
+
+    p = sub.add_parser("inspect", help="show a checkpoint's parameters, shapes, dtypes, layout and sizes")
+    p.add_argument("ckpt", metavar="CKPT")
+    p.add_argument("--ranks", action="store_true", help="also list every rank's datasets")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="check every file and checksum of a checkpoint")
+    p.add_argument("ckpt", metavar="CKPT")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("demo", help="build a Llama-style checkpoint, reshard it and verify it bit-exactly")
+    p.add_argument("--workdir", default=None, help="where to write (default: a temporary folder)")
+    p.add_argument("--from", dest="src", default="pp=2,dp=2,tp=2", metavar="MESH")
+    p.add_argument("--to", dest="dst", default="pp=1,dp=2,tp=4", metavar="MESH")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints it wrote")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("spec", help="the standard library of specs, and drafting new ones")
+    ssub = p.add_subparsers(dest="spec_command", required=True, metavar="SUBCOMMAND")
+    q = ssub.add_parser("list", help="list stdlib specs")
+    q.set_defaults(func=cmd_spec_list)
+    q = ssub.add_parser("show", help="print a spec")
+    q.add_argument("spec", metavar="SPEC")
+    q.set_defaults(func=cmd_spec_show)
+    q = ssub.add_parser("from-hf", help="draft a spec for a transformers model from its config")
+    q.add_argument("config", metavar="CONFIG_OR_DIR")
+    q.add_argument("-o", "--output", metavar="FILE")
+    q.set_defaults(func=cmd_spec_from_hf)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UclError as e:
+        print(f"ucl: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ucl: interrupted", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
