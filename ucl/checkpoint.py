@@ -9,14 +9,13 @@ import json
 import multiprocessing as mp
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from .errors import StoreError, UclError
-from .execute import write_box
+from .execute import flat_runs, write_box
 from .lower import Slot
 from .mesh import Mesh
 from .model import Model
@@ -220,65 +219,55 @@ def _allgather_json(obj: Any) -> list:
 
 
 # ---- reading boxes -----------------------------------------------------------------------------------
+class _Arena:
+    """One reusable buffer handing out arrays: on machines where freshly mapped pages are slow to
+    touch, reusing warm memory beats allocating per dataset (see bench/reshard.py)."""
+
+    def __init__(self):
+        self.buf = np.empty(0, dtype=np.uint8)
+
+    def array(self, shape, dtype, zero: bool = False) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if n > self.buf.size:
+            self.buf = np.empty(max(n, int(self.buf.size * 1.5)), dtype=np.uint8)
+        out = self.buf[:n].view(dtype).reshape(shape)
+        if zero:
+            out.fill(0)
+        return out
+
+
 class _Reader:
-    """Reads plan boxes from a source checkpoint. ``cache_bytes`` > 0 reads (and verifies) whole
-    source datasets up to that size and keeps them in an LRU: right for a full reshard, where
-    every source byte is needed. With 0, it reads exact hyperslabs: right for loading one rank."""
+    """Reads plan boxes from a source checkpoint with exact hyperslab selections (strided ones for
+    tensors inside flat buffers): every byte read is a byte needed. A box that is a whole dataset
+    is read whole and its checksum verified. With an arena, results are views valid until the
+    next read."""
 
-    def __init__(self, ckpt: Checkpoint, cache_bytes: int = 0):
-        self.ckpt, self.budget = ckpt, cache_bytes
-        self.cache: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
-        self.cached = 0
+    def __init__(self, ckpt: Checkpoint, arena: _Arena | None = None):
+        self.ckpt = ckpt
+        self.arena = arena
         self.bytes_read = 0
-
-    def _whole(self, rank: int, key: str) -> np.ndarray:
-        k = (rank, key)
-        if k in self.cache:
-            self.cache.move_to_end(k)
-            return self.cache[k]
-        arr = self.ckpt.read(rank, key, verify=True)
-        self.bytes_read += arr.nbytes
-        if arr.nbytes <= self.budget:
-            while self.cached + arr.nbytes > self.budget and self.cache:
-                self.cached -= self.cache.popitem(last=False)[1].nbytes
-            self.cache[k] = arr
-            self.cached += arr.nbytes
-        return arr
 
     def read(self, rank: int, slot: Slot, start, size) -> np.ndarray:
         nd = len(slot.shape)
         start = tuple(int(x) for x in start[len(start) - nd:])
         size = tuple(int(x) for x in size[len(size) - nd:])
-        info = self.ckpt.info(rank, slot.key)
-        whole = int(np.prod(info.shape, dtype=np.int64)) * info.storage_dtype.itemsize
         direct = slot.base == 0 and slot.shape == slot.dataset_shape
-        if (rank, slot.key) in self.cache or (self.budget and whole <= self.budget) or \
-                (direct and start == (0,) * nd and size == tuple(slot.shape)):
-            arr = self._whole(rank, slot.key)
-            if direct:
-                return arr[tuple(slice(a, a + n) for a, n in zip(start, size))]
-            return _gather_flat(arr.reshape(-1), slot, start, size)
-        if direct:
-            out = self.ckpt.read_box(rank, slot.key, start, size)
-            self.bytes_read += out.nbytes
-            return out
-        # a box of a tensor stored inside a flat buffer: read its covering flat range once
-        idx = _flat_positions(slot, start, size)
-        lo, hi = int(idx.min()), int(idx.max()) + 1
-        span = self.ckpt.read_flat(rank, slot.key, lo, hi)
-        self.bytes_read += span.nbytes
-        return span[idx - lo]
+        info = self.ckpt.info(rank, slot.key)
+        dtype = info.storage_dtype
+        n = int(np.prod(size, dtype=np.int64))
+        whole = start == (0,) * nd and n == int(np.prod(info.shape, dtype=np.int64)) and (direct or slot.base == 0)
+        if whole:
+            out = self.ckpt.read(rank, slot.key, verify=True, out=self._buf(info.shape, dtype)).reshape(size)
+        elif direct:
+            out = self.ckpt.read_box(rank, slot.key, start, size, out=self._buf(size, dtype))
+        else:
+            out = self.ckpt.read_runs(rank, slot.key, flat_runs(slot, start, size), out=self._buf((n,), dtype)).reshape(size)
+        self.bytes_read += out.nbytes
+        return out
 
-
-def _flat_positions(slot: Slot, start, size) -> np.ndarray:
-    if not slot.shape:
-        return np.full((), slot.base, dtype=np.int64)
-    grids = np.meshgrid(*[np.arange(a, a + n) for a, n in zip(start, size)], indexing="ij")
-    return slot.base + np.ravel_multi_index(grids, slot.shape)
-
-
-def _gather_flat(flat: np.ndarray, slot: Slot, start, size) -> np.ndarray:
-    return flat[_flat_positions(slot, start, size)]
+    def _buf(self, shape, dtype):
+        return self.arena.array(tuple(shape), dtype) if self.arena is not None else None
 
 
 # ---- loading one rank ----------------------------------------------------------------------------------
@@ -291,7 +280,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh, rank: int, as_torch: bool 
         model = model_of(ckpt)
         plan = compile(model, mesh_of(ckpt), mesh)
         t1 = time.perf_counter()
-        reader = _Reader(ckpt, cache_bytes=0)
+        reader = _Reader(ckpt)
         out = _assemble(plan, reader, rank)
         if stats is not None:
             stats.compile_seconds += t1 - t0
@@ -327,10 +316,12 @@ def _assemble(plan: Plan, reader: _Reader, rank: int, rows: np.ndarray | None = 
 
 # ---- offline reshard ----------------------------------------------------------------------------------
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh, *, workers: int | None = None,
-            cache_bytes: int = 256 << 20, progress: Callable[[int], None] | None = None) -> IOStats:
+            durable: bool = True, progress: Callable[[int], None] | None = None) -> IOStats:
     """Write checkpoint ``dst`` holding ``src`` in layout ``to`` (``Mesh()`` = universal). The spec,
     dims and source layout come from ``src``'s manifest. Streams one target dataset at a time,
-    builds replicated target datasets once, uses ``workers`` processes; ``dst`` appears atomically."""
+    builds replicated target datasets once, uses ``workers`` processes; ``dst`` appears atomically.
+    ``durable=False`` skips fsync of the data files (atomic against crashes of the process, not of
+    the machine)."""
     t0 = time.perf_counter()
     with open_checkpoint(src) as ckpt:
         model = model_of(ckpt)
@@ -341,10 +332,10 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh, *, workers
     groups = _replica_groups(plan)
     assignment = _assign(groups, plan, workers)
     stats = IOStats(compile_seconds=t1 - t0)
-    writer = CheckpointWriter(dst, to.size, **_manifest_fields(model, to, state))
+    writer = CheckpointWriter(dst, to.size, durable=durable, **_manifest_fields(model, to, state))
     try:
         global _JOB
-        _JOB = (os.fspath(src), writer.tmp_path, to.size, plan, groups, cache_bytes)
+        _JOB = (os.fspath(src), writer.tmp_path, to.size, plan, groups, durable)
         if workers == 1:
             results = [_run_worker(assignment[0], progress)]
         else:
@@ -369,7 +360,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh, *, workers
     return stats
 
 
-_JOB: Any = None  # (src path, tmp path, nranks, plan, groups, cache bytes), inherited by forked workers
+_JOB: Any = None  # (src path, tmp path, nranks, plan, groups, durable), inherited by forked workers
 
 
 def _replica_groups(plan: Plan) -> list[tuple[str, tuple, str, list[int], np.ndarray]]:
@@ -428,19 +419,21 @@ def _assign(groups, plan: Plan, workers: int) -> list[list[int]]:
 
 
 def _run_worker(tasks, progress=None) -> str:
-    src, tmp, nranks, plan, groups, cache_bytes = _JOB
+    src, tmp, nranks, plan, groups, durable = _JOB
     ranks = tasks[-1][1]
-    writer = CheckpointWriter.join(tmp, nranks)
+    writer = CheckpointWriter.join(tmp, nranks, durable=durable)
     written = datasets = needed = 0
     with open_checkpoint(src) as ckpt:
-        reader = _Reader(ckpt, cache_bytes=cache_bytes)
+        reader = _Reader(ckpt, _Arena())
+        target = _Arena()
         c = plan.copies
-        # order by first source (file, dataset) so the whole-dataset cache hits
+        # order by first source (file, dataset): reads sweep each file in order
         tasks = sorted(tasks[:-1], key=lambda t: (int(c["src_rank"][groups[t[0]][4][0]]) if len(groups[t[0]][4]) else -1,
                                                   int(c["src_slot"][groups[t[0]][4][0]]) if len(groups[t[0]][4]) else -1))
         for gi, mine in tasks:
             key, shape, dtype, _ranks, rows = groups[gi]
-            buf = np.zeros(shape, dtype=storage_dtype(dtype))
+            covered = int(np.prod(c["size"][rows], axis=1).sum()) if len(rows) else 0
+            buf = target.array(shape, storage_dtype(dtype), zero=covered < int(np.prod(shape, dtype=np.int64)))
             for i in rows:
                 dslot = plan.slots[c["dst_slot"][i]]
                 values = reader.read(int(c["src_rank"][i]), plan.slots[c["src_slot"][i]], c["src_start"][i], c["size"][i])

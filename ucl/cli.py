@@ -99,7 +99,7 @@ def cmd_reshard(args) -> int:
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=con, transient=True, disable=args.quiet) as bar:
         task = bar.add_task(f"reshard -> {to}", total=None)
-        stats = reshard(args.src, args.dst, to, workers=args.workers,
+        stats = reshard(args.src, args.dst, to, workers=args.workers, durable=not args.no_fsync,
                         progress=lambda n: bar.advance(task, n))
     con.print(f"[green]wrote[/] {args.dst} ({to}): {stats.datasets_written} datasets, "
               f"{stats.bytes_written:,} B written, {stats.bytes_read:,} B read "
@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", metavar="MESH", required=True)
     p.add_argument("--workers", type=int, default=None, help="processes (default: min(2, cores))")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files: still atomic if the "
+                   "process dies, but not if the machine loses power before the OS writes the pages")
     p.set_defaults(func=cmd_reshard)
 
     p = sub.add_parser("inspect", help="show a checkpoint's parameters, shapes, dtypes, layout and sizes")

@@ -184,11 +184,11 @@ class Checkpoint:
             cache[key] = d
         return d, info
 
-    def read(self, rank: int, key: str, *, verify: bool = True) -> np.ndarray:
+    def read(self, rank: int, key: str, *, verify: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         """The whole dataset as a storage-typed array; checksum verified unless ``verify=False``."""
         with self._lock, self._guard(rank, key):
             d, info = self._dataset(rank, key)
-            out = np.empty(info.shape, info.storage_dtype)
+            out = check_out(out, info.shape, info.storage_dtype)
             _read_box_into(d, (0,) * len(info.shape), info.shape, out)
         if verify:
             got = checksum_of(out)
@@ -220,6 +220,34 @@ class Checkpoint:
             check_box(starts, sizes, info.shape, self._where(rank, key))
             out = check_out(out, sizes, info.storage_dtype)
             _read_box_into(d, starts, sizes, out)
+            return out
+
+    def read_runs(self, rank: int, key: str, runs: Sequence[tuple[int, int, int, int]], *,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        """Elements of the row-major flattening selected by regular runs ``(start, count, stride,
+        block)`` (``count`` blocks of ``block`` elements, ``stride`` apart), in increasing order and
+        non-overlapping, as one 1-D array read with a single HDF5 call (no checksum)."""
+        with self._lock, self._guard(rank, key):
+            d, info = self._dataset(rank, key)
+            total = sum(c * b for _, c, _, b in runs)
+            out = check_out(out, (total,), info.storage_dtype)
+            if total == 0:
+                return out
+            size = info.size
+            for start, count, stride, block in runs:
+                if start < 0 or start + (count - 1) * stride + block > size:
+                    raise StoreError(f"run ({start}, {count}, {stride}, {block}) out of bounds for "
+                                     f"{self._where(rank, key)} of {size} elements", code="UCL409")
+            if len(info.shape) != 1:  # flat selections address 1-D (flat buffer) datasets
+                flat = self.read(rank, key, verify=False).reshape(-1)
+                return np.concatenate([np.lib.stride_tricks.as_strided(flat[s:], (c, b), (t * flat.itemsize, flat.itemsize)).reshape(-1)
+                                       for s, c, t, b in runs])
+            fspace = d.id.get_space()
+            fspace.select_none()
+            for start, count, stride, block in runs:
+                fspace.select_hyperslab((start,), (count,), (max(stride, block),), (block,), op=h5py.h5s.SELECT_OR)
+            mspace = h5py.h5s.create_simple((total,))
+            d.id.read(mspace, fspace, out)
             return out
 
     def verify(self, ranks: Sequence[int] | None = None) -> list[str]:
@@ -272,7 +300,8 @@ class CheckpointWriter:
     (e.g. ENOSPC) aborts at once and raises UCL410: nothing half-written becomes visible.
     """
 
-    def __init__(self, path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64, **fields: Any):
+    def __init__(self, path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
+                 durable: bool = True, **fields: Any):
         self.path: str | None = os.path.abspath(os.fspath(path))
         if os.path.lexists(self.path):  # checked before anything is written
             raise StoreError(f"cannot write checkpoint: {self.path} already exists", code="UCL405")
@@ -291,10 +320,11 @@ class CheckpointWriter:
             os.mkdir(self.tmp_path)
         except OSError as e:
             raise StoreError(f"cannot create {self.tmp_path}: {e}", code="UCL410") from e
-        self._setup(nranks, True, max_open_files)
+        self._setup(nranks, True, max_open_files, durable)
 
     @classmethod
-    def join(cls, tmp_path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64) -> "CheckpointWriter":
+    def join(cls, tmp_path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
+             durable: bool = True) -> "CheckpointWriter":
         """A participant (another process) writing some ranks' files into an owner's ``tmp_path``.
         It calls ``finish()`` and hands the result to the owner's ``adopt()``; it cannot commit."""
         self = cls.__new__(cls)
@@ -302,11 +332,13 @@ class CheckpointWriter:
         self.tmp_path = os.path.abspath(os.fspath(tmp_path))
         if not os.path.isdir(self.tmp_path):
             raise StoreError(f"temp directory {self.tmp_path} does not exist", code="UCL404")
-        self._setup(nranks, False, max_open_files)
+        self._setup(nranks, False, max_open_files, durable)
         return self
 
-    def _setup(self, nranks: int, owner: bool, max_open: int) -> None:
-        self.nranks, self._owner, self._state = nranks, owner, "open"
+    def _setup(self, nranks: int, owner: bool, max_open: int, durable: bool = True) -> None:
+        # durable=False skips fsync of the rank files: the commit stays atomic against killed
+        # processes, but not against a power loss before the OS writes the pages back.
+        self.nranks, self._owner, self._state, self.durable = nranks, owner, "open", durable
         self._lock = threading.RLock()
         self._entries: list[dict[str, dict[str, Any]]] = [{} for _ in range(nranks)]
         self._pending: dict[tuple[int, str], IncrementalChecksum] = {}
@@ -457,7 +489,7 @@ class CheckpointWriter:
                 if rank not in self._created:
                     self._handles.get(rank)
             self._handles.close()
-            for rank in ranks:
+            for rank in ranks if self.durable else ():
                 fsync_path(os.path.join(self.tmp_path, file_name(rank)))
 
     def finish(self, ranks: Sequence[int] | None = None) -> dict[int, dict[str, dict[str, Any]]]:

@@ -1,0 +1,153 @@
+"""Reshard benchmark: a ~2 GB Llama-shaped checkpoint (fp32 weights + Adam moments, ZeRO-1 flat
+optimizer buffers) on TP2·PP2·DP2, against `cp -r` of the same directory measured in the same run.
+
+    python bench/reshard.py [--size-gb 2] [--repeat 3] [--workdir DIR]
+
+Each operation runs as its own process (like a user would run it), after one warm-up, so the
+source is in the page cache ("warm"); medians with min-max are printed, plus ratios to `cp -r`,
+bytes read vs needed and the peak RSS of the largest process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import ucl  # noqa: E402
+from ucl.checkpoint import expected_datasets  # noqa: E402
+from ucl.demo import LLAMA_MEGATRON, llama_params  # noqa: E402
+from ucl.store import CheckpointWriter, storage_dtype  # noqa: E402
+
+SPEC = (LLAMA_MEGATRON.replace("state param : dtype bfloat16", "state param : dtype float32")
+        .replace("state fp32, exp_avg, exp_avg_sq :", "state exp_avg, exp_avg_sq :")
+        .replace("state step : dtype int64; scalar\n", ""))
+
+
+def dims_for(size_gb: float) -> dict:
+    # fp32 weights replicated over dp=2 plus two fp32 moments: 16 bytes per parameter
+    d = dict(vocab=32000, hidden=1024, heads=16, kv_heads=8, ffn=2816, layers=2)
+    per_layer = (2048 * 1024 + 1024 * 1024 + 2 * 2816 * 1024 + 1024 * 2816 + 2 * 1024)
+    fixed = 2 * 32000 * 1024
+    d["layers"] = max(2, int(round((size_gb * 2**30 / 16 - fixed) / per_layer / 2)) * 2)
+    return d
+
+
+def build_source(path: Path, dims: dict) -> ucl.Mesh:
+    model = ucl.load_spec(SPEC).bind(dims, llama_params(dims))
+    mesh = ucl.Mesh(pp=2, dp=2, tp=2)
+    rng = np.random.default_rng(0)
+    fields = dict(spec=SPEC, spec_name="bench:llama_megatron_fp32", dims=dims, mesh=mesh.to_json(),
+                  params={n: list(s) for n, s in model.params.items()}, frozen=[], state={"step": 1})
+    with CheckpointWriter(path, mesh.size, **fields) as w:
+        for r in range(mesh.size):
+            for key, (shape, dtype) in sorted(expected_datasets(model, mesh, r).items()):
+                w.write(r, key, rng.standard_normal(shape, dtype=np.float32).astype(storage_dtype(dtype)), dtype=dtype)
+        w.commit()
+    return mesh
+
+
+def timed(cmd: list[str]) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
+    return dt, p.stdout
+
+
+def rss_children_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+LOAD_ONE = """
+import json, resource, sys, time, ucl
+from ucl.checkpoint import IOStats
+st = IOStats()
+t = time.perf_counter()
+out = ucl.load_rank(sys.argv[1], mesh=ucl.Mesh.parse(sys.argv[2]), rank=int(sys.argv[3]), stats=st)
+print(json.dumps({"s": time.perf_counter() - t, "read": st.bytes_read, "needed": st.bytes_needed,
+                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ucl-bench-", dir=args.workdir))
+    py = sys.executable
+    env_cli = [py, "-m", "ucl.cli"]
+    os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    try:
+        dims = dims_for(args.size_gb)
+        src = work / "src"
+        t0 = time.perf_counter()
+        build_source(src, dims)
+        size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+        print(f"source: {size / 2**30:.2f} GiB, TP2·PP2·DP2, dims {dims}, built in {time.perf_counter() - t0:.1f} s")
+
+        ops = {
+            "cp -r": lambda out: ["cp", "-r", str(src), str(out)],
+            "cp -r + sync": lambda out: ["sh", "-c", f"cp -r '{src}' '{out}' && sync '{out}'/*"],
+            "reshard -> TP4·PP1·DP2": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "pp=1,dp=2,tp=4",
+                                                             "--quiet", "--no-fsync"],
+            "  -> TP4·PP1·DP2, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "pp=1,dp=2,tp=4", "--quiet"],
+            "reshard -> universal": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet",
+                                                           "--no-fsync"],
+            "  -> universal, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet"],
+        }
+        results = {}
+        for name, cmd in ops.items():
+            times = []
+            rss_before = rss_children_mb()
+            for i in range(args.repeat + 1):  # first run warms the page cache, not counted
+                out = work / f"out-{i}"
+                dt, text = timed(cmd(out))
+                if i:
+                    times.append(dt)
+                last = text
+                shutil.rmtree(out)
+            results[name] = (times, last, rss_children_mb() if rss_children_mb() > rss_before else None)
+        base = statistics.median(results["cp -r"][0])
+        print(f"\n{'operation':<28} {'median s':>9} {'min-max s':>13} {'x cp -r':>8}  notes  (warm cache, {args.repeat} runs)")
+        for name, (times, text, rss) in results.items():
+            med = statistics.median(times)
+            note = text.strip().splitlines()[-1][:110] if text.strip() else ""
+            print(f"{name:<28} {med:9.2f} {min(times):6.2f}-{max(times):<6.2f} {med / base:8.2f}  {note}")
+        synced = statistics.median(results["cp -r + sync"][0])
+        for name in ("  -> TP4·PP1·DP2, fsync", "  -> universal, fsync"):
+            print(f"{name.strip():<28} vs cp -r + sync: {statistics.median(results[name][0]) / synced:.2f}x")
+        # (d) load one target rank straight from the source (hyperslab reads only)
+        loads = []
+        for i in range(args.repeat + 1):
+            _, text = timed([py, "-c", LOAD_ONE, str(src), "pp=1,dp=2,tp=4", "3"])
+            if i:
+                loads.append(json.loads(text))
+        med = statistics.median(x["s"] for x in loads)
+        one = loads[-1]
+        print(f"{'load_rank(TP4 rank 3)':<28} {med:9.2f} {min(x['s'] for x in loads):6.2f}-"
+              f"{max(x['s'] for x in loads):<6.2f} {med / base:8.2f}  read {one['read'] / 2**20:.0f} MiB for "
+              f"{one['needed'] / 2**20:.0f} MiB needed ({one['read'] / max(one['needed'], 1):.2f}x), "
+              f"{size / 2**20:.0f} MiB in checkpoint; RSS {one['rss']:.0f} MiB")
+        print(f"\npeak RSS of the largest process over all runs: {rss_children_mb():.0f} MiB")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
