@@ -175,9 +175,6 @@ def test_unknown_mesh_axis_did_you_mean():
         ("UCL103", 3, "did you mean pp?"), ("UCL103", 4, "did you mean dp?")]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (usability): a one-letter typo in a two-letter axis name gets no hint: did_you_mean uses "
-    "difflib cutoff 0.6 and ratio('tq', 'tp') == 0.5, though tp is the only axis 1 edit away"))
 def test_unknown_two_letter_mesh_axis_did_you_mean():
     err = spec_error("dims a\nmesh pp, dp, tp\nw [a] : split 0 over tq\n")
     assert diag(err, "UCL103").hint == "did you mean tp?"
@@ -202,10 +199,6 @@ def test_inexact_let_at_bind_time():
     assert_points_at(err, "model.ucl", 2, 16, "UCL104", width=len("hidden / heads"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: after an inexact `let head_dim = hidden / heads` (UCL104) the bind also reports "
-    "UCL101 \"unknown name 'head_dim'\" (hint: did you mean heads?) for every use of head_dim: a "
-    "misleading cascade; the name is declared"))
 def test_inexact_let_does_not_cascade_into_unknown_names():
     err = bind_error("dims hidden, heads\nlet head_dim = hidden / heads\nmesh tp\nw [head_dim] : replicate\n",
                      dict(hidden=10, heads=3), {"w": (3,)})
@@ -389,9 +382,6 @@ def test_bad_mesh_sizes_in_constructor():
 # =================================================================================================
 # Never a raw Python exception
 # =================================================================================================
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError, reason=(
-    "BUG: `index i of N over pp virtual 0` raises ZeroDivisionError from lower._stage_of "
-    "(count % (size * virtual)) instead of a UclError"))
 def test_virtual_zero_is_a_ucl_error():
     model = ucl.load_spec("mesh pp\nl.{i}.** : index i of 4 over pp virtual 0\nl.{i}.w : replicate\n").bind(
         dims={}, params={f"l.{i}.w": (1,) for i in range(4)})
@@ -399,9 +389,6 @@ def test_virtual_zero_is_a_ucl_error():
         ucl.compile(model, UNIVERSAL, Mesh(pp=2))
 
 
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError, reason=(
-    "BUG: `flat over dp align 0` raises ZeroDivisionError from lower._lower_flat "
-    "(-(-pos // align)) instead of a UclError"))
 def test_flat_align_zero_is_a_ucl_error():
     model = ucl.load_spec("mesh dp\nw : replicate\nstate e : flat over dp align 0\n").bind(dims={}, params={"w": (4,)})
     with pytest.raises(ucl.UclError):

@@ -138,6 +138,7 @@ class _Checker:
         ndim = len(st.shape) if st.shape is not None else None
         structure: dict[tuple, tuple] = {}  # path -> ("view", nfactors) | ("concat", names)
         split_paths: dict[tuple, ast.Split] = {}
+        split_order: list[ast.Split] = []
         split_axes: dict[str, ast.Split] = {}
         placed_axes: dict[str, object] = {}
         padded: set[int] = set()
@@ -187,7 +188,8 @@ class _Checker:
                         self.error("UCL109", f"axis {axis.name!r} already places this parameter; it cannot also split it", axis.span)
                     split_axes.setdefault(axis.name, t)
                 if resolve(t.dim):
-                    split_paths[t.dim.path] = t
+                    split_paths.setdefault(t.dim.path, t)  # the first split of each path
+                    split_order.append(t)
             elif isinstance(t, ast.Pad):
                 if len(t.dim.path) != 1:
                     self.error("UCL108", "pad applies to a whole dim (write `pad 0 ...`)", t.dim.span)
@@ -223,12 +225,17 @@ class _Checker:
                 for axis in t.axes:
                     if axis.name in split_axes:
                         self.error("UCL109", f"axis {axis.name!r} both splits and replicates this parameter", axis.span)
-        # A node whose descendants are split cannot itself be split (one split per path family).
-        for path, t in split_paths.items():
-            for other in split_paths:
-                if other != path and other[:len(path)] == path and structure.get(path, ("",))[0] == "view":
-                    self.error("UCL109", f"dim {t.dim} is split, and so is its factor "
-                               f"{'.'.join(map(str, other))}; split one of them", t.span)
+        # Splitting a viewed dim and then one of its factors is ambiguous; the other order is
+        # well defined (the later split cuts the rank-local extent: FSDP on top of TP).
+        for i, t in enumerate(split_order):
+            path = t.dim.path
+            if structure.get(path, ("",))[0] != "view":
+                continue
+            for later in split_order[i + 1:]:
+                other = later.dim.path
+                if other != path and other[:len(path)] == path:
+                    self.error("UCL109", f"dim {t.dim} is split before its factor {later.dim}; split the factor "
+                               "first (a later split of the whole dim then cuts each rank's local part)", later.span)
 
     def _placed(self, placed_axes, split_axes, axis: ast.Ident, t):
         if axis.name in split_axes:

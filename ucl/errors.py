@@ -113,5 +113,6 @@ class StoreError(UclError):
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    # short names (tp, dp) differ by one letter at ratio 0.5, so accept that for them
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5 if len(word) <= 3 else 0.6)
     return f"did you mean {match[0]}?" if match else None

@@ -31,9 +31,10 @@ class Node:
     size: int
     children: tuple["Node", ...] = ()
     splits: tuple[tuple[tuple[str, ...], str], ...] = ()  # ((axes...), "even"|"uneven"|"shared")
+    post: tuple[tuple[tuple[str, ...], str], ...] = ()  # splits of a view/concat's rank-local extent
 
     def axes(self) -> frozenset[str]:
-        own = {a for axes, _ in self.splits for a in axes}
+        own = {a for axes, _ in self.splits + self.post for a in axes}
         for c in self.children:
             own |= c.axes()
         return frozenset(own)
@@ -104,16 +105,31 @@ def split_range(n: int, parts: int, coord: int, mode: str) -> tuple[int, int]:
     return coord * chunk, (coord + 1) * chunk
 
 
+def _coord(axes, coords) -> tuple[int, int]:
+    coord, parts = 0, 1
+    for a in axes:
+        c, s = coords[a]
+        coord, parts = coord * s + c, parts * s
+    return coord, parts
+
+
 def _held(node: Node, coords: Mapping[str, tuple[int, int]]):
     """Global indices (within the node) held by a rank, in local order.
     Returns (lo, hi) for a contiguous range, else an int64 array."""
+    held = _held_structure(node, coords)
+    for axes, mode in node.post:
+        coord, parts = _coord(axes, coords)
+        n = held[1] - held[0] if isinstance(held, tuple) else len(held)
+        lo, hi = split_range(n, parts, coord, mode)
+        held = (held[0] + lo, held[0] + hi) if isinstance(held, tuple) else held[lo:hi]
+    return held
+
+
+def _held_structure(node: Node, coords):
     if node.kind == "leaf" or (node.kind == "view" and node.splits):
         lo, hi = 0, node.size
         for axes, mode in node.splits:
-            coord, parts = 0, 1
-            for a in axes:
-                c, s = coords[a]
-                coord, parts = coord * s + c, parts * s
+            coord, parts = _coord(axes, coords)
             dlo, dhi = split_range(hi - lo, parts, coord, mode)
             lo, hi = lo + dlo, lo + dhi
         return lo, hi

@@ -59,7 +59,8 @@ class ShardMap:
 
 def _fail(model: Model, tensor: Tensor, span, err: LayoutError | Diagnostic, mesh: Mesh):
     d = err if isinstance(err, Diagnostic) else Diagnostic(err.code, str(err), span, err.hint)
-    msg = f"{tensor.name} {list(tensor.shape)} ({tensor.kind}) on mesh {mesh}: {d.message}"
+    where = "" if mesh.is_universal else f" on mesh {mesh}"
+    msg = f"{tensor.name} {list(tensor.shape)} ({tensor.kind}){where}: {d.message}"
     raise BindError([Diagnostic(d.code, msg, d.span or span, d.hint)], model.spec.text, model.spec.filename)
 
 
@@ -88,13 +89,13 @@ def _build_dims(model: Model, tensor: Tensor, env: dict, mesh: Mesh) -> tuple[Di
     rule = tensor.rule
     shape = model.params[tensor.name]
     structure: dict[tuple, ast.Transform] = {}
-    splits: dict[tuple, list] = {}
+    splits: dict[tuple, list] = {}  # path -> [(order, (axes, mode))]
     pads: dict[int, int] = {}
-    for t in rule.transforms:
+    for order, t in enumerate(rule.transforms):
         if isinstance(t, (ast.View, ast.Concat)):
             structure[t.dim.path] = t
         elif isinstance(t, ast.Split):
-            splits.setdefault(t.dim.path, []).append((tuple(a.name for a in t.axes), t.mode))
+            splits.setdefault(t.dim.path, []).append((order, (tuple(a.name for a in t.axes), t.mode)))
         elif isinstance(t, ast.Pad):
             n = shape[t.dim.root]
             target = _eval(model, tensor, t.target, env, mesh)
@@ -105,27 +106,35 @@ def _build_dims(model: Model, tensor: Tensor, env: dict, mesh: Mesh) -> tuple[Di
                 _fail(model, tensor, t.span, LayoutError("UCL205", f"cannot pad dim {t.dim} of size {n} down to {padded}"), mesh)
             pads[t.dim.root] = padded
 
+    def first_below(path) -> float:
+        """Order of the first split of a strict descendant of ``path`` (inf if none)."""
+        orders = [o for p, xs in splits.items() if len(p) > len(path) and p[:len(path)] == path for o, _ in xs]
+        return min(orders, default=float("inf"))
+
     def build(path: tuple, size: int, inherited=()) -> Node:
-        own = tuple(inherited) + tuple(splits.get(path, ()))
+        mine = splits.get(path, [])
         t = structure.get(path)
         if t is None:
-            return Node("leaf", size, (), own)
+            return Node("leaf", size, (), tuple(inherited) + tuple(x for _, x in mine))
+        cut = first_below(path)
+        pre = tuple(inherited) + tuple(x for o, x in mine if o < cut)
+        post = tuple(x for o, x in mine if o > cut)  # after a descendant's split: cuts the local extent
         if isinstance(t, ast.View):
             sizes = [_eval(model, tensor, f, env, mesh) for f in t.factors]
             if int(np.prod(sizes, dtype=np.int64)) != size:
                 _fail(model, tensor, t.span, LayoutError(
                     "UCL206", f"view {t.dim} as {sizes}: the factors multiply to {int(np.prod(sizes))}, not {size}"), mesh)
+            if pre and cut == float("inf"):  # a split of the whole viewed dim: the view does not matter
+                return Node("leaf", size, (), pre)
             kids = tuple(build(path + (k,), s) for k, s in enumerate(sizes))
-            if own:  # a split of the whole viewed dim: the view does not matter for it
-                return Node("leaf", size, (), own)
-            return Node("view", size, kids)
+            return Node("view", size, kids, (), post)
         sizes = [_eval(model, tensor, p.size, env, mesh) for p in t.parts]
         if sum(sizes) != size:
             _fail(model, tensor, t.span, LayoutError(
                 "UCL206", f"concat {t.dim} parts {sizes} sum to {sum(sizes)}, not {size}"), mesh)
         # A split of a concat splits every part: each rank holds [q_r; k_r; v_r].
-        kids = tuple(build(path + (p.name.name,), s, own) for p, s in zip(t.parts, sizes))
-        return Node("concat", size, kids)
+        kids = tuple(build(path + (p.name.name,), s, pre) for p, s in zip(t.parts, sizes))
+        return Node("concat", size, kids, (), post)
 
     dims = []
     for d, n in enumerate(shape):
@@ -196,6 +205,8 @@ def _stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh):
         stage = int(np.searchsorted(bounds, value, side="right"))
         return stage, value - (int(bounds[stage - 1]) if stage else 0)
     virtual = ev(t.virtual) if t.virtual is not None else 1
+    if virtual < 1:
+        _fail(model, tensor, t.span, LayoutError("UCL207", f"virtual {virtual}: needs at least 1 chunk per stage"), mesh)
     chunks = size * virtual
     if count % chunks:
         _fail(model, tensor, t.span, LayoutError(
@@ -282,6 +293,9 @@ def _flat_geometry(model, group, info, env, mesh):
     align = _eval(model, first, flat.align, env, mesh) if flat.align is not None else 1
     multiple = _eval(model, first, flat.pad_multiple, env, mesh) if flat.pad_multiple is not None else 1
     bucket = _eval(model, first, flat.bucket, env, mesh) if flat.bucket is not None else None
+    for what, v in (("align", align), ("pad to multiple_of", multiple), ("bucket", bucket if bucket is not None else 1)):
+        if v < 1:
+            _fail(model, first, flat.span, LayoutError("UCL210", f"flat {what} {v}: must be at least 1"), mesh)
     member_axes = set()
     for t in group.members:
         dims, allowed, _ = info[t.id]

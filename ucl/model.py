@@ -79,11 +79,13 @@ class Model:
             self._fail(problems)
         self.dims = {d: int(dims[d]) for d in ck.dims}
         base_env = dict(self.dims)
+        self._broken_lets: set[str] = set()
         for name, expr in ck.lets:  # lets that need mesh sizes are evaluated per mesh
             try:
                 base_env[name] = evaluate(expr, base_env)
             except ExprError as e:
-                if e.diagnostic.code != "UCL101":
+                self._broken_lets.add(name)
+                if e.diagnostic.code != "UCL101" or not self._mentions_axis(expr):
                     problems.append(e.diagnostic)
         self.static_env = base_env
 
@@ -118,6 +120,8 @@ class Model:
                     t.flat_group = g.id
                     g.members.append(t)
                 self.tensors.append(t)
+        if not problems:
+            problems += self._check_structure()
         if problems:
             self._fail(problems)
         for g in self.flat_groups:
@@ -153,6 +157,11 @@ class Model:
                                        "make the patterns disjoint"))
         return None, None
 
+    def _mentions_axis(self, expr) -> bool:
+        from .expr import names_in
+        axes = set(self.spec.checked.axes)
+        return any(v.name in axes or v.name in self._broken_lets for v in names_in(expr))
+
     def _check_shape(self, name, shape, rule, problems):
         if rule.shape is not None:
             if len(rule.shape) != len(shape):
@@ -163,7 +172,8 @@ class Model:
                 try:
                     want = evaluate(expr, self.static_env)
                 except ExprError as e:
-                    problems.append(e.diagnostic)
+                    if not self._mentions_axis(expr) and e.diagnostic not in problems:
+                        problems.append(e.diagnostic)  # a broken let was reported once already
                     continue
                 if want != actual:
                     problems.append(Diagnostic("UCL203", f"parameter {name!r} has shape {list(shape)}, but the rule "
@@ -181,6 +191,22 @@ class Model:
             problems.append(Diagnostic("UCL208", f"state {kind!r} of {name!r} is declared by {len(decls)} statements "
                                        f"(lines {', '.join(str(d.span.line) for d in decls)})", decls[1].span))
         return decls[0] if decls else None
+
+    def _check_structure(self) -> list[Diagnostic]:
+        """Views, concats and pads that cannot fit the real shapes are reported now, not only when
+        some mesh is compiled (mesh axes count as size 1 here)."""
+        from .lower import _build_dims
+        env = self.env(Mesh())
+        found, seen_rules = [], set()
+        for t in self.tensors:
+            if t.kind != PARAM or (id(t.rule), t.shape) in seen_rules:
+                continue
+            seen_rules.add((id(t.rule), t.shape))
+            try:
+                _build_dims(self, t, env, Mesh())
+            except BindError as e:
+                found.extend(e.diagnostics)
+        return found
 
     # -- queries -----------------------------------------------------------------------------
     def tensor(self, key: str) -> Tensor:

@@ -5,13 +5,14 @@ every target dataset has exactly one source element or is a declared fill (paddi
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .errors import PlanError
-from .layout import I64, intersect, product
+from .layout import I64, DimLayout, intersect, product
 from .lower import Holding, ShardMap, Slot
 from .mesh import Mesh
 from .model import Model
@@ -280,25 +281,68 @@ def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
 
 
 def _dedup_sources(S: ShardMap, t) -> list:
-    """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once."""
+    """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
+    Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
+    several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
+    out, volume = _dedup(S, t, by_box=False)
+    if volume > t.numel:
+        out, volume = _dedup(S, t, by_box=True)
+    if volume != t.numel:
+        what = "overlapping, non-identical replicas" if volume > t.numel else "elements no rank holds"
+        raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the source holds {volume} elements of {t.numel}: {what}",
+                        code="UCL313" if volume > t.numel else "UCL314")
+    return out
+
+
+def _dedup(S: ShardMap, t, by_box: bool):
     seen, out, volume = set(), [], 0
+    kept: list[list[tuple[int, int, int]]] = []  # by_box: boxes accepted so far, as (g, l, n) per dim
     for h in S.holdings[t.id]:
-        sig = tuple(tuple(d.segs.tobytes() for d in p) for p in h.pieces)
-        if sig in seen:
-            continue
-        seen.add(sig)
         rank = S.mesh.rank(**h.fixed) if not S.mesh.is_universal else 0
-        for p in h.pieces:
+        if not by_box:
+            sig = tuple(_sig(p) for p in h.pieces)
+            if sig in seen:
+                continue
+            seen.add(sig)
+            pieces = h.pieces
+        else:  # keep only what earlier ranks do not already hold
+            pieces = []
+            for p in h.pieces:
+                for box in _boxes(p):
+                    rest = [box]
+                    for k in kept:
+                        rest = [r for b in rest for r in _subtract(b, k)]
+                    kept.extend(rest)
+                    pieces += [tuple(DimLayout(d.local, np.array([seg], dtype=I64), d.fills[:0])
+                                     for d, seg in zip(p, r)) for r in rest]
+        for p in pieces:
             vol = int(np.prod([d.segs[:, 2].sum() for d in p], dtype=np.int64))
             if vol == 0:
                 continue
             volume += vol
             lo, hi = _bbox(p)
             out.append((lo, hi, p, rank, h.slot))
-    if volume != t.numel:
-        what = "overlapping, non-identical replicas" if volume > t.numel else "elements no rank holds"
-        raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the source holds {volume} elements of {t.numel}: {what}",
-                        code="UCL313" if volume > t.numel else "UCL314")
+    return out, volume
+
+
+def _boxes(piece) -> list[list[tuple[int, int, int]]]:
+    """A piece as single boxes: one (global start, local start, length) run per dim."""
+    per_dim = [[tuple(int(x) for x in seg) for seg in d.segs] for d in piece]
+    return [list(c) for c in itertools.product(*per_dim)]
+
+
+def _subtract(box, other) -> list:
+    """``box`` minus ``other`` as at most 2*ndim boxes (runs keep their global->local offsets)."""
+    if any(g + n <= og or og + on <= g for (g, _, n), (og, _, on) in zip(box, other)):
+        return [box]
+    out, core = [], list(box)
+    for d, ((g, l, n), (og, _, on)) in enumerate(zip(box, other)):
+        lo, hi = max(g, og), min(g + n, og + on)
+        if g < lo:
+            out.append(core[:d] + [(g, l, lo - g)] + core[d + 1:])
+        if hi < g + n:
+            out.append(core[:d] + [(hi, l + hi - g, g + n - hi)] + core[d + 1:])
+        core[d] = (lo, l + lo - g, hi - lo)
     return out
 
 
