@@ -237,7 +237,7 @@ def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
                     if src_lo is None:
                         src_lo = np.array([lo for lo, _, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
                         src_hi = np.array([hi for _, hi, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
-                    g, dl, sl, n, idx = _piece_rows(t, piece, sources, src_lo, src_hi)
+                    g, dl, sl, n, idx = _coalesce(*_piece_rows(t, piece, sources, src_lo, src_hi))
                     fb = _fill_boxes(piece)
                     geo = geometry[key] = (_pad_cols(g, K, 0), _pad_cols(dl, K, 0), _pad_cols(sl, K, 0),
                                            _pad_cols(n, K, 1), idx, _pad_cols(fb[:, :, 0], K, 0), _pad_cols(fb[:, :, 1], K, 1))
@@ -278,6 +278,35 @@ def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
                 list(slot_ids), c, fills.build(("dst_start", "size"), FILL_COLUMNS, K), datasets,
                 {"rank": np.concatenate(ds_rank) if ds_rank else np.zeros(0, dtype=I64),
                  "dataset": np.concatenate(ds_id) if ds_id else np.zeros(0, dtype=I64)})
+
+
+def _coalesce(g, dl, sl, n, idx):
+    """Merge rows of one target piece that continue each other along a dim in global, target and
+    source coordinates alike (same source, same extent in the other dims): fewer, larger I/O calls.
+    Done per geometry, before rows are repeated over replicas, so it costs little."""
+    nd = g.shape[1]
+    for d in range(nd):
+        if len(idx) < 2:
+            break
+        others = [k for k in range(nd) if k != d]
+        keys = [idx] + [a[:, k] for a in (g, dl, sl, n) for k in others]
+        order = np.lexsort([g[:, d]] + keys[::-1])
+        g, dl, sl, n, idx = g[order], dl[order], sl[order], n[order], idx[order]
+        same = idx[1:] == idx[:-1]
+        for a in (g, dl, sl, n):
+            for k in others:
+                same &= a[1:, k] == a[:-1, k]
+        for a in (g, dl, sl):
+            same &= a[1:, d] == a[:-1, d] + n[:-1, d]
+        if not same.any():
+            continue
+        group = np.concatenate([[0], np.cumsum(~same)])
+        first = np.concatenate([[0], np.flatnonzero(~same) + 1])
+        g, dl, sl, idx = g[first], dl[first], sl[first], idx[first]
+        size = n[first].copy()
+        size[:, d] = np.bincount(group, weights=n[:, d]).astype(I64)
+        n = size
+    return g, dl, sl, n, idx
 
 
 def _dedup_sources(S: ShardMap, t) -> list:
