@@ -131,15 +131,24 @@ def save_rank(path: str | os.PathLike, tensors: Mapping[str, Any], *, model: Mod
     """Collective save under ``torch.distributed`` (one call per rank; world size = mesh size):
     every rank writes its own file into a shared temporary directory, rank 0 commits once all are
     durable. Without an initialised process group, ``mesh`` must have one rank."""
-    arrays = _normalise(model, mesh, rank, tensors)
-    want = expected_datasets(model, mesh, rank)
     dist = _dist()
     if dist is None:
         if mesh.size != 1:
             raise StoreError("save_rank on a multi-rank mesh needs torch.distributed to be initialised", code="UCL422")
-        return save(path, {0: arrays}, model=model, mesh=mesh, state=state)
+        return save(path, {0: tensors}, model=model, mesh=mesh, state=state)
     if dist.get_world_size() != mesh.size:
         raise StoreError(f"world size {dist.get_world_size()} != mesh size {mesh.size}", code="UCL422")
+    # Every rank checks its tensors, then all learn every problem: one bad rank fails all of them
+    # cleanly (nothing written) instead of leaving the others blocked in a collective.
+    arrays, problem = {}, ""
+    try:
+        arrays = _normalise(model, mesh, rank, tensors)
+    except UclError as e:
+        problem = str(e)
+    problems = [p for p in _allgather_json(problem) if p]
+    if problems:
+        raise StoreError("checkpoint not written: " + "\n".join(problems), code="UCL421")
+    want = expected_datasets(model, mesh, rank)
     writer = None
     tmp = ""
     error = ""
@@ -243,10 +252,13 @@ class _Reader:
     is read whole and its checksum verified. With an arena, results are views valid until the
     next read."""
 
-    def __init__(self, ckpt: Checkpoint, arena: _Arena | None = None):
+    def __init__(self, ckpt: Checkpoint, arena: _Arena | None = None, verify: bool = False):
         self.ckpt = ckpt
         self.arena = arena
+        self.verify = verify  # check each source dataset's checksum once, even when read in parts
+        self.verified: set[tuple[int, str]] = set()
         self.bytes_read = 0
+        self.bytes_verified = 0
 
     def read(self, rank: int, slot: Slot, start, size) -> np.ndarray:
         nd = len(slot.shape)
@@ -259,7 +271,14 @@ class _Reader:
         whole = start == (0,) * nd and n == int(np.prod(info.shape, dtype=np.int64)) and (direct or slot.base == 0)
         if whole:
             out = self.ckpt.read(rank, slot.key, verify=True, out=self._buf(info.shape, dtype)).reshape(size)
-        elif direct:
+            self.verified.add((rank, slot.key))
+            self.bytes_read += out.nbytes
+            return out
+        if self.verify and (rank, slot.key) not in self.verified:
+            self.ckpt.verify_dataset(rank, slot.key)
+            self.verified.add((rank, slot.key))
+            self.bytes_verified += int(np.prod(info.shape, dtype=np.int64)) * dtype.itemsize
+        if direct:
             out = self.ckpt.read_box(rank, slot.key, start, size, out=self._buf(size, dtype))
         else:
             out = self.ckpt.read_runs(rank, slot.key, flat_runs(slot, start, size), out=self._buf((n,), dtype)).reshape(size)
@@ -276,6 +295,9 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh, rank: int, as_torch: bool 
     """Rank ``rank``'s tensors for layout ``mesh``, resharded on the fly from whatever layout the
     checkpoint has: only the hyperslabs this rank needs are read. Keys are ``KIND/LOCAL_NAME``."""
     t0 = time.perf_counter()
+    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < mesh.size:
+        from .errors import MeshError
+        raise MeshError(f"rank {rank} is outside {mesh} ({mesh.size} ranks)", code="UCL303")
     with open_checkpoint(path) as ckpt:
         model = model_of(ckpt)
         plan = compile(model, mesh_of(ckpt), mesh)
@@ -316,12 +338,13 @@ def _assemble(plan: Plan, reader: _Reader, rank: int, rows: np.ndarray | None = 
 
 # ---- offline reshard ----------------------------------------------------------------------------------
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh, *, workers: int | None = None,
-            durable: bool = True, progress: Callable[[int], None] | None = None) -> IOStats:
+            durable: bool = True, verify: bool = True, progress: Callable[[int], None] | None = None) -> IOStats:
     """Write checkpoint ``dst`` holding ``src`` in layout ``to`` (``Mesh()`` = universal). The spec,
     dims and source layout come from ``src``'s manifest. Streams one target dataset at a time,
     builds replicated target datasets once, uses ``workers`` processes; ``dst`` appears atomically.
     ``durable=False`` skips fsync of the data files (atomic against crashes of the process, not of
-    the machine)."""
+    the machine). ``verify`` checks the checksum of every source dataset it reads from, including
+    those it reads only in parts, so corruption is never copied into a freshly checksummed file."""
     t0 = time.perf_counter()
     with open_checkpoint(src) as ckpt:
         model = model_of(ckpt)
@@ -335,7 +358,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh, *, workers
     writer = CheckpointWriter(dst, to.size, durable=durable, **_manifest_fields(model, to, state))
     try:
         global _JOB
-        _JOB = (os.fspath(src), writer.tmp_path, to.size, plan, groups, durable)
+        _JOB = (os.fspath(src), writer.tmp_path, to.size, plan, groups, durable, verify)
         if workers == 1:
             results = [_run_worker(assignment[0], progress)]
         else:
@@ -360,7 +383,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh, *, workers
     return stats
 
 
-_JOB: Any = None  # (src path, tmp path, nranks, plan, groups, durable), inherited by forked workers
+_JOB: Any = None  # (src, tmp path, nranks, plan, groups, durable, verify), inherited by forked workers
 
 
 def _replica_groups(plan: Plan) -> list[tuple[str, tuple, str, list[int], np.ndarray]]:
@@ -419,12 +442,12 @@ def _assign(groups, plan: Plan, workers: int) -> list[list[int]]:
 
 
 def _run_worker(tasks, progress=None) -> str:
-    src, tmp, nranks, plan, groups, durable = _JOB
+    src, tmp, nranks, plan, groups, durable, verify = _JOB
     ranks = tasks[-1][1]
     writer = CheckpointWriter.join(tmp, nranks, durable=durable)
     written = datasets = needed = 0
     with open_checkpoint(src) as ckpt:
-        reader = _Reader(ckpt, _Arena())
+        reader = _Reader(ckpt, _Arena(), verify=verify)
         target = _Arena()
         c = plan.copies
         # order by first source (file, dataset): reads sweep each file in order

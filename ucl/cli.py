@@ -47,6 +47,10 @@ def cmd_check(args) -> int:
     from .spec import load_spec
     spec = load_spec(args.spec)
     con = _console()
+    if args.dims is None and args.against and (Path(args.against) / "config.json").is_file():
+        args.dims = str(Path(args.against) / "config.json")  # a save_pretrained folder carries its dims
+    if args.dims is None and args.against:
+        raise UclError("--against needs --dims (a config.json or hidden=...,heads=...)", code="UCL009")
     if args.dims is None:
         con.print(f"[green]ok[/]: {spec.name or spec.filename}: {len(spec.checked.rules)} rules, "
                   f"{len(spec.checked.placements)} placement rules, axes {', '.join(spec.axes) or '-'}, "
@@ -85,7 +89,10 @@ def cmd_plan(args) -> int:
     if args.explain:
         print(plan.explain(args.explain))
     if args.json:
-        Path(args.json).write_text(plan.to_json())
+        try:
+            Path(args.json).write_text(plan.to_json())
+        except OSError as e:
+            raise UclError(f"cannot write {args.json}: {e.strerror}", code="UCL000") from None
         con.print(f"plan written to {args.json}")
     return 0
 
@@ -275,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UclError as e:
+        print(f"ucl: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a path the user gave that cannot be read or written
         print(f"ucl: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

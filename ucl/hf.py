@@ -21,6 +21,7 @@ import struct
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Mapping
+from .errors import StoreError
 
 __all__ = ["load_config", "read_tensor_names", "fuse_saved_experts", "check_against", "draft_spec_from_hf"]
 
@@ -37,7 +38,10 @@ def _config_source(config) -> dict:
     path = Path(config)
     if path.is_dir():
         path = path / "config.json"
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise StoreError(f"cannot read config {path}: {e}", code="UCL404") from None
 
 
 def load_config(config) -> dict:
@@ -51,9 +55,8 @@ def load_config(config) -> dict:
     """
     raw = _config_source(config)
     out = dict(raw)
-    if not isinstance(config, Mapping) and hasattr(config, "to_dict"):
-        pass  # already a full config
-    elif raw.get("model_type"):
+    full = not isinstance(config, Mapping) and hasattr(config, "to_dict")  # a PretrainedConfig already
+    if not full and raw.get("model_type"):
         try:
             from transformers import AutoConfig
             fields = {k: v for k, v in raw.items() if k != "model_type"}
@@ -71,10 +74,10 @@ def _safetensors_header(path: Path) -> Shapes:
     with open(path, "rb") as fh:
         head = fh.read(8)
         if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (too short)")
+            raise StoreError(f"{path}: not a safetensors file (too short)", code="UCL401")
         (n,) = struct.unpack("<Q", head)
         if n > 100 * 1024 * 1024:
-            raise ValueError(f"{path}: not a safetensors file (header of {n} bytes)")
+            raise StoreError(f"{path}: not a safetensors file (header of {n} bytes)", code="UCL401")
         meta = json.loads(fh.read(n))
     return {k: tuple(int(x) for x in v["shape"]) for k, v in meta.items() if k != "__metadata__"}
 
@@ -91,7 +94,7 @@ def _ucl_checkpoint(path: Path) -> Shapes:
             if kind == "param":
                 out[name] = tuple(int(x) for x in entry["shape"])
         return out
-    raise ValueError(f"{path}/manifest.json has no `params` (global shapes) and is not universal")
+    raise StoreError(f"{path}/manifest.json has no `params` (global shapes) and is not universal", code="UCL420")
 
 
 def read_tensor_names(path) -> Shapes:
@@ -107,7 +110,7 @@ def read_tensor_names(path) -> Shapes:
             return _merge(path.parent / f for f in files)
         return _safetensors_header(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such file or folder")
+        raise StoreError(f"{path}: no such file or folder", code="UCL404")
     if (path / "manifest.json").is_file():
         return _ucl_checkpoint(path)
     index = sorted(path.glob("*.safetensors.index.json"))
@@ -116,7 +119,7 @@ def read_tensor_names(path) -> Shapes:
         return _merge(path / f for f in files)
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no .safetensors files, index or ucl manifest.json")
+        raise StoreError(f"{path}: no .safetensors files, index or ucl manifest.json", code="UCL404")
     return _merge(files)
 
 
@@ -361,7 +364,13 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
     over ``pp``, parameters before them on the first stage and after them on the last; optimizer
     states follow their parameter. Review the result: see docs/stdlib.md for what cannot be inferred.
     """
-    config, model = _meta_model(config_or_dir)
+    raw = None  # the fields the user's config really has (a spec's `--dims CONFIG` reads only those)
+    if not hasattr(config_or_dir, "to_dict"):
+        raw = _config_source(config_or_dir)  # a missing or unreadable config is a StoreError
+    try:
+        config, model = _meta_model(raw if raw is not None else config_or_dir)
+    except Exception as e:  # transformers' own errors (unknown model_type, bad fields)
+        raise StoreError(f"transformers cannot build a model from {config_or_dir}: {e}", code="UCL423") from None
     cfg = config.to_dict()
     attr_map = dict(getattr(config, "attribute_map", {}) or {})
     # dims from the config fields we recognise (canonical name or its alias key in to_dict())
@@ -508,11 +517,25 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
     if derived_head_dim and "head_dim" in used:
         used |= {"hidden", "heads"}
         lets.append("let head_dim = hidden / heads")
+    # a dim the config file leaves to the class default cannot be read from it: derive or fix it
+    missing = {d for d, (key, _) in dims.items() if d in used and raw is not None and raw.get(key) is None}
+    if "tied" in used and raw is not None and raw.get("tie_word_embeddings") is None:
+        missing.add("tied")
+    if "head_dim" in missing and values.get("hidden") and values.get("heads") \
+            and values["hidden"] == values["heads"] * values["head_dim"]:
+        missing.discard("head_dim")
+        del dims["head_dim"]
+        used |= {"hidden", "heads"}
+        lets.append("let head_dim = hidden / heads  # config.json has no head_dim")
+    for d in sorted(missing):
+        value = int(tied) if d == "tied" else dims.pop(d)[1]
+        lets.append(f"let {d} = {value}  # the class default: config.json does not set it")
+    consts = {d for d in missing}
     decl = []
     for d, (key, _) in dims.items():
-        if d in used:
+        if d in used and d not in consts:
             decl.append(d if d == key else f"{d} from {key}")
-    if "tied" in used:
+    if "tied" in used and "tied" not in consts:
         decl.append("tied from tie_word_embeddings")
     axes = ["pp", "dp"] + (["ep"] if uses_ep else []) + ["tp"]
     title = name or getattr(config, "model_type", "model")

@@ -117,8 +117,15 @@ def _build_dims(model: Model, tensor: Tensor, env: dict, mesh: Mesh) -> tuple[Di
         if t is None:
             return Node("leaf", size, (), tuple(inherited) + tuple(x for _, x in mine))
         cut = first_below(path)
-        pre = tuple(inherited) + tuple(x for o, x in mine if o < cut)
-        post = tuple(x for o, x in mine if o > cut)  # after a descendant's split: cuts the local extent
+        if isinstance(t, ast.View):
+            pre = tuple(inherited) + tuple(x for o, x in mine if o < cut)
+            post = tuple(x for o, x in mine if o > cut)  # after a factor's split: cuts the local extent
+        else:
+            # The first split of a concat splits every part ([q_r; k_r; v_r]); any later one, or one
+            # after a part's own split, cuts the rank-local extent (FSDP on top of TP).
+            first = [x for o, x in mine[:1] if o < cut]
+            pre = tuple(inherited) + tuple(first)
+            post = tuple(x for x in (x for _, x in mine[len(first):]))
         if isinstance(t, ast.View):
             sizes = [_eval(model, tensor, f, env, mesh) for f in t.factors]
             if int(np.prod(sizes, dtype=np.int64)) != size:

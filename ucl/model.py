@@ -187,6 +187,8 @@ class Model:
     def _state_decl(self, name, kind, problems):
         decls = [d for d in self.spec.checked.states if any(k.name == kind for k in d.kinds)
                  and (d.pattern is None or d.pattern.match(name))]
+        if any(d.pattern is not None for d in decls):  # a `for PATTERN` statement overrides a general one
+            decls = [d for d in decls if d.pattern is not None]
         if len(decls) > 1:
             problems.append(Diagnostic("UCL208", f"state {kind!r} of {name!r} is declared by {len(decls)} statements "
                                        f"(lines {', '.join(str(d.span.line) for d in decls)})", decls[1].span))
