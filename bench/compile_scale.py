@@ -1,4 +1,6 @@
-"""Compile-time scale benchmark: plan Llama-3-70B / 405B-shaped reshards from metadata alone.
+"""Compile-time scale benchmark: plan Llama-3-70B / 405B-shaped reshards from metadata alone
+(the built-in Megatron-core spec of ucl.demo: fused QKV, SwiGLU, padded vocab, PP, bf16 weights,
+fp32 master + Adam moments in ZeRO-1 flat buffers over dp).
 
     python bench/compile_scale.py            # both cases
     python bench/compile_scale.py --only 70b
@@ -15,28 +17,7 @@ import statistics
 import time
 
 import ucl
-
-SPEC = """
-# Megatron-core GPT (Llama-3 shape): fused QKV per KV group, SwiGLU, vocab padding, PP, ZeRO-1
-dims vocab, hidden, heads, kv_heads, ffn, layers
-let head_dim = hidden / heads
-mesh pp, dp, tp
-
-decoder.layers.{i}.** : index i of layers over pp
-embedding.word_embeddings.weight [vocab, hidden] : pad 0 to multiple_of(128 * tp); split 0 over tp; on pp = first
-decoder.layers.{i}.self_attention.linear_qkv.weight [(heads + 2 * kv_heads) * head_dim, hidden]
-    : view 0 as [kv_heads, (heads / kv_heads + 2) * head_dim]; split 0.0 over tp
-decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight [hidden] : replicate over tp
-decoder.layers.{i}.self_attention.linear_proj.weight [hidden, heads * head_dim] : split 1 over tp
-decoder.layers.{i}.mlp.linear_fc1.weight [2 * ffn, hidden] : view 0 as [2, ffn]; split 0.1 over tp
-decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight [hidden] : replicate over tp
-decoder.layers.{i}.mlp.linear_fc2.weight [hidden, ffn] : split 1 over tp
-decoder.final_layernorm.weight [hidden] : on pp = last
-output_layer.weight [vocab, hidden] : pad 0 to multiple_of(128 * tp); split 0 over tp; on pp = last
-
-state param : dtype bfloat16
-state fp32, exp_avg, exp_avg_sq : dtype float32; flat over dp pad to multiple_of(dp)
-"""
+from ucl.demo import LLAMA_MEGATRON as SPEC, llama_params as params_of
 
 CASES = {
     "70b": (dict(vocab=128256, hidden=8192, heads=64, kv_heads=8, ffn=28672, layers=80),
@@ -44,22 +25,6 @@ CASES = {
     "405b": (dict(vocab=128256, hidden=16384, heads=128, kv_heads=8, ffn=53248, layers=126),
              "pp=16,dp=128,tp=8", "pp=8,dp=256,tp=8"),
 }
-
-
-def params_of(d: dict) -> dict:
-    hd = d["hidden"] // d["heads"]
-    p = {"embedding.word_embeddings.weight": (d["vocab"], d["hidden"])}
-    for i in range(d["layers"]):
-        L = f"decoder.layers.{i}."
-        p[L + "self_attention.linear_qkv.weight"] = ((d["heads"] + 2 * d["kv_heads"]) * hd, d["hidden"])
-        p[L + "self_attention.linear_qkv.layer_norm_weight"] = (d["hidden"],)
-        p[L + "self_attention.linear_proj.weight"] = (d["hidden"], d["heads"] * hd)
-        p[L + "mlp.linear_fc1.weight"] = (2 * d["ffn"], d["hidden"])
-        p[L + "mlp.linear_fc1.layer_norm_weight"] = (d["hidden"],)
-        p[L + "mlp.linear_fc2.weight"] = (d["hidden"], d["ffn"])
-    p["decoder.final_layernorm.weight"] = (d["hidden"],)
-    p["output_layer.weight"] = (d["vocab"], d["hidden"])
-    return p
 
 
 def run(name: str, repeat: int) -> None:
