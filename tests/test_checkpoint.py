@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import ucl
-import ucl.store.hdf5 as store_hdf5
+import ucl.store.writer as store_writer
 from ucl.checkpoint import IOStats
 from ucl.demo import llama_model, universal_state
 from ucl.errors import BindError, StoreError, UclError
@@ -665,11 +665,11 @@ def test_disk_full_mid_reshard_leaves_source_intact_and_no_target(demo, saved, t
     if where == "h5py.create_dataset":
         monkeypatch.setattr(h5py.Group, "create_dataset", _fail_after(after, h5py.Group.create_dataset))
     elif where == "CheckpointWriter.write":
-        monkeypatch.setattr(store_hdf5.CheckpointWriter, "write", _fail_after(after, store_hdf5.CheckpointWriter.write))
+        monkeypatch.setattr(store_writer.CheckpointWriter, "write", _fail_after(after, store_writer.CheckpointWriter.write))
     elif where == "manifest":
-        monkeypatch.setattr(store_hdf5, "write_atomic", _fail_after(after, store_hdf5.write_atomic))
+        monkeypatch.setattr(store_writer, "write_atomic", _fail_after(after, store_writer.write_atomic))
     elif where == "fsync":
-        monkeypatch.setattr(store_hdf5, "fsync_path", _fail_after(after, store_hdf5.fsync_path))
+        monkeypatch.setattr(store_writer, "fsync_path", _fail_after(after, store_writer.fsync_path))
     # a raw OSError from a patched CheckpointWriter.write bypasses the writer's own translation; every
     # real disk error (h5py, fsync, manifest) must come back as a StoreError
     expected = (UclError, OSError) if where == "CheckpointWriter.write" else StoreError
@@ -707,7 +707,7 @@ def test_disk_full_during_save_writes_nothing(demo, tmp_path, monkeypatch):
 
 SLOW_RESHARD = """
 import os, sys, time
-import ucl.store.hdf5 as h
+import ucl.store.writer as h
 marker = sys.argv[1]
 real = h.CheckpointWriter.write
 n = [0]

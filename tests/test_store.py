@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ucl.store.hdf5 as store_hdf5
+import ucl.store.writer as store_writer
 from ucl.errors import StoreError
 from ucl.store import (FORMAT_VERSION, LOGICAL_DTYPES, Checkpoint, CheckpointRoot, CheckpointWriter, Manifest,
                        cleanup_stale, flat_boxes, itemsize, storage_dtype, to_numpy, to_torch)
@@ -342,7 +343,7 @@ def _assert_only_step1(root):
 def test_failed_write_leaves_previous_checkpoint(tmp_path, monkeypatch, failure):
     root = _root_with_step1(tmp_path)
     calls = []
-    real = store_hdf5._create_dataset
+    real = store_writer._create_dataset
 
     def flaky(*args, **kw):
         calls.append(1)
@@ -356,9 +357,9 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path, monkeypatch, failure)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if failure == "enospc_at_commit":
-        monkeypatch.setattr(store_hdf5, "write_atomic", full_disk)
+        monkeypatch.setattr(store_writer, "write_atomic", full_disk)
     else:
-        monkeypatch.setattr(store_hdf5, "_create_dataset", flaky)
+        monkeypatch.setattr(store_writer, "_create_dataset", flaky)
     with pytest.raises((RuntimeError, StoreError)) as e:
         with root.writer(2, 2, mesh=[("dp", 2)]) as w:
             for r in range(2):
@@ -375,7 +376,7 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path, monkeypatch, failure)
 KILLED_WRITER = """
 import os, signal, sys
 import numpy as np
-import ucl.store.hdf5 as h
+import ucl.store.writer as h
 from ucl.store import CheckpointRoot
 root = CheckpointRoot(sys.argv[1])
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)

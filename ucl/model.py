@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Iterable, Mapping
 
 from . import ast
 from .check import PARAM
-from .errors import BindError, Diagnostic, MeshError, did_you_mean
+from .errors import BindError, Diagnostic, did_you_mean
 from .expr import ExprError, evaluate
 from .mesh import Mesh
 
@@ -147,7 +146,6 @@ class Model:
         if ignored and not hits:
             return None, None
         if not hits:
-            known = [r.pattern.text for r in ck.rules]
             problems.append(Diagnostic("UCL201", f"parameter {name!r} {tuple(self.params[name])} matches no rule",
                                        None, "add a rule for it or `ignore` it"))
         else:

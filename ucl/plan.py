@@ -13,7 +13,7 @@ import numpy as np
 
 from .errors import PlanError
 from .layout import I64, DimLayout, intersect, product
-from .lower import Holding, ShardMap, Slot
+from .lower import ShardMap, Slot
 from .mesh import Mesh
 from .model import Model
 

@@ -1,7 +1,6 @@
 """Spec: a checked .ucl module. Load from a file, from text, or from the standard library."""
 from __future__ import annotations
 
-from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Mapping
 

@@ -6,7 +6,8 @@ from .commit import CheckpointRoot, cleanup_stale
 from .dtypes import (LOGICAL_DTYPES, itemsize, logical_of_numpy_dtype, logical_of_torch_dtype,
                      storage_dtype, to_numpy, to_torch, torch_dtype)
 from .format import FORMAT_VERSION, Manifest, file_name, flat_boxes
-from .hdf5 import Checkpoint, CheckpointWriter, DatasetInfo
+from .hdf5 import Checkpoint, DatasetInfo
+from .writer import CheckpointWriter
 
 __all__ = [
     "Checkpoint", "CheckpointWriter", "CheckpointRoot", "DatasetInfo", "Manifest", "FORMAT_VERSION",

@@ -18,7 +18,8 @@ from ..errors import StoreError
 from .format import MANIFEST_NAME
 
 if TYPE_CHECKING:
-    from .hdf5 import Checkpoint, CheckpointWriter
+    from .hdf5 import Checkpoint
+    from .writer import CheckpointWriter
 
 LATEST_NAME = "latest"
 _TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-z-]+$")
@@ -228,7 +229,7 @@ class CheckpointRoot:
 
     def writer(self, step: int, nranks: int, **fields: Any) -> "CheckpointWriter":
         """A CheckpointWriter for ``path_for(step)``; call ``set_latest(step)`` after its commit."""
-        from .hdf5 import CheckpointWriter
+        from .writer import CheckpointWriter
 
         os.makedirs(self.root, exist_ok=True)
         return CheckpointWriter(self.path_for(step), nranks, **fields)

@@ -1,0 +1,285 @@
+"""Writing a sharded HDF5 checkpoint: a temporary directory, datasets written whole or piecewise,
+checksums, then one atomic commit. Several processes may write ranks into one temporary directory."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import threading
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ..errors import StoreError
+from . import dtypes as _dt
+from .commit import fsync_path, publish_dir, tmp_name, write_atomic
+from .format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, IncrementalChecksum, Manifest, box_sel,
+                     check_box, check_entry, checksum_of, file_name, flat_boxes, split_key)
+from .hdf5 import _Handles, _checksum_dataset, _create_dataset, _open_h5
+
+
+def _write_box(dset: Any, starts: Sequence[int], sizes: Sequence[int], src: np.ndarray) -> None:
+    if not sizes:
+        dset[()] = src
+    elif all(sizes):
+        dset.write_direct(src, dest_sel=box_sel(starts, sizes))
+
+
+class CheckpointWriter:
+    """Writes a checkpoint into a hidden temp directory; ``commit()`` publishes it atomically.
+
+    ``fields`` are Manifest fields (spec, spec_name, dims, mesh, params, frozen, state) and
+    may also be changed on ``writer.manifest`` before commit. In a ``with`` block an
+    exception aborts; leaving it without ``commit()`` aborts and raises. An I/O error
+    (e.g. ENOSPC) aborts at once and raises UCL410: nothing half-written becomes visible.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
+                 durable: bool = True, **fields: Any):
+        self.path: str | None = os.path.abspath(os.fspath(path))
+        if os.path.lexists(self.path):  # checked before anything is written
+            raise StoreError(f"cannot write checkpoint: {self.path} already exists", code="UCL405")
+        if not isinstance(nranks, int) or nranks < 1:
+            raise StoreError(f"nranks must be a positive integer, got {nranks!r}", code="UCL411")
+        try:
+            self.manifest = Manifest(files=[file_name(r) for r in range(nranks)],
+                                     datasets=[{} for _ in range(nranks)], **fields)
+        except TypeError as e:
+            raise StoreError(f"unknown manifest field: {e}", code="UCL403") from None
+        self.manifest.to_json()  # fail early on a bad mesh or non-JSON state
+        parent = os.path.dirname(self.path)
+        self.tmp_path = os.path.join(parent, tmp_name(os.path.basename(self.path)))
+        try:
+            os.makedirs(parent, exist_ok=True)
+            os.mkdir(self.tmp_path)
+        except OSError as e:
+            raise StoreError(f"cannot create {self.tmp_path}: {e}", code="UCL410") from e
+        self._setup(nranks, True, max_open_files, durable)
+
+    @classmethod
+    def join(cls, tmp_path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
+             durable: bool = True) -> "CheckpointWriter":
+        """A participant (another process) writing some ranks' files into an owner's ``tmp_path``.
+        It calls ``finish()`` and hands the result to the owner's ``adopt()``; it cannot commit."""
+        self = cls.__new__(cls)
+        self.path, self.manifest = None, None  # type: ignore[assignment]
+        self.tmp_path = os.path.abspath(os.fspath(tmp_path))
+        if not os.path.isdir(self.tmp_path):
+            raise StoreError(f"temp directory {self.tmp_path} does not exist", code="UCL404")
+        self._setup(nranks, False, max_open_files, durable)
+        return self
+
+    def _setup(self, nranks: int, owner: bool, max_open: int, durable: bool = True) -> None:
+        # durable=False skips fsync of the rank files: the commit stays atomic against killed
+        # processes, but not against a power loss before the OS writes the pages back.
+        self.nranks, self._owner, self._state, self.durable = nranks, owner, "open", durable
+        self._lock = threading.RLock()
+        self._entries: list[dict[str, dict[str, Any]]] = [{} for _ in range(nranks)]
+        self._pending: dict[tuple[int, str], IncrementalChecksum] = {}
+        self._created: set[int] = set()
+        self._adopted: set[int] = set()
+        self._handles = _Handles(self._open_rank, max_open)
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.abort()
+            raise StoreError("CheckpointWriter left its with-block without commit()/finish(); "
+                             "checkpoint discarded", code="UCL411")
+
+    def _open_rank(self, rank: int) -> Any:
+        p = os.path.join(self.tmp_path, file_name(rank))
+        if rank in self._created:
+            return _open_h5(p, "r+")
+        f = _open_h5(p, "w-")
+        self._created.add(rank)
+        f.attrs["ucl_format"], f.attrs["ucl_version"], f.attrs["ucl_rank"] = FORMAT_NAME, FORMAT_VERSION, rank
+        return f
+
+    @contextlib.contextmanager
+    def _io(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            self.abort()
+            raise StoreError(f"writing checkpoint {self.path or self.tmp_path} failed: {e}; aborted, "
+                             "nothing was published", code="UCL410") from e
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise StoreError(f"checkpoint writer is already {self._state}", code="UCL411")
+
+    def _new_key(self, rank: int, key: str) -> tuple[str, str]:
+        self._check_open()
+        kind, name = split_key(key)
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.nranks:
+            raise StoreError(f"no rank {rank} ({self.nranks} ranks)", code="UCL408")
+        if rank in self._adopted:
+            raise StoreError(f"rank {rank} was adopted from another writer", code="UCL411")
+        if key in self._entries[rank]:
+            raise StoreError(f"rank {rank} dataset {key!r} written twice", code="UCL411")
+        if rank not in self._created and os.path.exists(os.path.join(self.tmp_path, file_name(rank))):
+            raise StoreError(f"rank {rank}'s file was written by another writer", code="UCL411")
+        return kind, name
+
+    def write(self, rank: int, key: str, data: Any, *, dtype: str | None = None) -> None:
+        """Write a whole dataset from an array or tensor; ``dtype`` declares raw-bit numpy input."""
+        with self._lock:
+            kind, name = self._new_key(rank, key)
+            arr, logical = _dt.to_numpy(data, dtype)
+            with self._io():
+                f, _ = self._handles.get(rank)
+                d = _create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
+                d.attrs["ucl_dtype"] = logical
+            self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), "checksum": checksum_of(arr)}
+
+    def create(self, rank: int, key: str, shape: Sequence[int], dtype: str) -> None:
+        """Preallocate a dataset to fill with ``write_flat``/``write_box``; unwritten elements read as 0."""
+        with self._lock:
+            kind, name = self._new_key(rank, key)
+            shape = tuple(int(x) for x in shape)
+            if any(x < 0 for x in shape):
+                raise StoreError(f"negative shape {list(shape)} for {key!r}", code="UCL409")
+            with self._io():
+                f, cache = self._handles.get(rank)
+                d = _create_dataset(f.require_group(kind), name, shape, _dt.storage_dtype(dtype))
+                d.attrs["ucl_dtype"] = dtype
+                cache[key] = d
+            self._entries[rank][key] = {"dtype": dtype, "shape": list(shape), "checksum": None}
+            self._pending[(rank, key)] = IncrementalChecksum()
+
+    def _prealloc(self, rank: int, key: str, data: Any) -> tuple[Any, tuple[int, ...], IncrementalChecksum, np.ndarray]:
+        self._check_open()
+        p = self._pending.get((rank, key))
+        if p is None:
+            raise StoreError(f"rank {rank} dataset {key!r} was not made by create()", code="UCL411")
+        e = self._entries[rank][key]
+        want = _dt.storage_dtype(e["dtype"])
+        if isinstance(data, np.ndarray) and data.dtype == want:
+            arr = _dt.contiguous(data)  # raw storage bits
+        else:
+            arr, got = _dt.to_numpy(data)
+            if got != e["dtype"]:
+                raise StoreError(f"rank {rank} dataset {key!r} is {e['dtype']}, data is {got}", code="UCL409")
+        with self._io():
+            f, cache = self._handles.get(rank)
+            d = cache.get(key)
+            if d is None:
+                d = cache[key] = f[key]
+        return d, tuple(e["shape"]), p, arr
+
+    def write_flat(self, rank: int, key: str, start: int, data: Any) -> None:
+        """Write ``data`` (flattened) at row-major flat offset ``start`` of a preallocated dataset."""
+        with self._lock:
+            d, shape, p, arr = self._prealloc(rank, key, data)
+            flat, start = arr.reshape(-1), int(start)
+            if start < 0 or start + flat.size > math.prod(shape):
+                raise StoreError(f"flat range [{start}, {start + flat.size}) out of bounds for rank {rank} "
+                                 f"dataset {key!r} of {math.prod(shape)} elements", code="UCL409")
+            with self._io():
+                for off, starts, sizes in flat_boxes(shape, start, start + flat.size):
+                    n = math.prod(sizes)
+                    _write_box(d, starts, sizes, flat[off - start: off - start + n].reshape(sizes))
+            p.advance(start, flat)
+
+    def write_box(self, rank: int, key: str, starts: Sequence[int], data: Any) -> None:
+        """Write ``data`` into the box at ``starts`` (sizes = ``data.shape``) of a preallocated dataset."""
+        with self._lock:
+            d, shape, p, arr = self._prealloc(rank, key, data)
+            starts = tuple(int(s) for s in starts)
+            check_box(starts, arr.shape, shape, f"rank {rank} dataset {key!r}")
+            with self._io():
+                _write_box(d, starts, arr.shape, arr)
+            if arr.shape == shape:
+                p.advance(0, arr.reshape(-1))
+            elif arr.size:
+                p.in_order = False
+
+    def write_slice(self, rank: int, key: str, where: Any, data: Any) -> None:
+        """``where`` is a flat offset (int), box starts (ints) or a tuple of unit-step slices."""
+        if isinstance(where, (int, np.integer)):
+            return self.write_flat(rank, key, int(where), data)
+        where = tuple(where) if isinstance(where, (tuple, list)) else (where,)
+        if all(isinstance(w, slice) for w in where):
+            if any(w.step not in (None, 1) for w in where):
+                raise StoreError("write_slice needs unit-step slices", code="UCL409")
+            where = tuple(w.start or 0 for w in where)
+        return self.write_box(rank, key, where, data)
+
+    def _flush(self, ranks: Sequence[int]) -> None:
+        """Finish checksums, close files, create empty files for ``ranks`` lacking one, fsync them."""
+        with self._io():
+            for (rank, key), p in sorted(self._pending.items()):
+                e = self._entries[rank][key]
+                shape = tuple(e["shape"])
+                e["checksum"] = p.result(math.prod(shape)) or _checksum_dataset(
+                    self._handles.get(rank)[0][key], shape, _dt.storage_dtype(e["dtype"]))
+            self._pending.clear()
+            for rank in ranks:
+                if rank not in self._created:
+                    self._handles.get(rank)
+            self._handles.close()
+            for rank in ranks if self.durable else ():
+                fsync_path(os.path.join(self.tmp_path, file_name(rank)))
+
+    def finish(self, ranks: Sequence[int] | None = None) -> dict[int, dict[str, dict[str, Any]]]:
+        """Participant side: make files durable and return ``{rank: entries}`` for the owner's ``adopt``.
+        ``ranks`` (default: those written) get a file even if empty."""
+        with self._lock:
+            self._check_open()
+            ranks = sorted(self._created | set(ranks or ()))
+            self._flush(ranks)
+            self._state = "finished"
+            return {r: self._entries[r] for r in ranks}
+
+    def adopt(self, rank: int, entries: dict[str, dict[str, Any]]) -> None:
+        """Owner side: take over rank ``rank``, whose file another process wrote into ``tmp_path``."""
+        with self._lock:
+            self._check_open()
+            if not self._owner or not 0 <= rank < self.nranks or rank in self._created:
+                raise StoreError(f"cannot adopt rank {rank}", code="UCL411")
+            if not os.path.isfile(os.path.join(self.tmp_path, file_name(rank))):
+                raise StoreError(f"cannot adopt rank {rank}: {file_name(rank)} not in {self.tmp_path}", code="UCL411")
+            for key, e in entries.items():
+                check_entry(rank, key, e)
+            self._entries[rank] = {k: dict(e) for k, e in entries.items()}
+            self._adopted.add(rank)
+
+    def commit(self) -> str:
+        """Flush, fsync, write manifest.json, then rename the temp dir to ``path``. Returns ``path``.
+        Either the checkpoint is published whole or the writer is aborted."""
+        with self._lock:
+            self._check_open()
+            if not self._owner:
+                raise StoreError("a joined writer cannot commit; call finish()", code="UCL411")
+            try:
+                self._flush([r for r in range(self.nranks) if r not in self._adopted])
+                self.manifest.datasets, self.manifest.created = self._entries, None
+                text = self.manifest.to_json().encode()
+                with self._io():
+                    write_atomic(os.path.join(self.tmp_path, MANIFEST_NAME), text)
+                    publish_dir(self.tmp_path, self.path)
+            except BaseException:
+                self.abort()
+                raise
+            self._state = "committed"
+            return self.path
+
+    def abort(self) -> None:
+        """Discard everything written; idempotent, no-op after commit() or finish()."""
+        with self._lock:
+            if self._state in ("committed", "aborted", "finished"):  # finished files belong to the owner
+                return
+            self._state = "aborted"
+            self._handles.close()
+            if self._owner:
+                shutil.rmtree(self.tmp_path, ignore_errors=True)
+            else:
+                for rank in self._created:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(self.tmp_path, file_name(rank)))
