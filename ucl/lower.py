@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-
 import numpy as np
 
 from . import ast
