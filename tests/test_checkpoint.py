@@ -245,8 +245,11 @@ def test_load_rank_reads_only_what_its_rank_needs(demo, saved, tmp_path, monkeyp
         stats = IOStats()
         got = ucl.load_rank(src, mesh=T, rank=r, stats=stats)
         assert_same_shards({r: got}, {r: want[r]}, f"load_rank {r}")
-        assert stats.bytes_read == sum(x[3] for x in log)
-        assert stats.bytes_read <= 2 * stats.bytes_needed
+        # verified partial reads round out to the checksum chunks around each box (docs/format.md)
+        assert sum(x[3] for x in log) <= stats.bytes_read <= 2 * stats.bytes_needed
+        plain = IOStats()
+        ucl.load_rank(src, mesh=T, rank=r, stats=plain, verify=False)
+        assert plain.bytes_read == plain.bytes_needed  # unverified: exactly the hyperslabs
         assert stats.bytes_read < 0.4 * whole, (stats.bytes_read, whole)
         with ucl.open(src) as c:
             for _, srank, key, nbytes in log:

@@ -484,3 +484,31 @@ def test_streaming_checksum_in_small_chunks(tmp_path, monkeypatch):
         w.commit()
     ck = Checkpoint.open(tmp_path / "ck")
     assert ck.verify() == [] and np.array_equal(ck.read(0, "fp32/w"), a)
+
+
+def test_partial_read_is_verified_by_chunk_checksums(tmp_path):
+    """A hyperslab read with verify=True reads only the checksum chunks around it and catches a
+    flipped byte anywhere in them; an unverified read of other chunks is unaffected."""
+    data = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: 256 chunks of 16 KiB
+    path = tmp_path / "c"
+    with CheckpointWriter(path, 1) as w:
+        w.write(0, "exp_avg/@flat0", data)
+        w.commit()
+    with Checkpoint.open(path) as c:
+        got = c.read_runs(0, "exp_avg/@flat0", [(1000, 3, 5000, 7)], verify=True)
+        want = np.concatenate([data[1000 + i * 5000:1000 + i * 5000 + 7] for i in range(3)])
+        assert np.array_equal(got, want)
+        assert c.bytes_last_read == 3 * (16 << 10)  # the three chunks touched, not 4 MiB
+    f = path / "rank_00000.h5"
+    import h5py
+    with h5py.File(f, "r") as h:
+        offset = h["exp_avg"]["@flat0"].id.get_offset()
+    raw = bytearray(f.read_bytes())
+    raw[offset + 4 * 200_000] ^= 0x40  # element 200000: chunk 195
+    f.write_bytes(bytes(raw))
+    with Checkpoint.open(path) as c:
+        assert np.array_equal(c.read_runs(0, "exp_avg/@flat0", [(0, 1, 1, 100)], verify=True), data[:100])
+        with pytest.raises(StoreError) as e:
+            c.read_runs(0, "exp_avg/@flat0", [(199_990, 1, 1, 20)], verify=True)
+        assert e.value.code == "UCL407" and "exp_avg/@flat0" in str(e.value)
+        assert c.verify()

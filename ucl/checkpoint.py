@@ -248,17 +248,16 @@ class _Arena:
 
 class _Reader:
     """Reads plan boxes from a source checkpoint with exact hyperslab selections (strided ones for
-    tensors inside flat buffers): every byte read is a byte needed. A box that is a whole dataset
-    is read whole and its checksum verified. With an arena, results are views valid until the
-    next read."""
+    tensors inside flat buffers). A box that is a whole dataset is read whole and its checksum
+    verified; with ``verify``, a partial box is read together with the whole checksum chunks
+    around it (docs/format.md), each verified, so corrupt bytes are never passed on. With an
+    arena, results are views valid until the next read."""
 
-    def __init__(self, ckpt: Checkpoint, arena: _Arena | None = None, verify: bool = False):
+    def __init__(self, ckpt: Checkpoint, arena: _Arena | None = None, verify: bool = True):
         self.ckpt = ckpt
         self.arena = arena
-        self.verify = verify  # check each source dataset's checksum once, even when read in parts
-        self.verified: set[tuple[int, str]] = set()
+        self.verify = verify
         self.bytes_read = 0
-        self.bytes_verified = 0
 
     def read(self, rank: int, slot: Slot, start, size) -> np.ndarray:
         nd = len(slot.shape)
@@ -268,20 +267,17 @@ class _Reader:
         info = self.ckpt.info(rank, slot.key)
         dtype = info.storage_dtype
         n = int(np.prod(size, dtype=np.int64))
-        whole = start == (0,) * nd and n == int(np.prod(info.shape, dtype=np.int64)) and (direct or slot.base == 0)
-        if whole:
+        if start == (0,) * nd and n == info.size and (direct or slot.base == 0):
             out = self.ckpt.read(rank, slot.key, verify=True, out=self._buf(info.shape, dtype)).reshape(size)
-            self.verified.add((rank, slot.key))
             self.bytes_read += out.nbytes
             return out
-        if self.verify and (rank, slot.key) not in self.verified:
-            self.ckpt.verify_dataset(rank, slot.key)
-            self.verified.add((rank, slot.key))
-            self.bytes_verified += int(np.prod(info.shape, dtype=np.int64)) * dtype.itemsize
-        if direct:
-            out = self.ckpt.read_box(rank, slot.key, start, size, out=self._buf(size, dtype))
-        else:
-            out = self.ckpt.read_runs(rank, slot.key, flat_runs(slot, start, size), out=self._buf((n,), dtype)).reshape(size)
+        if self.verify or not direct:
+            view = slot if not direct else Slot(slot.key, 0, tuple(info.shape), tuple(info.shape))
+            out = self.ckpt.read_runs(rank, slot.key, flat_runs(view, start, size), out=self._buf((n,), dtype),
+                                      verify=self.verify).reshape(size)
+            self.bytes_read += self.ckpt.bytes_last_read
+            return out
+        out = self.ckpt.read_box(rank, slot.key, start, size, out=self._buf(size, dtype))
         self.bytes_read += out.nbytes
         return out
 
@@ -290,10 +286,11 @@ class _Reader:
 
 
 # ---- loading one rank ----------------------------------------------------------------------------------
-def load_rank(path: str | os.PathLike, *, mesh: Mesh, rank: int, as_torch: bool = False,
+def load_rank(path: str | os.PathLike, *, mesh: Mesh, rank: int, as_torch: bool = False, verify: bool = True,
               stats: IOStats | None = None) -> dict[str, Any]:
     """Rank ``rank``'s tensors for layout ``mesh``, resharded on the fly from whatever layout the
-    checkpoint has: only the hyperslabs this rank needs are read. Keys are ``KIND/LOCAL_NAME``."""
+    checkpoint has: only the hyperslabs this rank needs are read (with ``verify``, rounded out to
+    the checksum chunks around them, each verified). Keys are ``KIND/LOCAL_NAME``."""
     t0 = time.perf_counter()
     if not isinstance(rank, (int, np.integer)) or not 0 <= rank < mesh.size:
         from .errors import MeshError
@@ -302,7 +299,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh, rank: int, as_torch: bool 
         model = model_of(ckpt)
         plan = compile(model, mesh_of(ckpt), mesh)
         t1 = time.perf_counter()
-        reader = _Reader(ckpt)
+        reader = _Reader(ckpt, verify=verify)
         out = _assemble(plan, reader, rank)
         if stats is not None:
             stats.compile_seconds += t1 - t0

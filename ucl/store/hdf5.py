@@ -20,8 +20,8 @@ import xxhash
 from ..errors import StoreError
 from . import dtypes as _dt
 from .commit import is_tmp_name
-from .format import (MANIFEST_NAME, DatasetInfo, Manifest, box_sel, check_box, check_out, checksum_of,
-                     flat_boxes, format_checksum, raw_bytes)
+from .format import (MANIFEST_NAME, DatasetInfo, IncrementalChecksum, Manifest, box_sel, check_box,
+                     check_out, checksum_of, flat_boxes, format_checksum, raw_bytes)
 
 _CHUNK_BYTES = 64 << 20  # bound on memory when checksumming a dataset piecewise
 
@@ -39,16 +39,19 @@ def _read_flat_into(dset: Any, shape: tuple[int, ...], start: int, stop: int, ou
         _read_box_into(dset, starts, sizes, out[off - start: off - start + n].reshape(sizes))
 
 
-def _checksum_dataset(dset: Any, shape: tuple[int, ...], dtype: np.dtype) -> str:
-    h = xxhash.xxh3_64()
+def _checksum_dataset(dset: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[str, list[str] | None]:
+    """(checksum, chunk checksums) of a dataset, streamed in bounded memory."""
     total = math.prod(shape)
+    h = IncrementalChecksum(total * dtype.itemsize)
     step = max(1, _CHUNK_BYTES // dtype.itemsize)
     buf = np.empty(min(step, total), dtype)
     for s in range(0, total, step):
         e = min(total, s + step)
         _read_flat_into(dset, shape, s, e, buf[: e - s])
-        h.update(raw_bytes(buf[: e - s]))
-    return format_checksum(h.hexdigest())
+        h.advance(s, buf[: e - s])
+    if total == 0:
+        return format_checksum(xxhash.xxh3_64_hexdigest(b"")), None
+    return h.result(total)
 
 
 def _open_h5(path: str, mode: str) -> Any:
@@ -61,6 +64,28 @@ def _create_dataset(group: Any, name: str, shape: tuple[int, ...], dtype: np.dty
     if data is not None:
         return group.create_dataset(name, data=data)
     return group.create_dataset(name, shape=shape, dtype=dtype)
+
+
+class _ChunkCache:
+    """Verified checksum chunks, least recently used dropped first beyond a byte budget."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self.items: OrderedDict[tuple, np.ndarray] = OrderedDict()
+
+    def get(self, key: tuple) -> np.ndarray | None:
+        v = self.items.get(key)
+        if v is not None:
+            self.items.move_to_end(key)
+        return v
+
+    def put(self, key: tuple, value: np.ndarray) -> None:
+        if value.nbytes > self.budget:
+            return
+        self.items[key] = value
+        self.used += value.nbytes
+        while self.used > self.budget:
+            self.used -= self.items.popitem(last=False)[1].nbytes
 
 
 class _Handles:
@@ -93,6 +118,8 @@ class Checkpoint:
         self.path, self.manifest = path, manifest
         self._lock = threading.RLock()
         self._handles = _Handles(self._open_rank, max_open_files)
+        self._verified = _ChunkCache(64 << 20)  # chunks already checked, for verified partial reads
+        self.bytes_last_read = 0  # bytes the last read_runs took from disk
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, max_open_files: int = 128) -> "Checkpoint":
@@ -225,13 +252,13 @@ class Checkpoint:
         """Stream one dataset through its checksum (bounded memory); raise UCL407 on a mismatch."""
         with self._lock, self._guard(rank, key):
             d, info = self._dataset(rank, key)
-            got = _checksum_dataset(d, info.shape, info.storage_dtype)
+            got = _checksum_dataset(d, info.shape, info.storage_dtype)[0]
         if got != info.checksum:
             raise StoreError(f"checksum mismatch in {self._where(rank, key)}: manifest has "
                              f"{info.checksum}, data hashes to {got}", code="UCL407")
 
     def read_runs(self, rank: int, key: str, runs: Sequence[tuple[int, int, int, int]], *,
-                  out: np.ndarray | None = None) -> np.ndarray:
+                  out: np.ndarray | None = None, verify: bool = False) -> np.ndarray:
         """Elements of the row-major flattening selected by regular runs ``(start, count, stride,
         block)`` (``count`` blocks of ``block`` elements, ``stride`` apart), in increasing order and
         non-overlapping, as one 1-D array read with a single HDF5 call (no checksum)."""
@@ -246,6 +273,10 @@ class Checkpoint:
                 if start < 0 or start + (count - 1) * stride + block > size:
                     raise StoreError(f"run ({start}, {count}, {stride}, {block}) out of bounds for "
                                      f"{self._where(rank, key)} of {size} elements", code="UCL409")
+            if verify:
+                self.bytes_last_read = self._read_runs_verified(rank, key, d, info, runs, out)
+                return out
+            self.bytes_last_read = out.nbytes
             if len(info.shape) != 1:  # flat selections address 1-D (flat buffer) datasets
                 flat = self.read(rank, key, verify=False).reshape(-1)
                 return np.concatenate([np.lib.stride_tricks.as_strided(flat[s:], (c, b), (t * flat.itemsize, flat.itemsize)).reshape(-1)
@@ -257,6 +288,53 @@ class Checkpoint:
             mspace = h5py.h5s.create_simple((total,))
             d.id.read(mspace, fspace, out)
             return out
+
+    def _read_runs_verified(self, rank, key, d, info: DatasetInfo, runs, out: np.ndarray) -> int:
+        """``read_runs`` reading the whole checksum chunks around the runs, each verified before use
+        (a small dataset is one chunk). Verified chunks are kept in a small LRU, so boxes of the
+        same dataset do not read them again. Returns the bytes read from disk."""
+        item = info.storage_dtype.itemsize
+        size = info.size
+        chunk_bytes, digests = d.attrs.get("ucl_chunk_bytes"), d.attrs.get("ucl_chunks")
+        per = int(chunk_bytes) // item if digests is not None else max(size, 1)
+        n = -(-size // per) if size else 0
+        touched = np.zeros(n + 1, dtype=np.int64)
+        for start, count, stride, block in runs:
+            b = start + np.arange(count, dtype=np.int64) * stride
+            np.add.at(touched, b // per, 1)
+            np.add.at(touched, (b + block - 1) // per + 1, -1)
+        need = np.flatnonzero(np.cumsum(touched[:n]) > 0)
+        cache = self._verified
+        have = {int(c): cache.get((rank, key, int(c))) for c in need}
+        missing = [c for c, v in have.items() if v is None]
+        read = 0
+        # one read per run of consecutive missing chunks; every chunk verified before use
+        groups = np.split(np.array(missing, dtype=np.int64), np.flatnonzero(np.diff(missing) != 1) + 1) if missing else []
+        for g in groups:
+            first = int(g[0])
+            lo, hi = first * per, min((int(g[-1]) + 1) * per, size)
+            buf = np.empty(hi - lo, info.storage_dtype)
+            _read_flat_into(d, info.shape, lo, hi, buf)
+            read += buf.nbytes
+            for c in (int(x) for x in g):
+                piece = buf[(c - first) * per:(c - first + 1) * per]
+                ok = (checksum_of(piece) == info.checksum) if digests is None else \
+                    xxhash.xxh3_64_intdigest(raw_bytes(piece)) == int(digests[c])
+                if not ok:
+                    raise StoreError(f"checksum mismatch in {self._where(rank, key)} (elements "
+                                     f"{c * per}..{min((c + 1) * per, size)})", code="UCL407")
+                have[c] = piece
+                cache.put((rank, key, c), piece)
+        pos = 0
+        for start, count, stride, block in runs:
+            for i in range(count):
+                b, left = start + i * stride, block
+                while left:
+                    c = b // per
+                    take = min(left, (c + 1) * per - b)
+                    out[pos:pos + take] = have[c][b - c * per:b - c * per + take]
+                    pos, b, left = pos + take, b + take, left - take
+        return read
 
     def verify(self, ranks: Sequence[int] | None = None) -> list[str]:
         """Check files and every dataset checksum; returns a list of problems (empty = sound)."""
@@ -279,7 +357,11 @@ class Checkpoint:
                 try:
                     with self._lock, self._guard(rank, key):
                         d, info = self._dataset(rank, key)
-                        got = _checksum_dataset(d, info.shape, info.storage_dtype)
+                        got, chunks = _checksum_dataset(d, info.shape, info.storage_dtype)
+                    stored = d.attrs.get("ucl_chunks")
+                    if got == info.checksum and stored is not None and (
+                            chunks is None or not np.array_equal(np.asarray(stored, dtype=np.uint64), chunks[1])):
+                        got = "chunk checksums that differ"
                     if got != info.checksum:
                         problems.append(f"checksum mismatch in {self._where(rank, key)}: manifest has "
                                         f"{info.checksum}, data hashes to {got}")

@@ -15,7 +15,7 @@ from ..errors import StoreError
 from . import dtypes as _dt
 from .commit import fsync_path, publish_dir, tmp_name, write_atomic
 from .format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, IncrementalChecksum, Manifest, box_sel,
-                     check_box, check_entry, checksum_of, file_name, flat_boxes, split_key)
+                     check_box, check_entry, checksum_of, chunk_checksums, file_name, flat_boxes, split_key)
 from .hdf5 import _Handles, _checksum_dataset, _create_dataset, _open_h5
 
 
@@ -24,6 +24,13 @@ def _write_box(dset: Any, starts: Sequence[int], sizes: Sequence[int], src: np.n
         dset[()] = src
     elif all(sizes):
         dset.write_direct(src, dest_sel=box_sel(starts, sizes))
+
+
+def _set_chunks(d: Any, chunks: tuple[int, np.ndarray] | None) -> None:
+    """Per-chunk checksums live beside the data, as attributes (docs/format.md)."""
+    if chunks is not None:
+        d.attrs["ucl_chunk_bytes"] = np.int64(chunks[0])
+        d.attrs["ucl_chunks"] = chunks[1]
 
 
 class CheckpointWriter:
@@ -136,6 +143,7 @@ class CheckpointWriter:
                 f, _ = self._handles.get(rank)
                 d = _create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
                 d.attrs["ucl_dtype"] = logical
+                _set_chunks(d, chunk_checksums(arr))
             self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), "checksum": checksum_of(arr)}
 
     def create(self, rank: int, key: str, shape: Sequence[int], dtype: str) -> None:
@@ -151,7 +159,7 @@ class CheckpointWriter:
                 d.attrs["ucl_dtype"] = dtype
                 cache[key] = d
             self._entries[rank][key] = {"dtype": dtype, "shape": list(shape), "checksum": None}
-            self._pending[(rank, key)] = IncrementalChecksum()
+            self._pending[(rank, key)] = IncrementalChecksum(math.prod(shape) * _dt.itemsize(dtype))
 
     def _prealloc(self, rank: int, key: str, data: Any) -> tuple[Any, tuple[int, ...], IncrementalChecksum, np.ndarray]:
         self._check_open()
@@ -217,8 +225,10 @@ class CheckpointWriter:
             for (rank, key), p in sorted(self._pending.items()):
                 e = self._entries[rank][key]
                 shape = tuple(e["shape"])
-                e["checksum"] = p.result(math.prod(shape)) or _checksum_dataset(
-                    self._handles.get(rank)[0][key], shape, _dt.storage_dtype(e["dtype"]))
+                d = self._handles.get(rank)[0][key]
+                whole, chunks = p.result(math.prod(shape)) or _checksum_dataset(d, shape, _dt.storage_dtype(e["dtype"]))
+                e["checksum"] = whole
+                _set_chunks(d, chunks)
             self._pending.clear()
             for rank in ranks:
                 if rank not in self._created:
