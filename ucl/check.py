@@ -100,6 +100,8 @@ class _Checker:
                 self.out.axes.append(ident.name)
 
     def on_IgnoreDecl(self, st: ast.IgnoreDecl):
+        for p in st.patterns:
+            self.check_pattern(p)
         self.out.ignores.extend(st.patterns)
 
     def on_StateDecl(self, st: ast.StateDecl):
@@ -125,7 +127,14 @@ class _Checker:
                     self.error("UCL110", "per_param flat buffers take no bucket or reverse", t.span)
         self.out.states.append(st)
 
+    def check_pattern(self, pattern: ast.Pattern):
+        caps = pattern.captures
+        for c in sorted({c for c in caps if caps.count(c) > 1}):
+            self.error("UCL112", f"capture {{{c}}} appears twice in the pattern", pattern.span,
+                       "give each capture its own name")
+
     def on_Rule(self, st: ast.Rule):
+        self.check_pattern(st.pattern)
         if st.shape is not None:
             for e in st.shape:
                 self.check_expr(e, allow_axes=False)
@@ -220,6 +229,21 @@ class _Checker:
                 if t.sizes is not None and (t.virtual or t.first or t.last) is not None:
                     self.error("UCL110", "`sizes` cannot be combined with virtual, first or last", t.span)
                 self._placed(placed_axes, split_axes, t.axis, t)
+        # An axis may split a tensor once, except separately in sibling parts of a concat.
+        for i, a in enumerate(split_order):
+            for b in split_order[i + 1:]:
+                shared = {x.name for x in a.axes} & {x.name for x in b.axes}
+                if not shared:
+                    continue
+                k = 0
+                while k < min(len(a.dim.path), len(b.dim.path)) and a.dim.path[k] == b.dim.path[k]:
+                    k += 1
+                diverge_under_concat = k < min(len(a.dim.path), len(b.dim.path)) and \
+                    structure.get(a.dim.path[:k], ("",))[0] == "concat"
+                if not diverge_under_concat:
+                    self.error("UCL109", f"axis {sorted(shared)[0]!r} splits this parameter twice ({a.dim} and "
+                               f"{b.dim}): ranks would hold only parts of the diagonal", b.span,
+                               "split each dim over its own axis, or over a tuple of axes")
         for t in st.transforms:
             if isinstance(t, ast.Replicate):
                 for axis in t.axes:

@@ -9,11 +9,12 @@ from .errors import Diagnostic, did_you_mean
 
 FUNCTIONS = {
     "ceil_div": (2, lambda a, b: -(-a // b)),
-    "min": (None, min),
-    "max": (None, max),
+    "min": (None, lambda *a: min(a)),
+    "max": (None, lambda *a: max(a)),
     "lcm": (None, math.lcm),
     "gcd": (None, math.gcd),
 }
+LIMIT = 1 << 62  # values stay far inside int64: shapes, offsets and products are numpy int64
 
 
 class ExprError(Exception):
@@ -51,6 +52,13 @@ def calls_in(expr: ast.Expr):
 
 
 def evaluate(expr: ast.Expr, env: Mapping[str, int]) -> int:
+    value = _evaluate(expr, env)
+    if not -LIMIT <= value <= LIMIT:
+        raise ExprError(Diagnostic("UCL113", f"value {value} is too large (the limit is 2**62)", expr.span))
+    return value
+
+
+def _evaluate(expr: ast.Expr, env: Mapping[str, int]) -> int:
     if isinstance(expr, ast.Int):
         return expr.value
     if isinstance(expr, ast.Var):
@@ -61,7 +69,10 @@ def evaluate(expr: ast.Expr, env: Mapping[str, int]) -> int:
         return -evaluate(expr.operand, env)
     if isinstance(expr, ast.Call):
         arity, fn = FUNCTIONS[expr.func]
-        return int(fn(*(evaluate(a, env) for a in expr.args)))
+        args = [evaluate(a, env) for a in expr.args]
+        if expr.func == "ceil_div" and args[1] == 0:
+            raise ExprError(Diagnostic("UCL105", "division by zero", expr.span))
+        return int(fn(*args))
     a, b = evaluate(expr.left, env), evaluate(expr.right, env)
     op = expr.op
     if op == "+":

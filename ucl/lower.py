@@ -132,6 +132,10 @@ def _build_dims(model: Model, tensor: Tensor, env: dict, mesh: Mesh) -> tuple[Di
                     "UCL206", f"view {t.dim} as {sizes}: the factors multiply to {int(np.prod(sizes))}, not {size}"), mesh)
             if pre and cut == float("inf"):  # a split of the whole viewed dim: the view does not matter
                 return Node("leaf", size, (), pre)
+            if pre:
+                _fail(model, tensor, t.span, LayoutError(
+                    "UCL109", f"dim {t.dim} is split as a whole before one of its factors is; split the factor "
+                    "first (a later split of the whole then cuts each rank's local part)"), mesh)
             kids = tuple(build(path + (k,), s) for k, s in enumerate(sizes))
             return Node("view", size, kids, (), post)
         sizes = [_eval(model, tensor, p.size, env, mesh) for p in t.parts]

@@ -222,6 +222,8 @@ def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
     source_ids: dict[tuple, int] = {}
     for t in model.tensors:
         sources = _dedup_sources(S, t)
+        if not T.mesh.is_universal:
+            _dedup_sources(T, t, "target")  # P1 for the target too: no element may be dropped
         src_key = source_ids.setdefault(tuple(_sig(p) for _, _, p, _, _ in sources), len(source_ids))
         src_rank = np.array([r for _, _, _, r, _ in sources], dtype=I64)
         src_slot = np.array([sid(s) for _, _, _, _, s in sources], dtype=I64)
@@ -309,7 +311,7 @@ def _coalesce(g, dl, sl, n, idx):
     return g, dl, sl, n, idx
 
 
-def _dedup_sources(S: ShardMap, t) -> list:
+def _dedup_sources(S: ShardMap, t, role: str = "source") -> list:
     """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
     Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
     several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
@@ -318,8 +320,8 @@ def _dedup_sources(S: ShardMap, t) -> list:
         out, volume = _dedup(S, t, by_box=True)
     if volume != t.numel:
         what = "overlapping, non-identical replicas" if volume > t.numel else "elements no rank holds"
-        raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the source holds {volume} elements of {t.numel}: {what}",
-                        code="UCL313" if volume > t.numel else "UCL314")
+        raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the {role} layout holds {volume} elements of "
+                        f"{t.numel}: {what}", code="UCL313" if volume > t.numel else "UCL314")
     return out
 
 

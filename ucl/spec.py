@@ -143,6 +143,13 @@ class Spec:
         return f"Spec({self.name or self.filename!r})"
 
 
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # too long or not a path at all: it is spec text
+        return False
+
+
 def stdlib_names() -> list[str]:
     return sorted(p.stem for p in data_dir("stdlib_patterns").glob("*.ucl"))
 
@@ -164,6 +171,6 @@ def load_spec(source: "str | Path | Spec") -> Spec:
         spec = Spec.from_file(path)
         spec.name = source
         return spec
-    if "\n" not in source and (Path(source).is_file() or source.endswith(".ucl")):
+    if "\n" not in source and (source.endswith(".ucl") or _is_file(source)):
         return Spec.from_file(source)  # a missing .ucl path gets "cannot read spec", not a parse error
     return Spec.from_text(source)

@@ -77,6 +77,21 @@ def chunk_size(nbytes: int) -> int | None:
     return size
 
 
+def checksums(arr: np.ndarray) -> tuple[str, tuple[int, np.ndarray] | None]:
+    """(checksum, (chunk bytes, chunk digests) or None) in one pass over the bytes, chunk by chunk
+    while each is in cache."""
+    raw = raw_bytes(arr)
+    size = chunk_size(raw.size)
+    if size is None:
+        return format_checksum(xxhash.xxh3_64_hexdigest(raw)), None
+    whole, digests = xxhash.xxh3_64(), np.empty(-(-raw.size // size), dtype=np.uint64)
+    for k, i in enumerate(range(0, raw.size, size)):
+        piece = raw[i:i + size]
+        whole.update(piece)
+        digests[k] = xxhash.xxh3_64_intdigest(piece)
+    return format_checksum(whole.hexdigest()), (size, digests)
+
+
 def chunk_checksums(arr: np.ndarray) -> tuple[int, np.ndarray] | None:
     """(chunk bytes, per-chunk XXH3-64 digests as uint64) of a storage array; None for small arrays."""
     raw = raw_bytes(arr)

@@ -308,6 +308,7 @@ class Checkpoint:
         have = {int(c): cache.get((rank, key, int(c))) for c in need}
         missing = [c for c, v in have.items() if v is None]
         read = 0
+        whole_buf = None  # the buffer of a single read covering every needed chunk, if there is one
         # one read per run of consecutive missing chunks; every chunk verified before use
         groups = np.split(np.array(missing, dtype=np.int64), np.flatnonzero(np.diff(missing) != 1) + 1) if missing else []
         for g in groups:
@@ -316,6 +317,8 @@ class Checkpoint:
             buf = np.empty(hi - lo, info.storage_dtype)
             _read_flat_into(d, info.shape, lo, hi, buf)
             read += buf.nbytes
+            if len(groups) == 1 and len(g) == len(need):
+                whole_buf = buf
             for c in (int(x) for x in g):
                 piece = buf[(c - first) * per:(c - first + 1) * per]
                 ok = (checksum_of(piece) == info.checksum) if digests is None else \
@@ -325,6 +328,19 @@ class Checkpoint:
                                      f"{c * per}..{min((c + 1) * per, size)})", code="UCL407")
                 have[c] = piece
                 cache.put((rank, key, c), piece)
+        if len(need) and need[-1] - need[0] + 1 == len(need):
+            # the usual case: one contiguous stretch of chunks; cut the runs out with strided views
+            c0 = int(need[0])
+            span = whole_buf if whole_buf is not None else (
+                have[c0] if len(need) == 1 else np.concatenate([have[int(c)] for c in need]))
+            base, pos = c0 * per, 0
+            for start, count, stride, block in runs:
+                n = count * block
+                view = np.lib.stride_tricks.as_strided(span[start - base:], (count, block),
+                                                       (stride * item, item), writeable=False)
+                out[pos:pos + n].reshape(count, block)[...] = view
+                pos += n
+            return read
         pos = 0
         for start, count, stride, block in runs:
             for i in range(count):

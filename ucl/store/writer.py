@@ -15,7 +15,7 @@ from ..errors import StoreError
 from . import dtypes as _dt
 from .commit import fsync_path, publish_dir, tmp_name, write_atomic
 from .format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, IncrementalChecksum, Manifest, box_sel,
-                     check_box, check_entry, checksum_of, chunk_checksums, file_name, flat_boxes, split_key)
+                     check_box, check_entry, checksums, file_name, flat_boxes, split_key)
 from .hdf5 import _Handles, _checksum_dataset, _create_dataset, _open_h5
 
 
@@ -143,8 +143,9 @@ class CheckpointWriter:
                 f, _ = self._handles.get(rank)
                 d = _create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
                 d.attrs["ucl_dtype"] = logical
-                _set_chunks(d, chunk_checksums(arr))
-            self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), "checksum": checksum_of(arr)}
+                whole, chunks = checksums(arr)
+                _set_chunks(d, chunks)
+            self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), "checksum": whole}
 
     def create(self, rank: int, key: str, shape: Sequence[int], dtype: str) -> None:
         """Preallocate a dataset to fill with ``write_flat``/``write_box``; unwritten elements read as 0."""
