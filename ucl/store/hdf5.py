@@ -120,6 +120,7 @@ class Checkpoint:
         self._handles = _Handles(self._open_rank, max_open_files)
         self._verified = _ChunkCache(64 << 20)  # chunks already checked, for verified partial reads
         self.bytes_last_read = 0  # bytes the last read_runs took from disk
+        self._scratch_buf = np.empty(0, dtype=np.uint8)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, max_open_files: int = 128) -> "Checkpoint":
@@ -314,7 +315,8 @@ class Checkpoint:
         for g in groups:
             first = int(g[0])
             lo, hi = first * per, min((int(g[-1]) + 1) * per, size)
-            buf = np.empty(hi - lo, info.storage_dtype)
+            # one group reads into reusable (warm) scratch memory; several need their own buffers
+            buf = self._scratch(hi - lo, info.storage_dtype) if len(groups) == 1 else np.empty(hi - lo, info.storage_dtype)
             _read_flat_into(d, info.shape, lo, hi, buf)
             read += buf.nbytes
             if len(groups) == 1 and len(g) == len(need):
@@ -327,7 +329,8 @@ class Checkpoint:
                     raise StoreError(f"checksum mismatch in {self._where(rank, key)} (elements "
                                      f"{c * per}..{min((c + 1) * per, size)})", code="UCL407")
                 have[c] = piece
-                cache.put((rank, key, c), piece)
+                if c in (int(g[0]), int(g[-1])):  # edge chunks are the ones neighbouring boxes share
+                    cache.put((rank, key, c), piece.copy())
         if len(need) and need[-1] - need[0] + 1 == len(need):
             # the usual case: one contiguous stretch of chunks; cut the runs out with strided views
             c0 = int(need[0])
@@ -351,6 +354,13 @@ class Checkpoint:
                     out[pos:pos + take] = have[c][b - c * per:b - c * per + take]
                     pos, b, left = pos + take, b + take, left - take
         return read
+
+    def _scratch(self, n: int, dtype: np.dtype) -> np.ndarray:
+        """A reusable buffer of ``n`` elements (valid until the next verified read)."""
+        nbytes = n * dtype.itemsize
+        if self._scratch_buf.size < nbytes:
+            self._scratch_buf = np.empty(max(nbytes, int(self._scratch_buf.size * 1.5)), dtype=np.uint8)
+        return self._scratch_buf[:nbytes].view(dtype)
 
     def verify(self, ranks: Sequence[int] | None = None) -> list[str]:
         """Check files and every dataset checksum; returns a list of problems (empty = sound)."""
