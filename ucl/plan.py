@@ -171,11 +171,15 @@ class _Rows:
             self.cols.setdefault(k, []).append(v)
 
     def build(self, names2d, names1d, K) -> dict[str, np.ndarray]:
+        """Concatenate column by column, dropping each column's pieces as it goes (peak memory)."""
         out = {}
-        for k in names1d:
-            out[k] = np.concatenate(self.cols[k]).astype(I64) if k in self.cols else np.zeros(0, dtype=I64)
-        for k in names2d:
-            out[k] = np.concatenate(self.cols[k]).astype(I64) if k in self.cols else np.zeros((0, K), dtype=I64)
+        for k in list(names1d) + list(names2d):
+            pieces = self.cols.pop(k, None)
+            if pieces:
+                out[k] = np.concatenate(pieces).astype(I64, copy=False)
+            else:
+                out[k] = np.zeros((0, K) if k in names2d else 0, dtype=I64)
+            del pieces
         return out
 
 
@@ -274,7 +278,8 @@ def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
     c = copies.build(BOX_COLUMNS, COPY_COLUMNS, K)
     # Sequential reads: group by source rank (file), then dataset, then position.
     order = np.lexsort(tuple(c["src_start"][:, k] for k in range(K - 1, -1, -1)) + (c["src_slot"], c["src_rank"]))
-    c = {k: v[order] for k, v in c.items()}
+    for k in list(c):  # one column at a time, so only one extra column is alive
+        c[k] = c[k][order]
     return Plan(src, dst, K,
                 [{"name": t.name, "kind": t.kind, "shape": t.shape, "dtype": t.dtype} for t in model.tensors],
                 list(slot_ids), c, fills.build(("dst_start", "size"), FILL_COLUMNS, K), datasets,
