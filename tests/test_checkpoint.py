@@ -769,3 +769,18 @@ def test_sigkill_mid_reshard_leaves_source_intact_and_no_target(demo, saved, tmp
     if workers == 1:
         ucl.reshard(src, out / "target", M("pp=1,dp=2,tp=4"))
         assert_intact(out / "target", model, truth, M("pp=1,dp=2,tp=4"))
+
+
+def test_compile_for_some_ranks_equals_the_full_plan_restricted(demo):
+    """compile(..., ranks=[r]) (what load_rank uses) gives rank r exactly the rows of the full plan."""
+    model, truth = demo
+    src, dst = M("pp=2,dp=2,tp=2"), M("pp=1,dp=2,tp=4")
+    full = ucl.compile(model, src, dst)
+    shards = shards_for(model, truth, src)
+    want = ucl.execute_memory(full, shards)
+    for r in (0, 5, 7):
+        part = ucl.compile(model, src, dst, ranks=[r])
+        assert set(part.dataset_ranks["rank"].tolist()) == {r}
+        assert int(part.bytes_read_per_rank()[r]) == int(full.bytes_read_per_rank()[r])
+        got = ucl.execute_memory(part, shards)
+        assert_same_shards({r: got[r]}, {r: want[r]}, f"rank {r}")

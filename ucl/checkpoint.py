@@ -297,7 +297,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh, rank: int, as_torch: bool 
         raise MeshError(f"rank {rank} is outside {mesh} ({mesh.size} ranks)", code="UCL303")
     with open_checkpoint(path) as ckpt:
         model = model_of(ckpt)
-        plan = compile(model, mesh_of(ckpt), mesh)
+        plan = compile(model, mesh_of(ckpt), mesh, ranks=[rank])  # this rank's part of the plan only
         t1 = time.perf_counter()
         reader = _Reader(ckpt, verify=verify)
         out = _assemble(plan, reader, rank)

@@ -212,9 +212,16 @@ def _fill_boxes(piece) -> np.ndarray:
     return prod[is_fill][:, :, :2]
 
 
-def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
-    """Plan the move of every tensor of ``model`` from layout ``src`` to layout ``dst``."""
+def compile(model: Model, src: Mesh, dst: Mesh, ranks=None) -> Plan:
+    """Plan the move of every tensor of ``model`` from layout ``src`` to layout ``dst`` (only for the
+    target ``ranks`` if given: what one rank needs to load, without planning every other rank)."""
     S, T = model.lower(src), model.lower(dst)
+    wanted = None if ranks is None else np.unique(np.asarray(list(ranks), dtype=I64))
+
+    def target_ranks(fixed) -> np.ndarray:
+        r = T.ranks(fixed)
+        return r if wanted is None else r[np.isin(r, wanted)]
+
     K = max([len(t.shape) for t in model.tensors] + [1])
     slot_ids: dict[Slot, int] = {}
 
@@ -233,8 +240,10 @@ def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
         src_slot = np.array([sid(s) for _, _, _, _, s in sources], dtype=I64)
         src_lo = src_hi = None
         for h in T.holdings[t.id]:
-            ranks = T.ranks(h.fixed)
+            ranks = target_ranks(h.fixed)
             nr = len(ranks)
+            if not nr:
+                continue
             dslot = sid(h.slot)
             for piece in h.pieces:
                 key = (_sig(piece), src_key)
@@ -261,7 +270,7 @@ def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
                               dst_slot=np.full(m * nr, dslot), dst_start=np.tile(fstart, (nr, 1)),
                               size=np.tile(fsize, (nr, 1)))
     for fixed, slot, start, length in T.flat_fills:
-        ranks = T.ranks(fixed)
+        ranks = target_ranks(fixed)
         m = len(ranks)
         fills.add(tensor=np.full(m, -1), dst_rank=ranks, dst_slot=np.full(m, sid(slot)),
                   dst_start=_pad_cols(np.full((m, 1), start, dtype=I64), K, 0),
@@ -269,10 +278,12 @@ def compile(model: Model, src: Mesh, dst: Mesh) -> Plan:
 
     datasets, ds_rank, ds_id, ds_index = [], [], [], {}
     for fixed, key, shape, dtype in T.datasets:
+        ranks = target_ranks(fixed)
+        if not len(ranks):
+            continue
         i = ds_index.setdefault((key, shape, dtype), len(datasets))
         if i == len(datasets):
             datasets.append({"key": key, "shape": tuple(shape), "dtype": dtype})
-        ranks = T.ranks(fixed)
         ds_rank.append(ranks)
         ds_id.append(np.full(len(ranks), i, dtype=I64))
     c = copies.build(BOX_COLUMNS, COPY_COLUMNS, K)
