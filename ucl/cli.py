@@ -42,6 +42,18 @@ def _params(spec, dims, source: str | None):
     return read_tensor_names(source)
 
 
+def _report(con, problems: list[str], failure: str, success: str) -> int:
+    """Print problems (exit 1) or the success line (exit 0)."""
+    from rich.markup import escape
+    for p in problems:
+        con.print(f"[red]error[/]: {escape(p)}")
+    if problems:
+        con.print(escape(f"{len(problems)} problem(s): {failure}"))
+        return 1
+    con.print(f"[green]ok[/]: {escape(success)}")
+    return 0
+
+
 # ---- commands ------------------------------------------------------------------------------------------
 def cmd_check(args) -> int:
     from .spec import load_spec
@@ -60,13 +72,8 @@ def cmd_check(args) -> int:
     if args.against:
         from .hf import check_against, read_tensor_names
         problems = check_against(spec, dims, read_tensor_names(args.against))
-        if problems:
-            for p in problems:
-                con.print(f"[red]error[/]: {p}")
-            con.print(f"{len(problems)} problem(s): {args.against} does not match {spec.name or spec.filename}")
-            return 1
-        con.print(f"[green]ok[/]: every tensor of {args.against} is matched exactly once with its shape")
-        return 0
+        return _report(con, problems, f"{args.against} does not match {spec.name or spec.filename}",
+                       f"every tensor of {args.against} is matched exactly once with its shape")
     model = spec.bind(dims, _params(spec, dims, None))
     con.print(f"[green]ok[/]: {len(model.params)} parameters, {len(model.tensors)} tensors bound")
     return 0
@@ -170,13 +177,7 @@ def cmd_verify(args) -> int:
     con = _console()
     with open_checkpoint(args.ckpt) as ck:
         problems = ck.verify()
-    if problems:
-        for p in problems:
-            con.print(f"[red]error[/]: {p}")
-        con.print(f"{len(problems)} problem(s) in {args.ckpt}")
-        return 1
-    con.print(f"[green]ok[/]: {args.ckpt}: every file present and every checksum matches")
-    return 0
+    return _report(con, problems, f"in {args.ckpt}", f"{args.ckpt}: every file present and every checksum matches")
 
 
 def cmd_demo(args) -> int:
