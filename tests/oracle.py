@@ -700,11 +700,3 @@ def param_layout(layout: Layout, name: str, mesh) -> _ParamLayout:
     sizes.update(dict(mesh))
     shape = dict(layout.live_params())[name]
     return _ParamLayout(layout, name, shape, sizes)
-
-
-def covered(layout: Layout, mesh) -> bool:
-    """P1 per the oracle: every real element of every parameter is held by some rank."""
-    for name, _ in layout.live_params():
-        if not (param_layout(layout, name, mesh).coverage(mesh) > 0).all():
-            return False
-    return True

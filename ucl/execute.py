@@ -7,13 +7,7 @@ import numpy as np
 
 from .errors import PlanError
 from .lower import Slot
-
-STORAGE = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
-
-
-def storage_dtype(logical: str) -> np.dtype:
-    """numpy dtype that stores a logical dtype bit-exactly (bf16/fp8 as raw bits)."""
-    return np.dtype(STORAGE.get(logical, logical))
+from .store.dtypes import storage_dtype  # bf16/fp8 as raw bits: the one table of storage types
 
 
 def box_view(array: np.ndarray, slot: Slot, start, size) -> np.ndarray:

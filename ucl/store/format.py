@@ -92,15 +92,6 @@ def checksums(arr: np.ndarray) -> tuple[str, tuple[int, np.ndarray] | None]:
     return format_checksum(whole.hexdigest()), (size, digests)
 
 
-def chunk_checksums(arr: np.ndarray) -> tuple[int, np.ndarray] | None:
-    """(chunk bytes, per-chunk XXH3-64 digests as uint64) of a storage array; None for small arrays."""
-    raw = raw_bytes(arr)
-    size = chunk_size(raw.size)
-    if size is None:
-        return None
-    return size, np.array([xxhash.xxh3_64_intdigest(raw[i:i + size]) for i in range(0, raw.size, size)], dtype=np.uint64)
-
-
 class IncrementalChecksum:
     """Checksums (whole and per chunk) of a dataset filled piecewise: hashed on the fly while pieces
     arrive in flat order."""

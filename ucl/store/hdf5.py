@@ -249,15 +249,6 @@ class Checkpoint:
             _read_box_into(d, starts, sizes, out)
             return out
 
-    def verify_dataset(self, rank: int, key: str) -> None:
-        """Stream one dataset through its checksum (bounded memory); raise UCL407 on a mismatch."""
-        with self._lock, self._guard(rank, key):
-            d, info = self._dataset(rank, key)
-            got = _checksum_dataset(d, info.shape, info.storage_dtype)[0]
-        if got != info.checksum:
-            raise StoreError(f"checksum mismatch in {self._where(rank, key)}: manifest has "
-                             f"{info.checksum}, data hashes to {got}", code="UCL407")
-
     def read_runs(self, rank: int, key: str, runs: Sequence[tuple[int, int, int, int]], *,
                   out: np.ndarray | None = None, verify: bool = False) -> np.ndarray:
         """Elements of the row-major flattening selected by regular runs ``(start, count, stride,
