@@ -496,20 +496,24 @@ def megatron_reference(uni, params, d, axes):
                 if k == "param":
                     ds[f"param/{local}"] = w
                 else:
-                    tp_local.setdefault(k, []).append(w)
-        # distributed optimizer: reverse order, 64-aligned starts, padded to lcm(dp, 128), split over dp
-        for k, tensors in tp_local.items():
+                    # dense params shard over the whole DP group (dp x ep), experts over expert-DP (dp)
+                    group = 1 if ".local_experts." in n else 0
+                    tp_local.setdefault((k, group), []).append(w)
+        # distributed optimizer: reverse order, 64-aligned starts, padded to lcm(group size, 128),
+        # split over the group; the group rank of (dp c, ep x) in the dense group is c * ep + x
+        for (k, group), tensors in tp_local.items():
+            size, index = (dp * ep, c * ep + x) if group == 0 else (dp, c)
             buf, pos = [], 0
             for w in reversed(tensors):
                 start = -(-pos // 64) * 64
                 buf.append(np.zeros(start - pos, np.float32))
                 buf.append(w.reshape(-1))
                 pos = start + w.size
-            unit = np.lcm(dp, 128)
+            unit = np.lcm(size, 128)
             total = -(-pos // unit) * unit
             buf.append(np.zeros(total - pos, np.float32))
             flat = np.concatenate(buf)
-            ds[f"{k}/@flat0"] = np.split(flat, dp)[c]
+            ds[f"{k}/@flat{group}"] = np.split(flat, size)[index]
         out[rank] = ds
     return out
 
