@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import h5py
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 import ucl
+from tests.corrupt import flip_byte
 import ucl.store.writer as store_writer
 from ucl.checkpoint import IOStats
 from ucl.demo import llama_model, universal_state
@@ -536,19 +536,9 @@ def test_truncated_rank_file_is_named(demo, saved, tmp_path):
     assert len(problems) == 1 and "rank_00001.h5" in problems[0]
 
 
-def _flip_byte_in(path, key, offset=100):
-    with h5py.File(path, "r") as h:
-        start = h[key].id.get_offset()
-    with open(path, "r+b") as fh:
-        fh.seek(start + offset)
-        b = fh.read(1)
-        fh.seek(start + offset)
-        fh.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_verify_names_a_corrupted_dataset(saved, tmp_path):
     bad = _copy(saved("dp=2,tp=2"), tmp_path / "src")
-    _flip_byte_in(os.path.join(bad, "rank_00002.h5"), "fp32/@flat0")
+    flip_byte(os.path.join(bad, "rank_00002.h5"), "fp32/@flat0")
     with ucl.open(bad) as c:
         problems = c.verify()
     assert len(problems) == 1 and "fp32/@flat0" in problems[0] and "rank_00002.h5" in problems[0]
@@ -560,7 +550,7 @@ def test_reshard_detects_a_corrupted_dataset_it_reads_whole(saved, tmp_path, wor
     bad = _copy(saved("dp=2,tp=2"), tmp_path / "src")
     key = "param/decoder.layers.0.mlp.linear_fc2.weight"
     for r in (0, 2):  # both dp replicas of tp coordinate 0
-        _flip_byte_in(os.path.join(bad, f"rank_{r:05d}.h5"), key)
+        flip_byte(os.path.join(bad, f"rank_{r:05d}.h5"), key)
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(StoreError) as e:
@@ -573,7 +563,7 @@ def test_reshard_detects_a_corrupted_dataset_it_reads_whole(saved, tmp_path, wor
 @pytest.mark.parametrize("to", ["universal", "tp=4"])
 def test_reshard_detects_a_corrupted_flat_buffer(saved, tmp_path, to):
     bad = _copy(saved("dp=2,tp=2"), tmp_path / "src")
-    _flip_byte_in(os.path.join(bad, "rank_00002.h5"), "fp32/@flat0")
+    flip_byte(os.path.join(bad, "rank_00002.h5"), "fp32/@flat0")
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(StoreError) as e:

@@ -9,11 +9,11 @@ import shutil
 import subprocess
 import sys
 
-import h5py
 import numpy as np
 import pytest
 
 import ucl
+from tests.corrupt import flip_byte
 import ucl.cli
 from ucl.demo import LLAMA_MEGATRON, SMALL, llama_model, universal_state
 
@@ -399,20 +399,10 @@ def test_verify_ok(capsys, files):
     assert "ok" in out and "checksum" in out
 
 
-def _flip(path, key, offset=100):
-    with h5py.File(path, "r") as h:
-        start = h[key].id.get_offset()
-    with open(path, "r+b") as fh:
-        fh.seek(start + offset)
-        b = fh.read(1)
-        fh.seek(start + offset)
-        fh.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_verify_corrupt_dataset_exits_1_naming_it(files, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(files["src"], bad)
-    _flip(bad / "rank_00005.h5", "exp_avg/@flat0")
+    flip_byte(bad / "rank_00005.h5", "exp_avg/@flat0")
     rc, out, err = run_cli("verify", bad)
     assert rc == 1, (out, err)
     assert "Traceback" not in out + err
