@@ -46,7 +46,7 @@ def run(name: str, repeat: int) -> None:
         model = spec.bind(dims, params)
         plan = ucl.compile(model, src_mesh, dst_mesh)
         times.append(time.perf_counter() - t0)
-        from ucl.layout import dim_layout
+        from ucl.layout.algebra import dim_layout
         dim_layout.cache_clear()  # every repeat starts cold
     # Baseline: a bare Python loop over every (target rank, tensor) pair, doing nothing.
     t0 = time.perf_counter()

@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import ucl  # noqa: E402
-from ucl.checkpoint import expected_datasets  # noqa: E402
+from ucl.ops import expected_datasets  # noqa: E402
 from ucl.demo import LLAMA_MEGATRON, llama_params  # noqa: E402
-from ucl.store import CheckpointWriter, storage_dtype  # noqa: E402
+from ucl.dtypes import storage_dtype  # noqa: E402
+from ucl.store import CheckpointWriter  # noqa: E402
 
 SPEC = (LLAMA_MEGATRON.replace("state param : dtype bfloat16", "state param : dtype float32")
         .replace("state fp32, exp_avg, exp_avg_sq :", "state exp_avg, exp_avg_sq :")
@@ -74,7 +75,7 @@ def rss_children_mb() -> float:
 
 LOAD_ONE = """
 import json, resource, sys, time, ucl
-from ucl.checkpoint import IOStats
+from ucl.ops import IOStats
 st = IOStats()
 t = time.perf_counter()
 out = ucl.load_rank(sys.argv[1], mesh=ucl.Mesh.parse(sys.argv[2]), rank=int(sys.argv[3]), stats=st)

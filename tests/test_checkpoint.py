@@ -25,10 +25,11 @@ import torch
 import ucl
 from tests.corrupt import flip_byte
 import ucl.store.writer as store_writer
-from ucl.checkpoint import IOStats
+from ucl.ops import IOStats
 from ucl.demo import llama_model, universal_state
 from ucl.errors import BindError, StoreError, UclError
-from ucl.store import Checkpoint, cleanup_stale, to_numpy
+from ucl.dtypes import to_numpy, to_torch
+from ucl.store import Checkpoint, cleanup_stale
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 U = ucl.UNIVERSAL
@@ -301,7 +302,7 @@ def test_save_accepts_torch_tensors(demo, tmp_path):
     shards = shards_for(model, truth, A)
     plan = ucl.compile(model, U, A)
     dtypes = {d["key"]: d["dtype"] for d in plan.datasets}
-    as_torch = {r: {k: ucl.store.to_torch(v, dtypes[k]) for k, v in d.items()} for r, d in shards.items()}
+    as_torch = {r: {k: to_torch(v, dtypes[k]) for k, v in d.items()} for r, d in shards.items()}
     ucl.save(tmp_path / "t", as_torch, model=model, mesh=A)
     assert_intact(tmp_path / "t", model, truth, A)
 

@@ -173,7 +173,7 @@ def test_check_dims_that_do_not_bind(capsys, files):
 
 
 def test_check_against_a_checkpoint(capsys, files, tmp_path):
-    pytest.importorskip("ucl.hf")
+    pytest.importorskip("transformers")
     rc, out, err = main(capsys, "check", files["spec"], "--dims", DIMS, "--against", files["src"])
     assert rc == 0, (out, err)
     assert "ok" in out
@@ -191,7 +191,7 @@ HF_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab
 
 
 def test_spec_from_hf(capsys, tmp_path):
-    pytest.importorskip("ucl.hf")
+    pytest.importorskip("transformers")
     pytest.importorskip("transformers")
     (tmp_path / "config.json").write_text(json.dumps(dict(HF_LLAMA, head_dim=16)))
     rc, out, err = main(capsys, "spec", "from-hf", tmp_path / "config.json", "-o", tmp_path / "draft.ucl")
@@ -210,7 +210,7 @@ def test_spec_from_hf(capsys, tmp_path):
 def test_spec_from_hf_then_check_with_the_same_config(capsys, tmp_path):
     """The command `ucl spec from-hf` suggests next (`ucl check DRAFT --dims CONFIG`) works on the config
     it drafted from, also when that config.json leaves a field (head_dim) to its class default."""
-    pytest.importorskip("ucl.hf")
+    pytest.importorskip("transformers")
     pytest.importorskip("transformers")
     (tmp_path / "config.json").write_text(json.dumps(HF_LLAMA))
     rc, out, err = main(capsys, "spec", "from-hf", tmp_path / "config.json", "-o", tmp_path / "draft.ucl")
@@ -220,19 +220,19 @@ def test_spec_from_hf_then_check_with_the_same_config(capsys, tmp_path):
 
 
 def test_spec_from_hf_missing_config_exits_1(tmp_path):
-    pytest.importorskip("ucl.hf")
+    pytest.importorskip("transformers")
     rc, out, err = run_cli("spec", "from-hf", tmp_path / "nope.json")
     assert rc == 1 and "Traceback" not in err, err
 
 
 def test_check_against_a_missing_path_exits_1(files):
-    pytest.importorskip("ucl.hf")
+    pytest.importorskip("transformers")
     rc, out, err = run_cli("check", files["spec"], "--dims", DIMS, "--against", files["dir"] / "missing")
     assert_clean_error(rc, out, err, "missing")
 
 
 def test_check_against_without_dims_is_not_silently_ignored(capsys, files, tmp_path):
-    pytest.importorskip("ucl.hf")
+    pytest.importorskip("transformers")
     other = llama_model(dict(SMALL, ffn=352))
     ucl.save(tmp_path / "small", {0: universal_state(other, seed=1)}, model=other, mesh=ucl.UNIVERSAL)
     rc, out, err = main(capsys, "check", files["spec"], "--against", tmp_path / "small")
@@ -294,14 +294,14 @@ def test_plan_json_to_an_unwritable_path_exits_1(files, tmp_path):
 
 
 def test_plan_params_from_a_missing_path_exits_1(files, tmp_path):
-    pytest.importorskip("ucl.hf")
+    pytest.importorskip("transformers")
     rc, out, err = run_cli("plan", files["spec"], "--dims", DIMS, "--from", "tp=2", "--to", "tp=4",
                            "--params", tmp_path / "missing")
     assert_clean_error(rc, out, err, "missing")
 
 
 def test_plan_params_from_a_checkpoint(capsys, files):
-    pytest.importorskip("ucl.hf")
+    pytest.importorskip("transformers")
     rc, out, err = main(capsys, "plan", files["spec"], "--dims", DIMS, "--from", "pp=2,dp=2,tp=2", "--to", "tp=4",
                         "--params", files["src"])
     assert rc == 0, err

@@ -370,7 +370,7 @@ def test_mesh_parse_errors(text, code):
 
 def test_mesh_parse_ok():
     assert Mesh.parse("pp=2, dp=2 ,tp=2") == Mesh(pp=2, dp=2, tp=2)
-    assert Mesh.parse("universal") == UNIVERSAL == Mesh.parse("")
+    assert Mesh.parse("universal") == UNIVERSAL
 
 
 def test_bad_mesh_sizes_in_constructor():

@@ -18,7 +18,9 @@ import torch.multiprocessing as tmp_mp
 
 import ucl
 from ucl.demo import llama_model, universal_state
-from ucl.store import to_numpy, to_torch
+from ucl.dtypes import to_numpy, to_torch
+from ucl.layout import lower
+from ucl.ops import IOStats
 
 WORLD = 8
 SRC = "pp=2,dp=2,tp=2"
@@ -37,7 +39,7 @@ def _free_port() -> int:
 def _rank_tensors(model, truth, mesh, rank):
     """This rank's local tensors as torch tensors (bf16 params from their raw bits)."""
     mine = ucl.execute_memory(ucl.compile(model, ucl.UNIVERSAL, mesh), {0: truth}, ranks=[rank])[rank]
-    want = model.lower(mesh).rank_datasets(rank)
+    want = lower(model, mesh).rank_datasets(rank)
     return {k: to_torch(v, want[k][1]) for k, v in mine.items()}
 
 
@@ -87,7 +89,7 @@ def _worker(rank: int, world: int, port: int, workdir: str, phases: list) -> Non
                 else:
                     _save(result, path, tensors, model, mesh, rank)
                 if phase == "good" and "saved" in result:
-                    stats = ucl.checkpoint.IOStats()
+                    stats = IOStats()
                     loaded = ucl.load_rank(path, mesh=ucl.Mesh.parse(DST), rank=rank, as_torch=True, stats=stats)
                     keys = sorted(loaded)
                     result["loaded_keys"] = keys

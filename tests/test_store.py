@@ -15,11 +15,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import ucl.store.hdf5 as store_hdf5
+import ucl.store.h5 as store_h5
 import ucl.store.writer as store_writer
 from ucl.errors import StoreError
-from ucl.store import (FORMAT_VERSION, LOGICAL_DTYPES, Checkpoint, CheckpointRoot, CheckpointWriter, Manifest,
-                       cleanup_stale, flat_boxes, itemsize, storage_dtype, to_numpy, to_torch)
+from ucl.dtypes import LOGICAL_DTYPES, itemsize, storage_dtype, to_numpy, to_torch
+from ucl.layout.boxes import flat_boxes
+from ucl.store import FORMAT_VERSION, Checkpoint, CheckpointRoot, CheckpointWriter, Manifest, cleanup_stale
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -343,7 +344,7 @@ def _assert_only_step1(root):
 def test_failed_write_leaves_previous_checkpoint(tmp_path, monkeypatch, failure):
     root = _root_with_step1(tmp_path)
     calls = []
-    real = store_writer._create_dataset
+    real = store_h5.create_dataset
 
     def flaky(*args, **kw):
         calls.append(1)
@@ -359,7 +360,7 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path, monkeypatch, failure)
     if failure == "enospc_at_commit":
         monkeypatch.setattr(store_writer, "write_atomic", full_disk)
     else:
-        monkeypatch.setattr(store_writer, "_create_dataset", flaky)
+        monkeypatch.setattr(store_h5, "create_dataset", flaky)
     with pytest.raises((RuntimeError, StoreError)) as e:
         with root.writer(2, 2, mesh=[("dp", 2)]) as w:
             for r in range(2):
@@ -475,7 +476,7 @@ def test_gpu_tensor_is_copied_to_host(tmp_path):
 
 
 def test_streaming_checksum_in_small_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_hdf5, "_CHUNK_BYTES", 12)  # 3 float32 per chunk, not a row multiple
+    monkeypatch.setattr(store_h5, "CHECKSUM_STREAM_BYTES", 12)  # 3 float32 per chunk, not a row multiple
     a = np.arange(35, dtype=np.float32).reshape(5, 7)
     with CheckpointWriter(tmp_path / "ck", 1) as w:
         w.create(0, "fp32/w", a.shape, "float32")

@@ -38,7 +38,7 @@ def _dims(spec, text: str | None) -> dict[str, int]:
 def _params(spec, dims, source: str | None):
     if source is None:
         return spec.synthesize_params(dims)
-    from .hf import read_tensor_names
+    from .interop.hf import read_tensor_names
     return read_tensor_names(source)
 
 
@@ -56,7 +56,7 @@ def _report(con, problems: list[str], failure: str, success: str) -> int:
 
 # ---- commands ------------------------------------------------------------------------------------------
 def cmd_check(args) -> int:
-    from .spec import load_spec
+    from .lang.spec import load_spec
     spec = load_spec(args.spec)
     con = _console()
     if args.dims is None and args.against and (Path(args.against) / "config.json").is_file():
@@ -70,7 +70,7 @@ def cmd_check(args) -> int:
         return 0
     dims = _dims(spec, args.dims)
     if args.against:
-        from .hf import check_against, read_tensor_names
+        from .interop.hf import check_against, read_tensor_names
         problems = check_against(spec, dims, read_tensor_names(args.against))
         return _report(con, problems, f"{args.against} does not match {spec.name or spec.filename}",
                        f"every tensor of {args.against} is matched exactly once with its shape")
@@ -80,9 +80,9 @@ def cmd_check(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .mesh import Mesh
-    from .plan import compile
-    from .spec import load_spec
+    from .layout.mesh import Mesh
+    from .plan.compile import compile
+    from .lang.spec import load_spec
     spec = load_spec(args.spec)
     dims = _dims(spec, args.dims)
     model = spec.bind(dims, _params(spec, dims, args.params))
@@ -105,8 +105,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_reshard(args) -> int:
-    from .checkpoint import reshard
-    from .mesh import Mesh
+    from .ops.reshard import reshard
+    from .layout.mesh import Mesh
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
     to = Mesh.parse(args.to)
     con = _console()
@@ -123,8 +123,8 @@ def cmd_reshard(args) -> int:
 
 def cmd_inspect(args) -> int:
     from rich.table import Table
-    from .checkpoint import mesh_of, model_of, open_checkpoint
-    from .store import itemsize
+    from .ops.prepare import mesh_of, model_of, open_checkpoint
+    from .dtypes import itemsize
     con = _console()
     with open_checkpoint(args.ckpt) as ck:
         m = ck.manifest
@@ -173,7 +173,7 @@ def _prod(xs):
 
 
 def cmd_verify(args) -> int:
-    from .checkpoint import open_checkpoint
+    from .ops.prepare import open_checkpoint
     con = _console()
     with open_checkpoint(args.ckpt) as ck:
         problems = ck.verify()
@@ -181,25 +181,25 @@ def cmd_verify(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo_run import run_demo
+    from .demo import run_demo
     return run_demo(args.workdir, src=args.src, dst=args.dst, keep=args.keep, console=_console())
 
 
 def cmd_spec_list(args) -> int:
-    from .spec import stdlib_names
+    from .lang.stdlib import stdlib_names
     for n in stdlib_names():
         print(f"stdlib:{n}")
     return 0
 
 
 def cmd_spec_show(args) -> int:
-    from .spec import load_spec
+    from .lang.spec import load_spec
     print(load_spec(args.spec).text, end="")
     return 0
 
 
 def cmd_spec_from_hf(args) -> int:
-    from .hf import draft_spec_from_hf
+    from .interop.hf import draft_spec_from_hf
     text = draft_spec_from_hf(args.config)
     if args.output:
         Path(args.output).write_text(text)

@@ -1,16 +1,15 @@
 """Sharded HDF5 checkpoint store: one file per rank + manifest.json, atomic commit.
 
-See docs/format.md for the normative on-disk format.
+See docs/format.md for the normative on-disk format. Only ``h5`` imports h5py.
 """
-from .commit import CheckpointRoot, cleanup_stale
-from .dtypes import (LOGICAL_DTYPES, itemsize, logical_of_numpy_dtype, logical_of_torch_dtype,
-                     storage_dtype, to_numpy, to_torch, torch_dtype)
-from .format import FORMAT_VERSION, Manifest, file_name, flat_boxes
-from .hdf5 import Checkpoint, DatasetInfo
+from .atomic import cleanup_stale
+from .manifest import FORMAT_VERSION, DatasetInfo, Manifest, file_name
+from .reader import Checkpoint
+from .root import CheckpointRoot
+from .source import StoreSource
 from .writer import CheckpointWriter
 
 __all__ = [
-    "Checkpoint", "CheckpointWriter", "CheckpointRoot", "DatasetInfo", "Manifest", "FORMAT_VERSION",
-    "LOGICAL_DTYPES", "storage_dtype", "itemsize", "to_numpy", "to_torch", "torch_dtype",
-    "logical_of_numpy_dtype", "logical_of_torch_dtype", "file_name", "flat_boxes", "cleanup_stale",
+    "Checkpoint", "CheckpointWriter", "CheckpointRoot", "DatasetInfo", "Manifest", "FORMAT_VERSION", "StoreSource",
+    "file_name", "cleanup_stale",
 ]

@@ -11,26 +11,13 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from .. import dtypes as _dt
 from ..errors import StoreError
-from . import dtypes as _dt
-from .commit import fsync_path, publish_dir, tmp_name, write_atomic
-from .format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, IncrementalChecksum, Manifest, box_sel,
-                     check_box, check_entry, checksums, file_name, flat_boxes, split_key)
-from .hdf5 import _Handles, _checksum_dataset, _create_dataset, _open_h5
-
-
-def _write_box(dset: Any, starts: Sequence[int], sizes: Sequence[int], src: np.ndarray) -> None:
-    if not sizes:
-        dset[()] = src
-    elif all(sizes):
-        dset.write_direct(src, dest_sel=box_sel(starts, sizes))
-
-
-def _set_chunks(d: Any, chunks: tuple[int, np.ndarray] | None) -> None:
-    """Per-chunk checksums live beside the data, as attributes (docs/format.md)."""
-    if chunks is not None:
-        d.attrs["ucl_chunk_bytes"] = np.int64(chunks[0])
-        d.attrs["ucl_chunks"] = chunks[1]
+from ..layout.boxes import flat_boxes
+from . import h5
+from .atomic import fsync_path, publish_dir, tmp_name, write_atomic
+from .checksum import IncrementalChecksum, checksums
+from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, check_entry, file_name, split_key
 
 
 class CheckpointWriter:
@@ -86,7 +73,7 @@ class CheckpointWriter:
         self._pending: dict[tuple[int, str], IncrementalChecksum] = {}
         self._created: set[int] = set()
         self._adopted: set[int] = set()
-        self._handles = _Handles(self._open_rank, max_open)
+        self._handles = h5.Handles(self._open_rank, max_open)
 
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -102,8 +89,8 @@ class CheckpointWriter:
     def _open_rank(self, rank: int) -> Any:
         p = os.path.join(self.tmp_path, file_name(rank))
         if rank in self._created:
-            return _open_h5(p, "r+")
-        f = _open_h5(p, "w-")
+            return h5.open_h5(p, "r+")
+        f = h5.open_h5(p, "w-")
         self._created.add(rank)
         f.attrs["ucl_format"], f.attrs["ucl_version"], f.attrs["ucl_rank"] = FORMAT_NAME, FORMAT_VERSION, rank
         return f
@@ -141,10 +128,10 @@ class CheckpointWriter:
             arr, logical = _dt.to_numpy(data, dtype)
             with self._io():
                 f, _ = self._handles.get(rank)
-                d = _create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
+                d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
                 d.attrs["ucl_dtype"] = logical
                 whole, chunks = checksums(arr)
-                _set_chunks(d, chunks)
+                h5.set_chunk_checksums(d, chunks)
             self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), "checksum": whole}
 
     def create(self, rank: int, key: str, shape: Sequence[int], dtype: str) -> None:
@@ -156,7 +143,7 @@ class CheckpointWriter:
                 raise StoreError(f"negative shape {list(shape)} for {key!r}", code="UCL409")
             with self._io():
                 f, cache = self._handles.get(rank)
-                d = _create_dataset(f.require_group(kind), name, shape, _dt.storage_dtype(dtype))
+                d = h5.create_dataset(f.require_group(kind), name, shape, _dt.storage_dtype(dtype))
                 d.attrs["ucl_dtype"] = dtype
                 cache[key] = d
             self._entries[rank][key] = {"dtype": dtype, "shape": list(shape), "checksum": None}
@@ -193,7 +180,7 @@ class CheckpointWriter:
             with self._io():
                 for off, starts, sizes in flat_boxes(shape, start, start + flat.size):
                     n = math.prod(sizes)
-                    _write_box(d, starts, sizes, flat[off - start: off - start + n].reshape(sizes))
+                    h5.write_box(d, starts, sizes, flat[off - start: off - start + n].reshape(sizes))
             p.advance(start, flat)
 
     def write_box(self, rank: int, key: str, starts: Sequence[int], data: Any) -> None:
@@ -201,9 +188,9 @@ class CheckpointWriter:
         with self._lock:
             d, shape, p, arr = self._prealloc(rank, key, data)
             starts = tuple(int(s) for s in starts)
-            check_box(starts, arr.shape, shape, f"rank {rank} dataset {key!r}")
+            h5.check_box(starts, arr.shape, shape, f"rank {rank} dataset {key!r}")
             with self._io():
-                _write_box(d, starts, arr.shape, arr)
+                h5.write_box(d, starts, arr.shape, arr)
             if arr.shape == shape:
                 p.advance(0, arr.reshape(-1))
             elif arr.size:
@@ -227,9 +214,9 @@ class CheckpointWriter:
                 e = self._entries[rank][key]
                 shape = tuple(e["shape"])
                 d = self._handles.get(rank)[0][key]
-                whole, chunks = p.result(math.prod(shape)) or _checksum_dataset(d, shape, _dt.storage_dtype(e["dtype"]))
+                whole, chunks = p.result(math.prod(shape)) or h5.checksum_dataset(d, shape, _dt.storage_dtype(e["dtype"]))
                 e["checksum"] = whole
-                _set_chunks(d, chunks)
+                h5.set_chunk_checksums(d, chunks)
             self._pending.clear()
             for rank in ranks:
                 if rank not in self._created:

@@ -180,32 +180,6 @@ def dim_layout(dim: DimSpec, coords: tuple[tuple[str, int, int], ...]) -> DimLay
     return DimLayout(len(held), segs, fill_runs[:, 1:3] if len(fill_runs) else _EMPTY2)
 
 
-def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split the row-major range [lo, hi) of a tensor of ``shape`` into at most 2*ndim-1 boxes
-    ``(start, size)``."""
-    if lo >= hi:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = int(np.prod(shape[1:], dtype=I64)) if len(shape) > 1 else 1
-    first, last = lo // inner, (hi - 1) // inner
-    full_inner = tuple(0 for _ in shape[1:]), tuple(shape[1:])
-    if first == last:
-        if lo % inner == 0 and hi % inner == 0 or inner == 1:
-            return [((first,) + full_inner[0], (1,) + full_inner[1])]
-        return [((first,) + s, (1,) + z) for s, z in flat_boxes(shape[1:], lo - first * inner, hi - first * inner)]
-    out = []
-    if lo % inner:
-        out += [((first,) + s, (1,) + z) for s, z in flat_boxes(shape[1:], lo % inner, inner)]
-        first += 1
-    end_row = hi // inner
-    if end_row > first:
-        out.append(((first,) + full_inner[0], (end_row - first,) + full_inner[1]))
-    if hi % inner:
-        out += [((end_row,) + s, (1,) + z) for s, z in flat_boxes(shape[1:], 0, hi % inner)]
-    return out
-
-
 def intersect(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Overlaps of two sorted run lists (k,3) in global coordinates:
     rows (global start, a local start, b local start, length)."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 from typing import Mapping
-from .errors import StoreError
 
-from .hf import Shapes, _config_source
+from ...errors import StoreError
+from ...model_config import read_raw_config
+from .names import Shapes
 
 
 # ---- drafting a spec from a transformers model ---------------------------------------------------
@@ -154,7 +155,7 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
     """
     raw = None  # the fields the user's config really has (a spec's `--dims CONFIG` reads only those)
     if not hasattr(config_or_dir, "to_dict"):
-        raw = _config_source(config_or_dir)  # a missing or unreadable config is a StoreError
+        raw = read_raw_config(config_or_dir)  # a missing or unreadable config is a StoreError
     try:
         config, model = _meta_model(raw if raw is not None else config_or_dir)
     except Exception as e:  # transformers' own errors (unknown model_type, bad fields)

@@ -10,20 +10,18 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
-import xxhash
 
+from ..dtypes import LOGICAL_DTYPES, itemsize, storage_dtype
 from ..errors import StoreError
-from .dtypes import LOGICAL_DTYPES, itemsize, storage_dtype
+from .checksum import is_checksum
 
 FORMAT_NAME = "ucl-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-CHECKSUM_ALGO = "xxh3_64"
 
-_CHECKSUM_RE = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_.-]+\.h5$")
 # required keys: without them a reader cannot find or check a byte
 _REQUIRED = ("format", "version", "dims", "mesh", "files", "datasets")
@@ -45,90 +43,6 @@ def split_key(key: str) -> tuple[str, str]:
     return kind, name
 
 
-def format_checksum(hexdigest: str) -> str:
-    return f"{CHECKSUM_ALGO}:{hexdigest}"
-
-
-def raw_bytes(arr: np.ndarray) -> np.ndarray:
-    """A C-contiguous array's bytes as a flat uint8 view (safe for bool and 0-d)."""
-    return arr.reshape(-1).view(np.uint8)
-
-
-def checksum_of(arr: np.ndarray) -> str:
-    """``xxh3_64:<hex>`` of a C-contiguous storage array's bytes."""
-    return format_checksum(xxhash.xxh3_64_hexdigest(raw_bytes(arr)))
-
-
-# Datasets above MIN_CHUNK_BYTES also carry a checksum per chunk of their flat bytes (in their rank
-# file, as attributes), so a partial read (one rank's hyperslab) is verified by reading only the
-# chunks it touches. Chunks are a power of two of at least MIN_CHUNK_BYTES, at most MAX_CHUNKS per
-# dataset: a partial read rounds out by at most 1/1024 of the dataset at each end.
-MIN_CHUNK_BYTES = 16 << 10
-MAX_CHUNKS = 1024
-
-
-def chunk_size(nbytes: int) -> int | None:
-    """Chunk size in bytes for a dataset of ``nbytes``; None when it is small enough to verify whole."""
-    if nbytes <= MIN_CHUNK_BYTES:
-        return None
-    size = MIN_CHUNK_BYTES
-    while size * MAX_CHUNKS < nbytes:
-        size *= 2
-    return size
-
-
-def checksums(arr: np.ndarray) -> tuple[str, tuple[int, np.ndarray] | None]:
-    """(checksum, (chunk bytes, chunk digests) or None) in one pass over the bytes, chunk by chunk
-    while each is in cache."""
-    raw = raw_bytes(arr)
-    size = chunk_size(raw.size)
-    if size is None:
-        return format_checksum(xxhash.xxh3_64_hexdigest(raw)), None
-    whole, digests = xxhash.xxh3_64(), np.empty(-(-raw.size // size), dtype=np.uint64)
-    for k, i in enumerate(range(0, raw.size, size)):
-        piece = raw[i:i + size]
-        whole.update(piece)
-        digests[k] = xxhash.xxh3_64_intdigest(piece)
-    return format_checksum(whole.hexdigest()), (size, digests)
-
-
-class IncrementalChecksum:
-    """Checksums (whole and per chunk) of a dataset filled piecewise: hashed on the fly while pieces
-    arrive in flat order."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.hasher, self.next_flat, self.in_order = xxhash.xxh3_64(), 0, True
-        self.size = chunk_size(nbytes)
-        self.chunks: list[int] = []
-        self.chunk, self.chunk_fill = xxhash.xxh3_64(), 0
-
-    def advance(self, start: int, flat: np.ndarray) -> None:
-        if self.in_order and start == self.next_flat:
-            raw = raw_bytes(flat)
-            self.hasher.update(raw)
-            pos = 0
-            while self.size and pos < raw.size:
-                take = min(self.size - self.chunk_fill, raw.size - pos)
-                self.chunk.update(raw[pos:pos + take])
-                self.chunk_fill += take
-                pos += take
-                if self.chunk_fill == self.size:
-                    self.chunks.append(self.chunk.intdigest())
-                    self.chunk, self.chunk_fill = xxhash.xxh3_64(), 0
-            self.next_flat += flat.size
-        elif flat.size:
-            self.in_order = False  # out of order or overwrite: caller re-reads at close
-
-    def result(self, total: int) -> tuple[str, tuple[int, np.ndarray] | None] | None:
-        """(checksum, (chunk bytes, chunk digests) or None) if exactly ``total`` elements arrived
-        in order, else None."""
-        if not (self.in_order and self.next_flat == total):
-            return None
-        chunks = self.chunks + ([self.chunk.intdigest()] if self.chunk_fill else [])
-        return format_checksum(self.hasher.hexdigest()), \
-            ((self.size, np.array(chunks, dtype=np.uint64)) if self.size else None)
-
-
 @dataclass(frozen=True)
 class DatasetInfo:
     dtype: str  # logical dtype
@@ -148,62 +62,8 @@ class DatasetInfo:
         return self.size * itemsize(self.dtype)
 
 
-def box_sel(starts: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
-    return tuple(slice(s, s + z) for s, z in zip(starts, sizes))
-
-
-def check_box(starts: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...], where: str) -> None:
-    """Raise UCL409 unless the box lies inside ``shape``."""
-    if len(starts) != len(shape) or len(sizes) != len(shape) or any(
-            s < 0 or z < 0 or s + z > n for s, z, n in zip(starts, sizes, shape)):
-        raise StoreError(f"box starts={list(starts)} sizes={list(sizes)} does not fit {where} of shape "
-                         f"{list(shape)}", code="UCL409")
-
-
-def check_out(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """``out`` if it is a usable destination (or a new array when None), else raise UCL409."""
-    if out is None:
-        return np.empty(shape, dtype)
-    if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous or not out.flags.writeable:
-        raise StoreError(f"out must be a writable C-contiguous {dtype} array of shape {shape}, got "
-                         f"{out.dtype} {out.shape}", code="UCL409")
-    return out
-
-
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> Iterator[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """Cover the row-major flat range ``[start, stop)`` of ``shape`` by N-d boxes.
-
-    Yields ``(flat_offset_of_box, starts, sizes)`` in increasing flat order; at most
-    ``2*ndim - 1`` boxes, each contiguous in the flattening, so memory stays exact.
-    """
-    if start >= stop:
-        return
-    if not shape:
-        yield start, (), ()
-        return
-    if len(shape) == 1:
-        yield start, (start,), (stop - start,)
-        return
-    inner = math.prod(shape[1:])
-    r0, o0 = divmod(start, inner)
-    r1, o1 = divmod(stop, inner)
-    if r0 == r1:
-        for off, s, z in flat_boxes(shape[1:], o0, o1):
-            yield r0 * inner + off, (r0, *s), (1, *z)
-        return
-    if o0:
-        for off, s, z in flat_boxes(shape[1:], o0, inner):
-            yield r0 * inner + off, (r0, *s), (1, *z)
-        r0 += 1
-    if r1 > r0:
-        yield r0 * inner, (r0,) + (0,) * (len(shape) - 1), (r1 - r0, *shape[1:])
-    if o1:
-        for off, s, z in flat_boxes(shape[1:], 0, o1):
-            yield r1 * inner + off, (r1, *s), (1, *z)
 
 
 def _json_default(obj: Any) -> Any:
@@ -366,5 +226,5 @@ def check_entry(rank: int, key: str, e: Any) -> None:
         raise _bad(f"{where}: unknown dtype {e['dtype']!r}")
     if not isinstance(e["shape"], list) or not all(_is_int(x) and x >= 0 for x in e["shape"]):
         raise _bad(f"{where}: 'shape' must be a list of non-negative integers")
-    if not isinstance(e["checksum"], str) or not _CHECKSUM_RE.match(e["checksum"]):
+    if not is_checksum(e["checksum"]):
         raise _bad(f"{where}: 'checksum' must look like 'xxh3_64:<16 hex digits>'")

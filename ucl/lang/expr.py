@@ -5,7 +5,7 @@ import math
 from typing import Mapping
 
 from . import ast
-from .errors import Diagnostic, did_you_mean
+from ..errors import Diagnostic, did_you_mean
 
 FUNCTIONS = {
     "ceil_div": (2, lambda a, b: -(-a // b)),
@@ -91,3 +91,17 @@ def _evaluate(expr: ast.Expr, env: Mapping[str, int]) -> int:
     if op == "//":
         return a // b
     return a % b
+
+
+def evaluate_lets(lets, env: Mapping[str, int]) -> tuple[dict[str, int], dict[str, ExprError]]:
+    """The one evaluator of ``let`` statements, in order: ``(env extended by every let that could be
+    evaluated, {name: error} for those that could not)``. A let that names an unknown value (a mesh
+    axis not given yet, or an earlier broken let) is left out; callers decide what is an error."""
+    out = dict(env)
+    broken: dict[str, ExprError] = {}
+    for name, expr in lets:
+        try:
+            out[name] = evaluate(expr, out)
+        except ExprError as e:
+            broken[name] = e
+    return out, broken

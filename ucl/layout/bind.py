@@ -1,14 +1,16 @@
 """Binding: a Spec applied to one model's parameter names and shapes (pure, no mesh yet)."""
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from . import ast
-from .check import PARAM
-from .errors import BindError, Diagnostic, did_you_mean
-from .expr import ExprError, evaluate
+from ..errors import BindError, Diagnostic, SpecError, did_you_mean
+from ..lang import ast
+from ..lang.check import PARAM
+from ..lang.expr import ExprError, evaluate, evaluate_lets, names_in
+from .dims import build_dims
 from .mesh import Mesh
 
 
@@ -77,16 +79,13 @@ class Model:
         if problems:
             self._fail(problems)
         self.dims = {d: int(dims[d]) for d in ck.dims}
-        base_env = dict(self.dims)
-        self._broken_lets: set[str] = set()
-        for name, expr in ck.lets:  # lets that need mesh sizes are evaluated per mesh
-            try:
-                base_env[name] = evaluate(expr, base_env)
-            except ExprError as e:
-                self._broken_lets.add(name)
-                if e.diagnostic.code != "UCL101" or not self._mentions_axis(expr):
-                    problems.append(e.diagnostic)
-        self.static_env = base_env
+        # lets that need mesh sizes are evaluated per mesh (env); the others are errors now
+        self.static_env, broken = evaluate_lets(ck.lets, self.dims)
+        self._broken_lets: set[str] = set(broken)
+        for name, expr in ck.lets:
+            e = broken.get(name)
+            if e is not None and (e.diagnostic.code != "UCL101" or not self._mentions_axis(expr)):
+                problems.append(e.diagnostic)
 
         self.tensors: list[Tensor] = []
         self.flat_groups: list[FlatGroup] = []
@@ -127,7 +126,7 @@ class Model:
             if g.flat.reverse:
                 g.members.reverse()
         self._by_key = {t.key: t for t in self.tensors}
-        self._lowered: dict[Mesh, object] = {}
+        self.memo: dict = {}  # what later layers derive from this model, by (what, mesh): lowering, plans
 
     # -- binding helpers -------------------------------------------------------------------
     def _fail(self, problems):
@@ -156,7 +155,6 @@ class Model:
         return None, None
 
     def _mentions_axis(self, expr) -> bool:
-        from .expr import names_in
         axes = set(self.spec.checked.axes)
         return any(v.name in axes or v.name in self._broken_lets for v in names_in(expr))
 
@@ -195,7 +193,6 @@ class Model:
     def _check_structure(self) -> list[Diagnostic]:
         """Views, concats and pads that cannot fit the real shapes are reported now, not only when
         some mesh is compiled (mesh axes count as size 1 here)."""
-        from .lower import _build_dims
         env = self.env(Mesh())
         found, seen_rules = [], set()
         for t in self.tensors:
@@ -203,7 +200,7 @@ class Model:
                 continue
             seen_rules.add((id(t.rule), t.shape))
             try:
-                _build_dims(self, t, env, Mesh())
+                build_dims(self, t, env, Mesh())
             except BindError as e:
                 found.extend(e.diagnostics)
         return found
@@ -214,22 +211,58 @@ class Model:
 
     def env(self, mesh: Mesh) -> dict[str, int]:
         mesh.check_axes(self.spec.checked.axes)
-        env = dict(self.dims)
-        env.update({a: mesh.axis_size(a) for a in self.spec.checked.axes})
-        for name, expr in self.spec.checked.lets:
-            try:
-                env[name] = evaluate(expr, env)
-            except ExprError as e:
-                self._fail([e.diagnostic])
+        env, broken = evaluate_lets(self.spec.checked.lets, {**self.dims, **{a: mesh.axis_size(a) for a in self.spec.checked.axes}})
+        if broken:
+            self._fail([next(iter(broken.values())).diagnostic])
         return env
-
-    def lower(self, mesh: Mesh):
-        """The ShardMap of this model on ``mesh`` (cached)."""
-        if mesh not in self._lowered:
-            from .lower import lower
-            self._lowered[mesh] = lower(self, mesh)
-        return self._lowered[mesh]
 
     def fingerprint(self) -> dict:
         return {"dims": self.dims, "params": {n: list(s) for n, s in self.params.items()},
                 "frozen": sorted(self.frozen)}
+
+
+def synthesize_params(spec, dims: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes from the spec alone, for planning from metadata: every layout
+    rule must declare its shape, and each capture must be spread by an ``index c of N`` so
+    its values are known. Order: rules before the first rule with captures, then the captured
+    rules index-major (layer 0's rules, then layer 1's...), then the remaining rules."""
+    env, _ = evaluate_lets(spec.checked.lets, dims)
+    problems = []
+    counts: dict[str, int] = {}
+    for rule in spec.checked.rules + spec.checked.placements:
+        for t in rule.transforms:
+            if isinstance(t, ast.Index):
+                try:
+                    counts[t.capture.name] = evaluate(t.count, env)
+                except ExprError as e:
+                    problems.append(e.diagnostic)
+    head, body, tail = [], [], []
+    for order, rule in enumerate(spec.checked.rules):
+        if rule.shape is None or "*" in rule.pattern.text:
+            problems.append(Diagnostic("UCL212", f"rule {rule.pattern.text!r} needs a declared shape and no "
+                                       "globs to synthesize its parameters; pass the parameters instead",
+                                       rule.pattern.span))
+            continue
+        try:
+            shape = tuple(evaluate(e, env) for e in rule.shape)
+        except ExprError as e:
+            problems.append(e.diagnostic)
+            continue
+        caps = rule.pattern.captures
+        if not caps:
+            (tail if body else head).append((rule.pattern.text, shape))
+            continue
+        missing = [c for c in caps if c not in counts]
+        if missing:
+            problems.append(Diagnostic("UCL212", f"capture {{{missing[0]}}} has no `index {missing[0]} of N` "
+                                       "saying how many values it takes", rule.pattern.span))
+            continue
+        for values in itertools.product(*(range(counts[c]) for c in caps)):
+            name = rule.pattern.text
+            for c, v in zip(caps, values):
+                name = name.replace("{" + c + "}", str(v))
+            body.append((values, order, name, shape))
+    if problems:
+        raise SpecError(problems, spec.text, spec.filename)
+    body.sort(key=lambda x: (x[0], x[1]))
+    return dict(head + [(n, s) for _, _, n, s in body] + tail)

@@ -1,115 +1,22 @@
-"""Sharded HDF5 checkpoint store: the reader and the h5py primitives the writer (writer.py) shares.
-This and writer.py are the only modules that touch h5py.
-
-Layout (docs/format.md): one file per rank, dataset ``kind/name`` is HDF5 group ``kind``,
-dataset ``name``; contiguous, uncompressed, little-endian storage dtype.
-"""
+"""Reading a committed checkpoint: whole datasets, boxes, flat ranges and strided runs, each
+verified against the manifest's checksums where asked. h5py is reached only through ``h5``."""
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
-from collections import OrderedDict
 from typing import Any, Iterator, Sequence
 
-import h5py
 import numpy as np
 import xxhash
 
+from .. import dtypes as _dt
 from ..errors import StoreError
-from . import dtypes as _dt
-from .commit import is_tmp_name
-from .format import (MANIFEST_NAME, DatasetInfo, IncrementalChecksum, Manifest, box_sel, check_box,
-                     check_out, checksum_of, flat_boxes, format_checksum, raw_bytes)
-
-_CHUNK_BYTES = 64 << 20  # bound on memory when checksumming a dataset piecewise
-
-
-def _read_box_into(dset: Any, starts: Sequence[int], sizes: Sequence[int], out: np.ndarray) -> None:
-    if not sizes:
-        out[()] = dset[()]
-    elif all(sizes):  # HDF5 may reject empty selections; nothing to read anyway
-        dset.read_direct(out, source_sel=box_sel(starts, sizes))
-
-
-def _read_flat_into(dset: Any, shape: tuple[int, ...], start: int, stop: int, out: np.ndarray) -> None:
-    for off, starts, sizes in flat_boxes(shape, start, stop):
-        n = math.prod(sizes)
-        _read_box_into(dset, starts, sizes, out[off - start: off - start + n].reshape(sizes))
-
-
-def _checksum_dataset(dset: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[str, list[str] | None]:
-    """(checksum, chunk checksums) of a dataset, streamed in bounded memory."""
-    total = math.prod(shape)
-    h = IncrementalChecksum(total * dtype.itemsize)
-    step = max(1, _CHUNK_BYTES // dtype.itemsize)
-    buf = np.empty(min(step, total), dtype)
-    for s in range(0, total, step):
-        e = min(total, s + step)
-        _read_flat_into(dset, shape, s, e, buf[: e - s])
-        h.advance(s, buf[: e - s])
-    if total == 0:
-        return format_checksum(xxhash.xxh3_64_hexdigest(b"")), None
-    return h.result(total)
-
-
-def _open_h5(path: str, mode: str) -> Any:
-    return h5py.File(path, mode, locking=False)
-
-
-def _create_dataset(group: Any, name: str, shape: tuple[int, ...], dtype: np.dtype,
-                    data: np.ndarray | None = None) -> Any:
-    # contiguous + uncompressed: readers may compute byte offsets and use read_direct
-    if data is not None:
-        return group.create_dataset(name, data=data)
-    return group.create_dataset(name, shape=shape, dtype=dtype)
-
-
-class _ChunkCache:
-    """Verified checksum chunks, least recently used dropped first beyond a byte budget."""
-
-    def __init__(self, budget: int):
-        self.budget, self.used = budget, 0
-        self.items: OrderedDict[tuple, np.ndarray] = OrderedDict()
-
-    def get(self, key: tuple) -> np.ndarray | None:
-        v = self.items.get(key)
-        if v is not None:
-            self.items.move_to_end(key)
-        return v
-
-    def put(self, key: tuple, value: np.ndarray) -> None:
-        if value.nbytes > self.budget:
-            return
-        self.items[key] = value
-        self.used += value.nbytes
-        while self.used > self.budget:
-            self.used -= self.items.popitem(last=False)[1].nbytes
-
-
-class _Handles:
-    """LRU of open h5py files, one per rank, with their opened datasets."""
-
-    def __init__(self, opener: Any, max_open: int):
-        self._opener, self._max = opener, max(1, max_open)
-        self._open: OrderedDict[int, tuple[Any, dict[str, Any]]] = OrderedDict()
-
-    def get(self, rank: int) -> tuple[Any, dict[str, Any]]:
-        if rank in self._open:
-            self._open.move_to_end(rank)
-            return self._open[rank]
-        while len(self._open) >= self._max:
-            self._open.popitem(last=False)[1][0].close()
-        entry = (self._opener(rank), {})
-        self._open[rank] = entry
-        return entry
-
-    def close(self) -> None:
-        while self._open:
-            with contextlib.suppress(Exception):
-                self._open.popitem()[1][0].close()
-
+from ..plan.buffers import Arena
+from . import h5
+from .atomic import is_tmp_name
+from .checksum import checksum_of, raw_bytes
+from .manifest import MANIFEST_NAME, DatasetInfo, Manifest
 
 class Checkpoint:
     """Read access to a committed checkpoint directory. Thread-safe; files open lazily."""
@@ -117,10 +24,10 @@ class Checkpoint:
     def __init__(self, path: str, manifest: Manifest, max_open_files: int = 128):
         self.path, self.manifest = path, manifest
         self._lock = threading.RLock()
-        self._handles = _Handles(self._open_rank, max_open_files)
-        self._verified = _ChunkCache(64 << 20)  # chunks already checked, for verified partial reads
+        self._handles = h5.Handles(self._open_rank, max_open_files)
+        self._verified = h5.ChunkCache(64 << 20)  # chunks already checked, for verified partial reads
         self.bytes_last_read = 0  # bytes the last read_runs took from disk
-        self._scratch_buf = np.empty(0, dtype=np.uint8)
+        self._scratch = Arena()  # warm memory for verified partial reads
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, max_open_files: int = 128) -> "Checkpoint":
@@ -181,7 +88,7 @@ class Checkpoint:
         if not os.path.isfile(p):
             raise StoreError(f"{self._where(rank)} is missing", code="UCL404")
         try:
-            return _open_h5(p, "r")
+            return h5.open_h5(p, "r")
         except (OSError, RuntimeError, ValueError) as e:
             raise StoreError(f"{self._where(rank)} is not a readable HDF5 file (truncated or "
                              f"corrupt): {e}", code="UCL406") from None
@@ -201,8 +108,8 @@ class Checkpoint:
         f, cache = self._handles.get(rank)
         d = cache.get(key)
         if d is None:
-            d = f.get(key)
-            if not isinstance(d, h5py.Dataset):
+            d = h5.get_dataset(f, key)
+            if d is None:
                 raise StoreError(f"{self._where(rank, key)} is listed in the manifest but missing "
                                  "from the file", code="UCL406")
             if d.shape != info.shape or d.dtype.newbyteorder("<") != info.storage_dtype.newbyteorder("<"):
@@ -215,8 +122,8 @@ class Checkpoint:
         """The whole dataset as a storage-typed array; checksum verified unless ``verify=False``."""
         with self._lock, self._guard(rank, key):
             d, info = self._dataset(rank, key)
-            out = check_out(out, info.shape, info.storage_dtype)
-            _read_box_into(d, (0,) * len(info.shape), info.shape, out)
+            out = h5.check_out(out, info.shape, info.storage_dtype)
+            h5.read_box_into(d, (0,) * len(info.shape), info.shape, out)
         if verify:
             got = checksum_of(out)
             if got != info.checksum:
@@ -234,8 +141,8 @@ class Checkpoint:
             if not 0 <= start <= stop <= info.size:
                 raise StoreError(f"flat range [{start}, {stop}) out of bounds for {self._where(rank, key)} "
                                  f"of {info.size} elements", code="UCL409")
-            out = check_out(out, (stop - start,), info.storage_dtype)
-            _read_flat_into(d, info.shape, start, stop, out)
+            out = h5.check_out(out, (stop - start,), info.storage_dtype)
+            h5.read_flat_into(d, info.shape, start, stop, out)
             return out
 
     def read_box(self, rank: int, key: str, starts: Sequence[int], sizes: Sequence[int], *,
@@ -244,9 +151,9 @@ class Checkpoint:
         starts, sizes = tuple(int(s) for s in starts), tuple(int(z) for z in sizes)
         with self._lock, self._guard(rank, key):
             d, info = self._dataset(rank, key)
-            check_box(starts, sizes, info.shape, self._where(rank, key))
-            out = check_out(out, sizes, info.storage_dtype)
-            _read_box_into(d, starts, sizes, out)
+            h5.check_box(starts, sizes, info.shape, self._where(rank, key))
+            out = h5.check_out(out, sizes, info.storage_dtype)
+            h5.read_box_into(d, starts, sizes, out)
             return out
 
     def read_runs(self, rank: int, key: str, runs: Sequence[tuple[int, int, int, int]], *,
@@ -257,7 +164,7 @@ class Checkpoint:
         with self._lock, self._guard(rank, key):
             d, info = self._dataset(rank, key)
             total = sum(c * b for _, c, _, b in runs)
-            out = check_out(out, (total,), info.storage_dtype)
+            out = h5.check_out(out, (total,), info.storage_dtype)
             if total == 0:
                 return out
             size = info.size
@@ -273,12 +180,7 @@ class Checkpoint:
                 flat = self.read(rank, key, verify=False).reshape(-1)
                 return np.concatenate([np.lib.stride_tricks.as_strided(flat[s:], (c, b), (t * flat.itemsize, flat.itemsize)).reshape(-1)
                                        for s, c, t, b in runs])
-            fspace = d.id.get_space()
-            fspace.select_none()
-            for start, count, stride, block in runs:
-                fspace.select_hyperslab((start,), (count,), (max(stride, block),), (block,), op=h5py.h5s.SELECT_OR)
-            mspace = h5py.h5s.create_simple((total,))
-            d.id.read(mspace, fspace, out)
+            h5.read_runs_into(d, runs, out)
             return out
 
     def _read_runs_verified(self, rank, key, d, info: DatasetInfo, runs, out: np.ndarray) -> int:
@@ -287,7 +189,7 @@ class Checkpoint:
         same dataset do not read them again. Returns the bytes read from disk."""
         item = info.storage_dtype.itemsize
         size = info.size
-        chunk_bytes, digests = d.attrs.get("ucl_chunk_bytes"), d.attrs.get("ucl_chunks")
+        chunk_bytes, digests = h5.chunk_checksums(d)
         per = int(chunk_bytes) // item if digests is not None else max(size, 1)
         n = -(-size // per) if size else 0
         touched = np.zeros(n + 1, dtype=np.int64)
@@ -307,8 +209,8 @@ class Checkpoint:
             first = int(g[0])
             lo, hi = first * per, min((int(g[-1]) + 1) * per, size)
             # one group reads into reusable (warm) scratch memory; several need their own buffers
-            buf = self._scratch(hi - lo, info.storage_dtype) if len(groups) == 1 else np.empty(hi - lo, info.storage_dtype)
-            _read_flat_into(d, info.shape, lo, hi, buf)
+            buf = self._scratch.array((hi - lo,), info.storage_dtype) if len(groups) == 1 else np.empty(hi - lo, info.storage_dtype)
+            h5.read_flat_into(d, info.shape, lo, hi, buf)
             read += buf.nbytes
             if len(groups) == 1 and len(g) == len(need):
                 whole_buf = buf
@@ -346,13 +248,6 @@ class Checkpoint:
                     pos, b, left = pos + take, b + take, left - take
         return read
 
-    def _scratch(self, n: int, dtype: np.dtype) -> np.ndarray:
-        """A reusable buffer of ``n`` elements (valid until the next verified read)."""
-        nbytes = n * dtype.itemsize
-        if self._scratch_buf.size < nbytes:
-            self._scratch_buf = np.empty(max(nbytes, int(self._scratch_buf.size * 1.5)), dtype=np.uint8)
-        return self._scratch_buf[:nbytes].view(dtype)
-
     def verify(self, ranks: Sequence[int] | None = None) -> list[str]:
         """Check files and every dataset checksum; returns a list of problems (empty = sound)."""
         problems: list[str] = []
@@ -361,7 +256,7 @@ class Checkpoint:
             try:
                 with self._lock:
                     f, _ = self._handles.get(rank)
-                    present = _list_datasets(f)
+                    present = h5.list_datasets(f)
             except StoreError as e:
                 problems.append(str(e))
                 continue
@@ -374,8 +269,8 @@ class Checkpoint:
                 try:
                     with self._lock, self._guard(rank, key):
                         d, info = self._dataset(rank, key)
-                        got, chunks = _checksum_dataset(d, info.shape, info.storage_dtype)
-                    stored = d.attrs.get("ucl_chunks")
+                        got, chunks = h5.checksum_dataset(d, info.shape, info.storage_dtype)
+                    stored = h5.chunk_checksums(d)[1]
                     if got == info.checksum and stored is not None and (
                             chunks is None or not np.array_equal(np.asarray(stored, dtype=np.uint64), chunks[1])):
                         got = "chunk checksums that differ"
@@ -385,7 +280,3 @@ class Checkpoint:
                 except StoreError as e:
                     problems.append(str(e))
         return problems
-
-
-def _list_datasets(f: Any) -> set[str]:
-    return {f"{k}/{n}" for k, g in f.items() if isinstance(g, h5py.Group) for n in g}

@@ -4,11 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import ast
-from .errors import Diagnostic, SpecError, did_you_mean
+from ..dtypes import LOGICAL_DTYPES
+from ..errors import Diagnostic, SpecError, did_you_mean
 from .expr import FUNCTIONS, calls_in, names_in
 
-DTYPES = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-          "int8", "int16", "int32", "int64", "uint8", "bool")
 PARAM = "param"  # the kind naming the model weights themselves
 PLACEMENT = (ast.Place, ast.Index)
 
@@ -112,9 +111,9 @@ class _Checker:
         if len(layouts) > 1:
             self.error("UCL110", "a state takes at most one of flat, scalar and follow", layouts[1].span)
         for t in st.transforms:
-            if isinstance(t, ast.Dtype) and t.name.name not in DTYPES:
+            if isinstance(t, ast.Dtype) and t.name.name not in LOGICAL_DTYPES:
                 self.error("UCL111", f"unknown dtype {t.name.name!r}", t.name.span,
-                           did_you_mean(t.name.name, DTYPES) or f"dtypes: {', '.join(DTYPES)}")
+                           did_you_mean(t.name.name, LOGICAL_DTYPES) or f"dtypes: {', '.join(LOGICAL_DTYPES)}")
             if isinstance(t, ast.Scalar) and any(k.name == PARAM for k in st.kinds):
                 self.error("UCL110", "the model weights (param) cannot be scalar", t.span)
             if isinstance(t, ast.Flat):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Union
 
-from .errors import Span
+from ..errors import Span
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .errors import MeshError
+from ..errors import MeshError, did_you_mean
 
 
 class Mesh:
@@ -33,10 +33,13 @@ class Mesh:
 
     @classmethod
     def parse(cls, text: str) -> "Mesh":
-        """``"pp=2,dp=2,tp=2"``; ``"universal"`` or ``""`` for the universal layout."""
+        """``"pp=2,dp=2,tp=2"``; ``"universal"`` for the universal layout."""
         text = text.strip()
-        if text in ("", "universal"):
+        if text == "universal":
             return cls()
+        if not text:
+            raise MeshError("empty mesh: write it like pp=2,dp=2,tp=2, or 'universal' for the consolidated "
+                            "layout", code="UCL301")
         items = []
         for part in text.split(","):
             m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*", part)
@@ -96,7 +99,7 @@ class Mesh:
         return np.sort(ranks)
 
     def check_axes(self, declared: Iterable[str]) -> None:
-        from .errors import did_you_mean
+
         declared = list(declared)
         for name in self.names:
             if name not in declared:
@@ -126,3 +129,15 @@ class Mesh:
 
 
 UNIVERSAL = Mesh()
+
+
+def as_mesh(mesh: "Mesh | str | Mapping[str, int]") -> Mesh:
+    """A Mesh from a Mesh, a mesh string (``"pp=2,dp=2,tp=2"``, ``"universal"``) or a mapping."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, str):
+        return Mesh.parse(mesh)
+    if isinstance(mesh, Mapping):
+        return Mesh(mesh)
+    raise MeshError(f"expected a Mesh or a mesh string like 'pp=2,dp=2,tp=2', got {type(mesh).__name__}",
+                    code="UCL301")

@@ -7,8 +7,8 @@ from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from . import ast
-from .errors import Diagnostic, Span, SpecError, did_you_mean
-from .paths import data_dir
+from ..errors import Diagnostic, Span, SpecError, did_you_mean
+from .resources import data_dir
 
 KEYWORDS = ("dims", "from", "let", "mesh", "ignore", "state", "for", "split", "over", "uneven", "shared",
             "replicate", "view", "as", "concat", "pad", "to", "multiple_of", "on", "first", "last",

@@ -11,29 +11,48 @@ or when asked to build one.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import StoreError
+from .errors import StoreError
 
-# logical name -> little-endian storage dtype
-_STORAGE: dict[str, np.dtype] = {
-    "float32": np.dtype("<f4"),
-    "float64": np.dtype("<f8"),
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype("<u2"),
-    "float8_e4m3fn": np.dtype("u1"),
-    "float8_e5m2": np.dtype("u1"),
-    "int8": np.dtype("i1"),
-    "int16": np.dtype("<i2"),
-    "int32": np.dtype("<i4"),
-    "int64": np.dtype("<i8"),
-    "uint8": np.dtype("u1"),
-    "bool": np.dtype("?"),
-}
 
-LOGICAL_DTYPES: tuple[str, ...] = tuple(_STORAGE)
+@dataclass(frozen=True)
+class DType:
+    """One logical dtype and its names elsewhere: the little-endian numpy type it is stored as,
+    its ``torch`` attribute name and its safetensors header name."""
+
+    name: str
+    storage: np.dtype
+    safetensors: str
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.itemsize
+
+    @property
+    def torch_name(self) -> str:
+        return self.name  # torch.float32, torch.bfloat16, torch.float8_e4m3fn ...
+
+
+# The one table of dtypes ucl knows (logical name -> storage and foreign names).
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("float32", np.dtype("<f4"), "F32"),
+    DType("float64", np.dtype("<f8"), "F64"),
+    DType("float16", np.dtype("<f2"), "F16"),
+    DType("bfloat16", np.dtype("<u2"), "BF16"),
+    DType("float8_e4m3fn", np.dtype("u1"), "F8_E4M3"),
+    DType("float8_e5m2", np.dtype("u1"), "F8_E5M2"),
+    DType("int8", np.dtype("i1"), "I8"),
+    DType("int16", np.dtype("<i2"), "I16"),
+    DType("int32", np.dtype("<i4"), "I32"),
+    DType("int64", np.dtype("<i8"), "I64"),
+    DType("uint8", np.dtype("u1"), "U8"),
+    DType("bool", np.dtype("?"), "BOOL"),
+)}
+LOGICAL_DTYPES: tuple[str, ...] = tuple(DTYPES)
 
 # logical dtypes whose storage type differs from their meaning (raw bits)
 BIT_DTYPES = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
@@ -55,14 +74,14 @@ def _unsupported(what: str, hint: str = "") -> StoreError:
 
 def check_logical(logical: str) -> str:
     """Return ``logical`` if it names a supported logical dtype, else raise UCL412."""
-    if logical not in _STORAGE:
+    if logical not in DTYPES:
         raise _unsupported(repr(logical))
     return logical
 
 
 def storage_dtype(logical: str) -> np.dtype:
     """The numpy dtype a logical dtype is stored as (little-endian)."""
-    return _STORAGE[check_logical(logical)]
+    return DTYPES[check_logical(logical)].storage
 
 
 def itemsize(logical: str) -> int:
@@ -83,9 +102,17 @@ def logical_of_numpy_dtype(dt: Any) -> str:
 def logical_of_torch_dtype(dt: Any) -> str:
     """Logical dtype of a ``torch.dtype`` (e.g. ``torch.bfloat16`` -> ``"bfloat16"``)."""
     name = str(dt).rsplit(".", 1)[-1]
-    if name not in _STORAGE:
+    if name not in DTYPES:
         raise _unsupported(f"torch {dt}")
     return name
+
+
+def of_safetensors(name: str) -> str:
+    """Logical dtype of a safetensors header dtype name (``BF16`` -> ``bfloat16``)."""
+    for d in DTYPES.values():
+        if d.safetensors == name:
+            return d.name
+    raise _unsupported(f"safetensors {name}")
 
 
 def torch_dtype(logical: str) -> Any:

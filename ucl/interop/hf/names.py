@@ -1,18 +1,5 @@
-"""Hugging Face helpers: read tensor names from checkpoints, check a spec against a model, and
-draft a spec for an unknown transformers model.
-
-Library side of ``ucl check SPEC --dims CONFIG.json --against MODEL`` and ``ucl spec from-hf``:
-
-* :func:`load_config` -- a config as a dict with class defaults filled in (``head_dim`` ...);
-* :func:`read_tensor_names` -- ``{name: shape}`` of a ``.safetensors`` file, a ``save_pretrained``
-  folder (single file or sharded with ``model.safetensors.index.json``) or a ucl checkpoint;
-* :func:`check_against` -- which tensors a spec fails to match (empty list = all good); saved
-  per-expert MoE names are mapped onto the fused in-memory tensors first;
-* :func:`draft_spec_from_hf` -- a starting ``.ucl`` text built from the config's tensor-parallel
-  plan and the model's parameter names and shapes (instantiated on the meta device).
-
-Only :func:`draft_spec_from_hf` (and :func:`load_config`, when it can) imports torch/transformers.
-"""
+"""Tensor names and shapes of Hugging Face checkpoints (safetensors headers, sharded indexes, ucl
+manifests), and saved per-expert MoE names mapped back onto the fused in-memory tensors."""
 from __future__ import annotations
 
 import json
@@ -21,51 +8,10 @@ import struct
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Mapping
-from .errors import StoreError
 
-__all__ = ["load_config", "read_tensor_names", "fuse_saved_experts", "check_against", "draft_spec_from_hf"]
+from ...errors import StoreError
 
 Shapes = dict[str, tuple[int, ...]]
-
-
-# ---- configs -------------------------------------------------------------------------------------
-def _config_source(config) -> dict:
-    """A plain dict from a dict, a PretrainedConfig, a config.json path or a folder holding one."""
-    if isinstance(config, Mapping):
-        return dict(config)
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise StoreError(f"cannot read config {path}: {e}", code="UCL404") from None
-
-
-def load_config(config) -> dict:
-    """``config`` (dict, ``PretrainedConfig``, ``config.json`` path or model folder) as a dict in
-    which the fields a spec reads are filled in the way the model class fills them.
-
-    With transformers installed the dict is ``AutoConfig.for_model(model_type, **fields).to_dict()``
-    (class defaults, aliases such as gpt2's ``n_embd``, a derived ``head_dim``). Without it (or for
-    an unknown ``model_type``) the fields are returned as they are, plus ``head_dim =
-    hidden_size // num_attention_heads`` where it is missing or null.
-    """
-    raw = _config_source(config)
-    out = dict(raw)
-    full = not isinstance(config, Mapping) and hasattr(config, "to_dict")  # a PretrainedConfig already
-    if not full and raw.get("model_type"):
-        try:
-            from transformers import AutoConfig
-            fields = {k: v for k, v in raw.items() if k != "model_type"}
-            out = AutoConfig.for_model(raw["model_type"], **fields).to_dict()
-        except Exception:  # unknown model type, transformers missing or too old: keep the raw fields
-            out = dict(raw)
-    if out.get("head_dim") is None and out.get("hidden_size") and out.get("num_attention_heads"):
-        out["head_dim"] = int(out["hidden_size"]) // int(out["num_attention_heads"])
-    return out
 
 
 # ---- reading tensor names ------------------------------------------------------------------------
@@ -194,34 +140,3 @@ def fuse_saved_experts(tensors: Mapping[str, Iterable[int]]) -> tuple[Shapes, li
         out[fused_gu] = (n, 2 * g[0], g[1])
         out[fused_d] = (n, d[0], d[1])
     return out, problems
-
-
-def check_against(spec, dims: Mapping[str, int], tensors: Mapping[str, Iterable[int]],
-                  frozen: Iterable[str] = ()) -> list[str]:
-    """Problems binding ``spec`` (a Spec or anything ``ucl.load_spec`` takes) with ``dims`` to
-    ``tensors`` (``{name: shape}``, e.g. from :func:`read_tensor_names`). An empty list means every
-    tensor is matched by exactly one rule with the right shape.
-
-    Saved per-expert MoE names are first mapped onto the fused in-memory tensors the specs describe
-    (see :func:`fuse_saved_experts`), so both a ``state_dict()`` and a ``save_pretrained`` folder
-    can be checked."""
-    from . import load_spec
-    from .errors import UclError
-
-    fused, problems = fuse_saved_experts(tensors)
-    try:
-        spec = load_spec(spec)
-        spec.bind(dict(dims), fused, frozen=[f for f in frozen if f in fused])
-    except UclError as e:
-        diags = getattr(e, "diagnostics", None)
-        if diags:
-            problems += [f"error[{d.code}]: {d.message}" + (f" ({d.hint})" if d.hint else "") for d in diags]
-        else:
-            problems.append(f"error[{e.code}]: {e}")
-    return problems
-
-
-def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
-    """See :func:`ucl.hf_draft.draft_spec_from_hf` (kept here so ``ucl.hf`` is the one entry point)."""
-    from .hf_draft import draft_spec_from_hf as draft
-    return draft(config_or_dir, name=name)

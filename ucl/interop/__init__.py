@@ -1,0 +1,1 @@
+"""Interoperation with other frameworks' checkpoints and configs."""

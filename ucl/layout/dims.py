@@ -1,0 +1,103 @@
+"""Per-dim trees: how each dim of one tensor is padded, viewed, concatenated and split, before
+any mesh coordinate is chosen. Used by binding (structural checks) and by lowering."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import BindError, Diagnostic
+from ..lang import ast
+from ..lang.expr import ExprError, evaluate
+from .algebra import DimSpec, LayoutError, Node
+from .mesh import Mesh
+
+
+def fail(model, tensor, span, err: LayoutError | Diagnostic, mesh: Mesh):
+    """Raise a BindError naming the tensor, its shape and kind, the mesh and the rule's span."""
+    d = err if isinstance(err, Diagnostic) else Diagnostic(err.code, str(err), span, err.hint)
+    where = "" if mesh.is_universal else f" on mesh {mesh}"
+    msg = f"{tensor.name} {list(tensor.shape)} ({tensor.kind}){where}: {d.message}"
+    raise BindError([Diagnostic(d.code, msg, d.span or span, d.hint)], model.spec.text, model.spec.filename)
+
+
+def evaluate_in(model, tensor, expr, env, mesh):
+    """An expression of a tensor's rule; a failure is reported against that tensor."""
+    try:
+        return evaluate(expr, env)
+    except ExprError as e:
+        fail(model, tensor, expr.span, e.diagnostic, mesh)
+
+
+def build_dims(model, tensor, env: dict, mesh: Mesh) -> tuple[DimSpec, ...]:
+    """The DimSpec of every dim of ``tensor`` (``env``: dims, lets and the mesh's axis sizes)."""
+    rule = tensor.rule
+    shape = model.params[tensor.name]
+    structure: dict[tuple, ast.Transform] = {}
+    splits: dict[tuple, list] = {}  # path -> [(order, (axes, mode))]
+    pads: dict[int, int] = {}
+    for order, t in enumerate(rule.transforms):
+        if isinstance(t, (ast.View, ast.Concat)):
+            structure[t.dim.path] = t
+        elif isinstance(t, ast.Split):
+            splits.setdefault(t.dim.path, []).append((order, (tuple(a.name for a in t.axes), t.mode)))
+        elif isinstance(t, ast.Pad):
+            n = shape[t.dim.root]
+            target = evaluate_in(model, tensor, t.target, env, mesh)
+            if target <= 0:
+                fail(model, tensor, t.span, LayoutError("UCL205", f"pad target {target} must be positive"), mesh)
+            padded = -(-n // target) * target if t.multiple else target
+            if padded < n:
+                fail(model, tensor, t.span, LayoutError("UCL205", f"cannot pad dim {t.dim} of size {n} down to {padded}"), mesh)
+            pads[t.dim.root] = padded
+
+    def first_below(path) -> float:
+        """Order of the first split of a strict descendant of ``path`` (inf if none)."""
+        orders = [o for p, xs in splits.items() if len(p) > len(path) and p[:len(path)] == path for o, _ in xs]
+        return min(orders, default=float("inf"))
+
+    def build(path: tuple, size: int, inherited=()) -> Node:
+        mine = splits.get(path, [])
+        t = structure.get(path)
+        if t is None:
+            return Node("leaf", size, (), tuple(inherited) + tuple(x for _, x in mine))
+        cut = first_below(path)
+        if isinstance(t, ast.View):
+            pre = tuple(inherited) + tuple(x for o, x in mine if o < cut)
+            post = tuple(x for o, x in mine if o > cut)  # after a factor's split: cuts the local extent
+        else:
+            # The first split of a concat splits every part ([q_r; k_r; v_r]); any later one, or one
+            # after a part's own split, cuts the rank-local extent (FSDP on top of TP).
+            first = [x for o, x in mine[:1] if o < cut]
+            pre = tuple(inherited) + tuple(first)
+            post = tuple(x for x in (x for _, x in mine[len(first):]))
+        if isinstance(t, ast.View):
+            sizes = [evaluate_in(model, tensor, f, env, mesh) for f in t.factors]
+            if int(np.prod(sizes, dtype=np.int64)) != size:
+                fail(model, tensor, t.span, LayoutError(
+                    "UCL206", f"view {t.dim} as {sizes}: the factors multiply to {int(np.prod(sizes))}, not {size}"), mesh)
+            if pre and cut == float("inf"):  # a split of the whole viewed dim: the view does not matter
+                return Node("leaf", size, (), pre)
+            if pre:
+                fail(model, tensor, t.span, LayoutError(
+                    "UCL109", f"dim {t.dim} is split as a whole before one of its factors is; split the factor "
+                    "first (a later split of the whole then cuts each rank's local part)"), mesh)
+            kids = tuple(build(path + (k,), s) for k, s in enumerate(sizes))
+            return Node("view", size, kids, (), post)
+        sizes = [evaluate_in(model, tensor, p.size, env, mesh) for p in t.parts]
+        if sum(sizes) != size:
+            fail(model, tensor, t.span, LayoutError(
+                "UCL206", f"concat {t.dim} parts {sizes} sum to {sum(sizes)}, not {size}"), mesh)
+        # A split of a concat splits every part: each rank holds [q_r; k_r; v_r].
+        kids = tuple(build(path + (p.name.name,), s, pre) for p, s in zip(t.parts, sizes))
+        return Node("concat", size, kids, (), post)
+
+    dims = []
+    for d, n in enumerate(shape):
+        padded = pads.get(d, n)
+        dims.append(DimSpec(n, padded, build((d,), padded)))
+    return tuple(dims)
+
+
+def universal_dims(shape) -> tuple[DimSpec, ...]:
+    return tuple(DimSpec(n, n, Node("leaf", n)) for n in shape)
+
+

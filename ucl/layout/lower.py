@@ -1,0 +1,408 @@
+"""Lowering: a bound Model on a Mesh -> ShardMap (which boxes of each tensor every rank holds).
+
+Work is done per *distinct coordinate tuple on the axes that matter* for a tensor, never per rank:
+the ranks sharing a tuple are replicas and are expanded with numpy only when a plan needs them.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..lang import ast
+from .algebra import DimLayout, DimSpec, LayoutError, dim_layout
+from .bind import Model
+from .boxes import Slot, flat_boxes
+from .dims import build_dims, evaluate_in, fail, universal_dims
+from .mesh import Mesh
+
+
+@dataclass(eq=False)
+class Holding:
+    """What the ranks with coordinates ``fixed`` hold of one tensor: boxes (``pieces``) of it, stored
+    in ``slot``."""
+
+    fixed: dict[str, int]  # coordinates on the axes that matter; other axes hold replicas
+    slot: Slot
+    pieces: list[tuple[DimLayout, ...]]  # boxes of the slot's tensor, as per-dim runs
+
+    def real_volume(self) -> int:
+        return sum(int(np.prod([d.segs[:, 2].sum() for d in p], dtype=np.int64)) for p in self.pieces)
+
+
+@dataclass(frozen=True)
+class FlatFill:
+    """Elements ``[start, start + length)`` of a flat buffer that hold no tensor (alignment, padding)."""
+
+    fixed: dict
+    slot: Slot
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DatasetSlot:
+    """A dataset that every rank with coordinates ``fixed`` holds."""
+
+    fixed: dict
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(eq=False)
+class ShardMap:
+    """A model on a mesh: which boxes of each tensor the ranks hold, and which datasets they store."""
+
+    mesh: Mesh
+    model: Model
+    holdings: list[list[Holding]]  # by tensor id
+    flat_fills: list[FlatFill] = field(default_factory=list)
+    datasets: list[DatasetSlot] = field(default_factory=list)
+
+    def ranks(self, fixed: dict) -> np.ndarray:
+        return self.mesh.ranks_where(fixed)
+
+    def rank_datasets(self, rank: int) -> dict[str, tuple[tuple, str]]:
+        """Every dataset rank ``rank`` holds: key -> (shape, logical dtype)."""
+        c = self.mesh.coords(rank) if not self.mesh.is_universal else {}
+        return {d.key: (d.shape, d.dtype) for d in self.datasets
+                if all(c.get(a, 0) == v for a, v in d.fixed.items())}
+
+
+def _layouts(model, tensor, dims, fixed, mesh):
+    """Per-dim layouts on one coordinate; a split that does not fit is reported at its own span."""
+    out = []
+    for k, d in enumerate(dims):
+        try:
+            out.append(dim_layout(d, _coords_key(fixed, (d,), mesh)))
+        except LayoutError as e:
+            spans = [t.span for t in tensor.rule.transforms if isinstance(t, ast.Split) and t.dim.root == k]
+            fail(model, tensor, spans[0] if spans else tensor.rule.span,
+                  LayoutError(e.code, f"dim {k}: {e}", e.hint), mesh)
+    return tuple(out)
+
+
+# ---- placement -------------------------------------------------------------------------------
+def _placement(model: Model, tensor, env: dict, mesh: Mesh):
+    """-> (fixed coords: axis -> allowed coords list, local name)."""
+    allowed: dict[str, list[int]] = {}
+    local_name = tensor.name
+    replacements = []
+    transforms = [(t, tensor.rule) for t in tensor.rule.transforms]
+    if tensor.placement is not None:
+        transforms += [(t, tensor.placement) for t in tensor.placement.transforms]
+    for t, rule in transforms:
+        if isinstance(t, ast.Place):
+            size = mesh.axis_size(t.axis.name)
+            coords = []
+            for c in t.coords:
+                v = 0 if c == "first" else size - 1 if c == "last" else evaluate_in(model, tensor, c, env, mesh)
+                if not 0 <= v < size:
+                    fail(model, tensor, t.span, LayoutError("UCL207", f"{t.axis.name} = {v} is outside the axis (size {size})"), mesh)
+                coords.append(v)
+            allowed[t.axis.name] = sorted(set(coords))
+        elif isinstance(t, ast.Index):
+            rule_match = rule.pattern.match(tensor.name)
+            value = int(rule_match.group(t.capture.name))
+            span = rule_match.span(t.capture.name)
+            count = evaluate_in(model, tensor, t.count, env, mesh)
+            size = mesh.axis_size(t.axis.name)
+            if not 0 <= value < count:
+                fail(model, tensor, t.span, LayoutError("UCL207", f"{t.capture.name} = {value} is not below {count}"), mesh)
+            stage, local = _stage_of(model, tensor, t, value, count, size, env, mesh)
+            allowed[t.axis.name] = [stage]
+            replacements.append((span, str(local)))
+    for (a, b), text in sorted(replacements, reverse=True):
+        local_name = local_name[:a] + text + local_name[b:]
+    return allowed, local_name
+
+
+def _stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh):
+    ev = (lambda e: evaluate_in(model, tensor, e, env, mesh))
+    if size > 1 and (t.sizes is not None or t.first is not None or t.last is not None):
+        if t.sizes is not None:
+            sizes = [ev(e) for e in t.sizes]
+        else:  # Megatron's --decoder-first/last-pipeline-num-layers: the middle stages share the rest
+            first = ev(t.first) if t.first is not None else None
+            last = ev(t.last) if t.last is not None else None
+            inner = size - (first is not None) - (last is not None)
+            rest = count - (first or 0) - (last or 0)
+            if (inner == 0 and rest != 0) or (inner > 0 and (rest < 0 or rest % inner)):
+                fail(model, tensor, t.span, LayoutError(
+                    "UCL204", f"after first/last stages, {rest} {t.capture.name}-values cannot be spread evenly "
+                    f"over {inner} stages of {t.axis.name}={size}"), mesh)
+            mid = [rest // inner] * inner if inner else []
+            sizes = ([first] if first is not None else []) + mid + ([last] if last is not None else [])
+        if len(sizes) != size or sum(sizes) != count or min(sizes) < 0:
+            fail(model, tensor, t.span, LayoutError(
+                "UCL207", f"stage sizes {sizes} must list {size} stages summing to {count}"), mesh)
+        bounds = np.cumsum(sizes)
+        stage = int(np.searchsorted(bounds, value, side="right"))
+        return stage, value - (int(bounds[stage - 1]) if stage else 0)
+    virtual = ev(t.virtual) if t.virtual is not None else 1
+    if virtual < 1:
+        fail(model, tensor, t.span, LayoutError("UCL207", f"virtual {virtual}: needs at least 1 chunk per stage"), mesh)
+    chunks = size * virtual
+    if count % chunks:
+        fail(model, tensor, t.span, LayoutError(
+            "UCL204", f"{count} {t.capture.name}-values cannot be spread evenly over {t.axis.name}={size}"
+            + (f" x virtual {virtual}" if virtual > 1 else ""), "give `first`/`last` stage sizes or `sizes [...]`"), mesh)
+    per = count // chunks
+    chunk = value // per
+    return chunk % size, (chunk // size) * per + value % per
+
+
+# ---- lowering -----------------------------------------------------------------------------------
+def _coords_key(fixed: dict, dims: tuple[DimSpec, ...], mesh: Mesh):
+    axes = set()
+    for d in dims:
+        axes |= d.node.axes()
+    return tuple((a, fixed[a], mesh.axis_size(a)) for a in sorted(axes))
+
+
+def _enumerate(axes: list[str], mesh: Mesh, allowed: dict[str, list[int]]):
+    names = sorted(set(axes) | set(allowed))
+    ranges = [allowed.get(a, range(mesh.axis_size(a))) for a in names]
+    for combo in itertools.product(*ranges):
+        yield dict(zip(names, combo))
+
+
+def lower(model: Model, mesh: Mesh) -> ShardMap:
+    """The ShardMap of ``model`` on ``mesh`` (cached on the model: lowering is pure)."""
+    key = ("shardmap", mesh)
+    if key not in model.memo:
+        model.memo[key] = _lower(model, mesh)
+    return model.memo[key]
+
+
+def _lower(model: Model, mesh: Mesh) -> ShardMap:
+    env = model.env(mesh)
+    sm = ShardMap(mesh, model, [[] for _ in model.tensors])
+    if mesh.is_universal:
+        for t in model.tensors:
+            layouts = tuple(dim_layout(d, ()) for d in universal_dims(t.shape))
+            sm.holdings[t.id].append(Holding({}, Slot(t.key, 0, t.shape, t.shape), [layouts]))
+            sm.datasets.append(DatasetSlot({}, t.key, t.shape, t.dtype))
+        return sm
+
+    placed = {}  # tensor id -> Placed
+    for t in model.tensors:
+        dims = () if t.scalar else build_dims(model, t, env, mesh)
+        allowed, local = _placement(model, t, env, mesh)
+        placed[t.id] = Placed(dims, allowed, local)
+        if t.flat is not None:
+            continue
+        axes = sorted({a for d in dims for a in d.node.axes()})
+        for fixed in _enumerate(axes, mesh, allowed):
+            layouts = _layouts(model, t, dims, fixed, mesh)
+            shape = tuple(x.local for x in layouts)
+            key = f"{t.kind}/{local}"
+            sm.holdings[t.id].append(Holding(fixed, Slot(key, 0, shape, shape), [layouts]))
+            sm.datasets.append(DatasetSlot(fixed, key, shape, t.dtype))
+
+    geometry_cache: dict = {}
+    for g in model.flat_groups:
+        _lower_flat(model, g, placed, env, mesh, sm, geometry_cache)
+    return sm
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One tensor on a mesh before flattening: its dim trees, the coordinates it is placed on
+    (axis -> allowed coordinates) and its rank-local name."""
+
+    dims: tuple[DimSpec, ...]
+    allowed: dict[str, list[int]]
+    local: str
+
+
+@dataclass(frozen=True)
+class FlatOptions:
+    """A flat statement's numbers, evaluated on one mesh."""
+
+    axes: tuple[str, ...]
+    parts: int  # product of the flat axes' sizes: partitions per buffer
+    align: int
+    multiple: int
+    bucket: int | None
+
+
+@dataclass(frozen=True)
+class FlatPiece:
+    """Part of one member tensor inside one partition of a flat buffer."""
+
+    name: str
+    coords: dict
+    suffix: str  # dataset name after the kind: "@flat0", "@flat0.3" or the per_param local name
+    base: int  # flat offset of the tensor's first element relative to the partition
+    shape: tuple[int, ...]
+    part: int  # partition length
+    pieces: list
+
+
+@dataclass(frozen=True)
+class FlatGap:
+    coords: dict
+    suffix: str
+    part: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class FlatPartition:
+    coords: dict
+    suffix: str
+    part: int
+
+
+@dataclass(frozen=True)
+class FlatGeometry:
+    pieces: list[FlatPiece]
+    gaps: list[FlatGap]
+    partitions: list[FlatPartition]
+
+
+def _lower_flat(model, group, placed, env, mesh, sm: ShardMap, cache: dict):
+    """Place one flat group's tensors. The geometry is shared by every kind of the same statement
+    with the same members (fp32, exp_avg, exp_avg_sq), so it is computed once."""
+    if not group.members:
+        return
+    key = (group.number, tuple(t.name for t in group.members))
+    if key not in cache:
+        cache[key] = _flat_geometry(model, group, placed, env, mesh)
+    geo: FlatGeometry = cache[key]
+    by_name = {t.name: t for t in group.members}
+    prefix = f"{group.kind}/"
+    for p in geo.pieces:
+        sm.holdings[by_name[p.name].id].append(Holding(p.coords, Slot(prefix + p.suffix, p.base, p.shape, (p.part,)),
+                                                       p.pieces))
+    for g in geo.gaps:
+        sm.flat_fills.append(FlatFill(g.coords, Slot(prefix + g.suffix, 0, (g.part,), (g.part,)), g.start, g.length))
+    for d in geo.partitions:
+        sm.datasets.append(DatasetSlot(d.coords, prefix + d.suffix, (d.part,), group.members[0].dtype))
+
+
+def _flat_options(model, group, mesh, env) -> FlatOptions:
+    flat, first = group.flat, group.members[0]
+    axes = tuple(a.name for a in flat.axes)
+
+    def number(expr, default):
+        return evaluate_in(model, first, expr, env, mesh) if expr is not None else default
+
+    opts = FlatOptions(axes, int(np.prod([mesh.axis_size(a) for a in axes], dtype=np.int64)),
+                       number(flat.align, 1), number(flat.pad_multiple, 1), number(flat.bucket, None))
+    for what, v in (("align", opts.align), ("pad to multiple_of", opts.multiple),
+                    ("bucket", opts.bucket if opts.bucket is not None else 1)):
+        if v < 1:
+            fail(model, first, flat.span, LayoutError("UCL210", f"flat {what} {v}: must be at least 1"), mesh)
+    return opts
+
+
+def _member_axes(model, group, placed, mesh, opts: FlatOptions) -> list[str]:
+    """Axes other than the flat ones over which the members' buffers differ."""
+    axes = set()
+    for t in group.members:
+        p = placed[t.id]
+        used = {a for d in p.dims for a in d.node.axes()}
+        clash = used & set(opts.axes)
+        if clash:
+            fail(model, t, group.flat.span, LayoutError(
+                "UCL210", f"it is split over {', '.join(sorted(clash))} and also flattened over it"), mesh)
+        axes |= used | set(p.allowed)
+    return sorted(axes - set(opts.axes))
+
+
+def _buffers(entries, flat, opts: FlatOptions) -> list[list]:
+    """The members held on one coordinate, cut into buffers: one per parameter, by bucket size, or one."""
+    if flat.per_param:
+        return [[e] for e in entries]
+    if opts.bucket is None:
+        return [entries]
+    buffers, cur, size = [], [], 0
+    for e in entries:
+        cur.append(e)
+        size += int(np.prod([x.local for x in e[1]], dtype=np.int64))
+        if size >= opts.bucket:
+            buffers.append(cur)
+            cur, size = [], 0
+    if cur:
+        buffers.append(cur)
+    return buffers
+
+
+def _flat_geometry(model, group, placed, env, mesh) -> FlatGeometry:
+    flat = group.flat
+    opts = _flat_options(model, group, mesh, env)
+    parts = opts.parts
+    part_coords = [_unravel(j, list(opts.axes), mesh) for j in range(parts)]
+    geo = FlatGeometry([], [], [])
+    for fixed in _enumerate(_member_axes(model, group, placed, mesh, opts), mesh, {}):
+        # The buffer on this coordinate: held members in order, each flattened, aligned.
+        entries = []
+        for t in group.members:
+            p = placed[t.id]
+            if any(fixed.get(a) not in c for a, c in p.allowed.items()):
+                continue
+            entries.append((t, _layouts(model, t, p.dims, fixed, mesh), p.local))
+        for b, members in enumerate(_buffers(entries, flat, opts) if entries else []):
+            suffix = members[0][2] if flat.per_param else \
+                f"@flat{group.number}" + (f".{b}" if opts.bucket is not None else "")
+            _partition_buffer(model, mesh, flat, opts, fixed, part_coords, suffix, members, geo)
+    return geo
+
+
+def _partition_buffer(model, mesh, flat, opts: FlatOptions, fixed, part_coords, suffix, members,
+                      geo: FlatGeometry) -> None:
+    """Lay ``members`` out in one flat buffer (aligned, padded) and cut it into ``opts.parts``
+    partitions: the pieces each partition holds, its gaps, and the partition datasets."""
+    parts = opts.parts
+    offsets, pos = [], 0
+    for t, layouts, _ in members:
+        pos = -(-pos // opts.align) * opts.align
+        offsets.append(pos)
+        pos += int(np.prod([x.local for x in layouts], dtype=np.int64))
+    unit = opts.multiple * (parts if flat.per_param and flat.pad_multiple is None else 1)
+    total = -(-pos // unit) * unit if unit > 1 else pos
+    if total % parts:
+        fail(model, members[0][0], flat.span, LayoutError(
+            "UCL210", f"a flat buffer of {total} elements cannot be split evenly over {'x'.join(opts.axes)}={parts}",
+            f"add `pad to multiple_of({' * '.join(opts.axes)})`"), mesh)
+    part = total // parts
+    covered = [[] for _ in range(parts)]
+    for (t, layouts, _), off in zip(members, offsets):
+        shape = tuple(x.local for x in layouts)
+        n = int(np.prod(shape, dtype=np.int64))
+        if n == 0 or part == 0:
+            continue
+        for j in range(off // part, (off + n - 1) // part + 1):
+            lo, hi = max(off, j * part), min(off + n, (j + 1) * part)
+            covered[j].append((lo - j * part, hi - lo))
+            pieces = [tuple(_box_dims(layouts, start, size)) for _, start, size in flat_boxes(shape, lo - off, hi - off)]
+            geo.pieces.append(FlatPiece(t.name, {**fixed, **part_coords[j]}, suffix, off - j * part, shape, part, pieces))
+    for j in range(parts):
+        coords = {**fixed, **part_coords[j]}
+        geo.partitions.append(FlatPartition(coords, suffix, part))
+        pos = 0
+        for lo, n in sorted(covered[j]):
+            if lo > pos:
+                geo.gaps.append(FlatGap(coords, suffix, part, pos, lo - pos))
+            pos = lo + n
+        if part > pos:
+            geo.gaps.append(FlatGap(coords, suffix, part, pos, part - pos))
+
+
+def _box_dims(layouts, start, size):
+    for d, s, z in zip(layouts, start, size):
+        yield d if (s == 0 and z == d.local) else d.restrict(s, s + z)
+
+
+def _unravel(j: int, axes: list[str], mesh: Mesh) -> dict[str, int]:
+    out = {}
+    for a in reversed(axes):
+        s = mesh.axis_size(a)
+        out[a] = j % s
+        j //= s
+    return out

@@ -1,0 +1,73 @@
+"""The one reader of a model's ``config.json`` (Hugging Face style), used wherever dims come from a
+config: ``Spec.dims_from_config``, ``--dims config.json``, ``ucl check --against`` and the HF interop.
+
+A config is a dict, a ``transformers.PretrainedConfig``, a ``config.json`` path or a folder holding
+one. Fields a spec reads are filled in the way the model class fills them: with transformers
+installed, ``AutoConfig.for_model(model_type, **fields)`` supplies class defaults and aliases
+(gpt2's ``n_embd``); in every case a missing or null ``head_dim`` becomes
+``hidden_size // num_attention_heads`` (Llama-2 has none, Mixtral writes ``null``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import StoreError
+
+CONFIG_NAME = "config.json"
+MAX_CONFIG_BYTES = 16 << 20  # a config is a few KB; refuse anything that is not plausibly one
+
+
+def config_path(source: str | os.PathLike) -> Path:
+    """``source`` or ``source/config.json``; a clear error when neither is a readable file."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / CONFIG_NAME
+    if not path.exists():
+        raise StoreError(f"config {path} does not exist", code="UCL404")
+    if not path.is_file():
+        raise StoreError(f"config {path} is not a regular file", code="UCL404")
+    return path
+
+
+def read_raw_config(config: Any) -> dict:
+    """The fields as written: a plain dict from any accepted form (no defaults filled in)."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    path = config_path(config)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ValueError(f"larger than {MAX_CONFIG_BYTES >> 20} MiB")
+        out = json.loads(data)
+    except (OSError, ValueError) as e:
+        raise StoreError(f"cannot read config {path}: {e}", code="UCL401") from None
+    if not isinstance(out, dict):
+        raise StoreError(f"config {path} is not a JSON object", code="UCL401")
+    return out
+
+
+def load_config(config: Any) -> dict:
+    """The config as a dict with the fields a spec reads filled in (see the module docstring)."""
+    raw = read_raw_config(config)
+    out = dict(raw)
+    already_full = not isinstance(config, Mapping) and hasattr(config, "to_dict")  # a PretrainedConfig
+    if not already_full and raw.get("model_type"):
+        try:
+            from transformers import AutoConfig
+            fields = {k: v for k, v in raw.items() if k != "model_type"}
+            out = AutoConfig.for_model(raw["model_type"], **fields).to_dict()
+        except Exception:  # unknown model type, transformers missing or too old: keep the raw fields
+            out = dict(raw)
+    if out.get("head_dim") is None and _positive(out.get("hidden_size")) and _positive(out.get("num_attention_heads")):
+        out["head_dim"] = int(out["hidden_size"]) // int(out["num_attention_heads"])
+    return out
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0

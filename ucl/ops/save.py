@@ -1,0 +1,95 @@
+"""Saving a layout: every rank of it from one process, or one rank per process under
+torch.distributed, committed atomically."""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from ..errors import StoreError, UclError
+from ..layout.bind import Model
+from ..layout.mesh import Mesh, as_mesh
+from ..store.writer import CheckpointWriter
+from .dist import allgather_json, broadcast_json, initialized_dist
+from .prepare import expected_datasets, manifest_fields, normalise
+
+
+def save(path: str | os.PathLike, shards: Mapping[int, Mapping[str, Any]], *, model: Model, mesh: Mesh,
+         state: Any = None) -> str:
+    """Write every rank of a layout from one process (``shards``: rank -> key -> array/tensor) and
+    commit atomically. Returns the checkpoint path."""
+    mesh = as_mesh(mesh)
+    nranks = mesh.size
+    if set(shards) != set(range(nranks)):
+        raise StoreError(f"shards must hold ranks 0..{nranks - 1} of {mesh}, got {sorted(shards)[:8]}...", code="UCL421")
+    checked = {r: normalise(model, mesh, r, shards[r]) for r in range(nranks)}
+    want = {r: expected_datasets(model, mesh, r) for r in range(nranks)}
+    with CheckpointWriter(path, nranks, **manifest_fields(model, mesh, state)) as w:
+        for r in range(nranks):
+            for key, arr in checked[r].items():
+                w.write(r, key, arr, dtype=want[r][key][1])
+        return w.commit()
+
+
+def save_rank(path: str | os.PathLike, tensors: Mapping[str, Any], *, model: Model, mesh: Mesh, rank: int,
+              state: Any = None) -> str:
+    """Collective save under ``torch.distributed`` (one call per rank; world size = mesh size):
+    every rank writes its own file into a shared temporary directory, rank 0 commits once all are
+    durable. Without an initialised process group, ``mesh`` must have one rank."""
+    mesh = as_mesh(mesh)
+    dist = initialized_dist()
+    if dist is None:
+        if mesh.size != 1:
+            raise StoreError("save_rank on a multi-rank mesh needs torch.distributed to be initialised", code="UCL422")
+        return save(path, {0: tensors}, model=model, mesh=mesh, state=state)
+    if dist.get_world_size() != mesh.size:
+        raise StoreError(f"world size {dist.get_world_size()} != mesh size {mesh.size}", code="UCL422")
+    # Every rank checks its tensors, then all learn every problem: one bad rank fails all of them
+    # cleanly (nothing written) instead of leaving the others blocked in a collective.
+    arrays, problem = {}, ""
+    try:
+        arrays = normalise(model, mesh, rank, tensors)
+    except UclError as e:
+        problem = str(e)
+    problems = [p for p in allgather_json(problem) if p]
+    if problems:
+        raise StoreError("checkpoint not written: " + "\n".join(problems), code="UCL421")
+    want = expected_datasets(model, mesh, rank)
+    writer = None
+    tmp = ""
+    error = ""
+    if rank == 0:
+        try:
+            writer = CheckpointWriter(path, mesh.size, **manifest_fields(model, mesh, state))
+            tmp = writer.tmp_path
+        except UclError as e:
+            error = str(e)
+    tmp, error = broadcast_json([tmp, error])
+    if error:
+        raise StoreError(error, code="UCL405")
+    entries, problem = {}, ""
+    try:
+        part = writer if rank == 0 else CheckpointWriter.join(tmp, mesh.size)
+        for key, arr in arrays.items():
+            part.write(rank, key, arr, dtype=want[key][1])
+        if rank != 0:
+            entries = part.finish([rank])
+    except UclError as e:
+        problem = f"rank {rank}: {e}"
+    gathered = allgather_json({"entries": {str(k): v for k, v in entries.items()}, "problem": problem})
+    problems = [g["problem"] for g in gathered if g["problem"]]
+    result = ""
+    if rank == 0:
+        try:
+            if problems:
+                raise StoreError("; ".join(problems), code="UCL410")
+            for g in gathered:
+                for r, e in g["entries"].items():
+                    writer.adopt(int(r), e)
+            result = writer.commit()
+        except UclError as e:
+            writer.abort()
+            problems.append(str(e))
+    result, err = broadcast_json([result, "; ".join(problems)])
+    if err:
+        raise StoreError(f"checkpoint not written: {err}", code="UCL410")
+    return result

@@ -1,0 +1,25 @@
+"""Warm, reusable host memory. On machines where freshly mapped pages are slow to touch (and freed
+memory goes back to the OS), reusing one grown buffer beats allocating per dataset
+(bench/reshard.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class Arena:
+    """One reusable byte buffer handing out arrays; it grows by at least 1.5x when too small. An
+    array it hands out is valid until the next call."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.uint8)
+
+    def array(self, shape, dtype, zero: bool = False) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = tuple(int(x) for x in shape)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if n > self.buf.size:
+            self.buf = np.empty(max(n, int(self.buf.size * 1.5)), dtype=np.uint8)
+        out = self.buf[:n].view(dtype).reshape(shape)
+        if zero:
+            out.fill(0)
+        return out

@@ -1,0 +1,86 @@
+"""Running a plan: the one copy loop. Bytes come from a :class:`Source` (in-memory shards here, a
+ucl store in ``ucl.store.source``, later foreign formats) and land in target arrays."""
+from __future__ import annotations
+
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from ..dtypes import storage_dtype  # bf16/fp8 as raw bits: the one table of storage types
+from ..errors import PlanError
+from ..layout.boxes import Slot, box_view
+from .ir import Plan
+
+
+class Source(Protocol):
+    """Where a plan's source boxes come from."""
+
+    def read(self, rank: int, slot: Slot, start, size) -> np.ndarray:
+        """Box ``start:start+size`` of the tensor in ``slot`` on source rank ``rank`` (storage dtype;
+        may be a view valid until the next read)."""
+
+
+class MemorySource:
+    """Source shards held in memory: ``{rank: {key: array}}`` (storage dtypes)."""
+
+    def __init__(self, shards: Mapping[int, Mapping[str, np.ndarray]]):
+        self.shards = shards
+
+    def read(self, rank: int, slot: Slot, start, size) -> np.ndarray:
+        try:
+            array = self.shards[rank][slot.key]
+        except KeyError:
+            raise PlanError(f"source rank {rank} has no dataset {slot.key!r}", code="UCL315") from None
+        return box_view(array, slot, start, size)
+
+
+def rank_rows(plan: Plan, rank: int) -> np.ndarray:
+    """Indices of the copy rows that fill target rank ``rank``."""
+    return np.flatnonzero(plan.copies["dst_rank"] == rank)
+
+
+def run_copies(plan: Plan, rows, source: Source, targets: Mapping[str, np.ndarray]) -> int:
+    """The one copy loop: copy ``rows`` of the plan from ``source`` into the arrays ``targets``
+    (target dataset key -> array; rows whose key is absent are skipped). Returns bytes copied."""
+    c = plan.copies
+    moved = 0
+    for i in rows:
+        dslot = plan.slots[c["dst_slot"][i]]
+        out = targets.get(dslot.key)
+        if out is None:
+            continue
+        values = source.read(int(c["src_rank"][i]), plan.slots[c["src_slot"][i]], c["src_start"][i], c["size"][i])
+        box_view(out, dslot, c["dst_start"][i], c["size"][i])[...] = values
+        moved += values.nbytes
+    return moved
+
+
+def rank_datasets(plan: Plan, rank: int) -> list[dict]:
+    """The target datasets rank ``rank`` holds: ``{key, shape, dtype}`` each."""
+    sel = np.flatnonzero(plan.dataset_ranks["rank"] == rank)
+    return [plan.datasets[d] for d in plan.dataset_ranks["dataset"][sel]]
+
+
+def allocate(plan: Plan, ranks=None) -> dict[int, dict[str, np.ndarray]]:
+    """Zeroed target datasets, per target rank (all ranks, or just ``ranks``). Fills (padding) are
+    zeros, so a zeroed target needs only the copies."""
+    out: dict[int, dict[str, np.ndarray]] = {}
+    want = None if ranks is None else set(int(r) for r in ranks)
+    for r, d in zip(plan.dataset_ranks["rank"], plan.dataset_ranks["dataset"]):
+        if want is not None and int(r) not in want:
+            continue
+        ds = plan.datasets[d]
+        out.setdefault(int(r), {})[ds["key"]] = np.zeros(ds["shape"], dtype=storage_dtype(ds["dtype"]))
+    return out
+
+
+def execute_memory(plan: Plan, src: Mapping[int, Mapping[str, np.ndarray]], ranks=None) -> dict[int, dict[str, np.ndarray]]:
+    """Run ``plan`` on in-memory source shards; returns the target shards (optionally only ``ranks``)."""
+    dst = allocate(plan, ranks)
+    source = MemorySource(src)
+    order = np.argsort(plan.copies["dst_rank"], kind="stable")  # rows grouped by target rank, in plan order
+    by_rank = plan.copies["dst_rank"][order]
+    for r, targets in dst.items():
+        lo, hi = np.searchsorted(by_rank, [r, r + 1])
+        run_copies(plan, order[lo:hi], source, targets)
+    return dst

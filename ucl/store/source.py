@@ -1,0 +1,46 @@
+"""A ucl checkpoint as a plan :class:`~ucl.plan.execute.Source`: exact hyperslab reads (strided
+ones for tensors inside flat buffers), each byte verified against its checksum where asked."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..layout.boxes import Slot, flat_runs
+from ..plan.buffers import Arena
+from .reader import Checkpoint
+
+
+class StoreSource:
+    """Reads plan boxes from a checkpoint. A box that is a whole dataset is read whole and its
+    checksum verified; with ``verify``, a partial box is read together with the whole checksum
+    chunks around it (docs/format.md), each verified, so corrupt bytes are never passed on. With an
+    arena, results are views valid until the next read."""
+
+    def __init__(self, ckpt: Checkpoint, arena: Arena | None = None, verify: bool = True):
+        self.ckpt = ckpt
+        self.arena = arena
+        self.verify = verify
+        self.bytes_read = 0  # bytes taken from disk (verified reads round out to checksum chunks)
+
+    def read(self, rank: int, slot: Slot, start, size) -> np.ndarray:
+        nd = len(slot.shape)
+        start = tuple(int(x) for x in start[len(start) - nd:])
+        size = tuple(int(x) for x in size[len(size) - nd:])
+        info = self.ckpt.info(rank, slot.key)
+        dtype = info.storage_dtype
+        n = int(np.prod(size, dtype=np.int64))
+        if start == (0,) * nd and n == info.size and slot.base == 0:
+            out = self.ckpt.read(rank, slot.key, verify=True, out=self._buf(info.shape, dtype)).reshape(size)
+            self.bytes_read += out.nbytes
+            return out
+        if self.verify or not slot.is_whole:
+            view = slot if not slot.is_whole else Slot(slot.key, 0, tuple(info.shape), tuple(info.shape))
+            out = self.ckpt.read_runs(rank, slot.key, flat_runs(view, start, size), out=self._buf((n,), dtype),
+                                      verify=self.verify).reshape(size)
+            self.bytes_read += self.ckpt.bytes_last_read
+            return out
+        out = self.ckpt.read_box(rank, slot.key, start, size, out=self._buf(size, dtype))
+        self.bytes_read += out.nbytes
+        return out
+
+    def _buf(self, shape, dtype):
+        return self.arena.array(tuple(shape), dtype) if self.arena is not None else None
