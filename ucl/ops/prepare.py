@@ -49,6 +49,11 @@ def model_of(ckpt: Checkpoint) -> Model:
     return model
 
 
+def forget() -> None:
+    """Drop every cached model and plan (they are also dropped least recently used first)."""
+    _MODELS.clear()
+
+
 def mesh_of(ckpt: Checkpoint) -> Mesh:
     """The layout a checkpoint is stored in."""
     return Mesh([(str(a), int(s)) for a, s in ckpt.manifest.mesh])

@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 
 from ..dtypes import storage_dtype
+from ..errors import UclError
 from ..layout.mesh import Mesh, as_mesh
 from ..plan.buffers import Arena
 from ..plan.execute import run_copies
@@ -85,7 +86,6 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     t0 = time.perf_counter()
     to = as_mesh(to)
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
-        from ..errors import UclError
         raise UclError(f"workers must be a positive integer, got {workers!r}", code="UCL009")
     with open_checkpoint(src) as ckpt:
         model = model_of(ckpt)

@@ -12,7 +12,7 @@ from ..layout.algebra import I64, DimLayout, intersect, product
 from ..layout.bind import Model
 from ..layout.boxes import Slot
 from ..layout.lower import ShardMap, lower
-from ..layout.mesh import Mesh
+from ..layout.mesh import Mesh, as_mesh
 from .ir import BOX_COLUMNS, COPY_COLUMNS, FILL_COLUMNS, Plan
 
 # ---- compilation ---------------------------------------------------------------------------------
@@ -66,9 +66,10 @@ def _fill_boxes(piece) -> np.ndarray:
     return prod[is_fill][:, :, :2]
 
 
-def compile(model: Model, src: Mesh, dst: Mesh, ranks=None) -> Plan:
+def compile(model: Model, src: Mesh | str, dst: Mesh | str, ranks=None) -> Plan:
     """Plan the move of every tensor of ``model`` from layout ``src`` to layout ``dst`` (only for the
     target ``ranks`` if given: what one rank needs to load, without planning every other rank)."""
+    src, dst = as_mesh(src), as_mesh(dst)
     S, T = lower(model, src), lower(model, dst)
     wanted = None if ranks is None else np.unique(np.asarray(list(ranks), dtype=I64))
 

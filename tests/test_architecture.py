@@ -1,0 +1,169 @@
+"""The package layering (docs/architecture.md) as tests: each layer imports only layers before it,
+no import cycles, no private names across modules, h5py only in ``ucl.store.h5``, and
+``import ucl`` stays cheap (no torch, no h5py)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "ucl"
+
+# module prefix -> layer; a module may import its own layer and the layers before it
+LAYERS = [
+    (("ucl.errors", "ucl.dtypes", "ucl.model_config"), 0),
+    (("ucl.lang",), 1),
+    (("ucl.layout",), 2),
+    (("ucl.plan",), 3),
+    (("ucl.store",), 4),
+    (("ucl.ops",), 5),
+    (("ucl.interop", "ucl.train"), 6),
+    (("ucl.cli", "ucl.demo", "ucl.picture", "ucl.__main__"), 7),
+]
+# The public face of binding: ``Spec.bind`` / ``Spec.synthesize_params`` (lang) call the layout
+# layer, which never imports ``ucl.lang.spec`` back. Function-level, so no module cycle.
+ALLOWED_UPWARD = {("ucl.lang.spec", "ucl.layout.bind")}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path):
+    """(imported module, imported names, at module level?, line) for every import in a module."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    top = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, [], id(node) in top, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            names = [a.name for a in node.names]
+            if mod == "ucl" or (not node.module and node.level):
+                # `from . import ast` imports submodules: treat each name as a module when it is one
+                for n in names:
+                    yield f"{mod}.{n}" if f"{mod}.{n}" in MODULES else mod, [n], id(node) in top, node.lineno
+            else:
+                yield mod, names, id(node) in top, node.lineno
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int | None:
+    for prefixes, layer in LAYERS:
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return layer
+    return None
+
+
+def _is_type_checking_block(path: Path, lineno: int) -> bool:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            if node.lineno <= lineno <= max(getattr(n, "end_lineno", n.lineno) for n in node.body):
+                return True
+    return False
+
+
+def test_every_module_has_a_layer():
+    missing = [m for m in MODULES if m != "ucl" and _layer(m) is None]
+    assert not missing, f"modules outside the layering (add them to docs/architecture.md and LAYERS): {missing}"
+
+
+def test_layers_import_only_layers_before_them():
+    bad = []
+    for name, path in MODULES.items():
+        if name == "ucl":
+            continue  # the lazy public face re-exports from every layer
+        mine = _layer(name)
+        for mod, _, _, line in _imports(name, path):
+            theirs = _layer(mod) if mod.startswith("ucl") else None
+            if theirs is not None and theirs > mine and (name, mod) not in ALLOWED_UPWARD:
+                bad.append(f"{path.relative_to(ROOT.parent)}:{line}: {name} (layer {mine}) imports {mod} (layer {theirs})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = {name: set() for name in MODULES}
+    for name, path in MODULES.items():
+        for mod, _, top, line in _imports(name, path):
+            if top and mod in MODULES and mod != name and not _is_type_checking_block(path, line):
+                graph[name].add(mod)
+    # a package's __init__ importing its own submodules is not a cycle of concern
+    state, stack, cycles = {}, [], []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in graph[n]:
+            if n.startswith(m + ".") or m == "ucl":
+                continue  # a submodule importing its package's __init__
+            if state.get(m) == 1:
+                cycles.append(stack[stack.index(m):] + [m])
+            elif m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in graph:
+        if n not in state:
+            visit(n)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_private_names_across_modules():
+    bad = []
+    for name, path in MODULES.items():
+        for mod, names, _, line in _imports(name, path):
+            if not mod.startswith("ucl") or mod == name:
+                continue
+            for n in names:
+                if n.startswith("_") and not n.startswith("__"):
+                    bad.append(f"{path.relative_to(ROOT.parent)}:{line}: imports private {mod}.{n}")
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_h5_module_imports_h5py():
+    users = sorted(name for name, path in MODULES.items()
+                   if any(mod.split(".")[0] == "h5py" for mod, _, _, _ in _imports(name, path)))
+    assert users == ["ucl.store.h5"]
+
+
+def test_import_ucl_is_lazy():
+    code = ("import sys, ucl; heavy = [m for m in ('torch', 'h5py', 'lark', 'transformers') if m in sys.modules]; "
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"`import ucl` imported {out}"
+    code = "import sys, ucl; ucl.Mesh; ucl.load_rank; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", sorted(__import__("ucl").__all__))
+def test_public_names_resolve(name):
+    import ucl
+    assert getattr(ucl, name) is not None
+
+
+def test_python_dash_m_ucl_works():
+    out = subprocess.run([sys.executable, "-m", "ucl", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("ucl "), out.stderr
