@@ -29,7 +29,7 @@ Note: transformers 5 holds MoE experts fused in memory
 [E, H, I]``) but ``save_pretrained`` writes the legacy per-expert names
 (``mlp.experts.{e}.gate_proj.weight`` ...; Mixtral: ``w1/w2/w3``).  Use
 ``named_tensors`` for the in-memory view and ``saved_names`` for the on-disk
-view.  See also /work/hf_facts.md (outside the repo) for the fact sheet.
+view; docs/stdlib.md lists, per family, the layouts the specs cover.
 """
 
 from __future__ import annotations

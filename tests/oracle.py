@@ -13,7 +13,8 @@ The semantics are written per element, as literally as the language reference st
 * a rank holds element ``q`` of a dim iff every node on the path of ``q`` keeps ``q``'s
   coordinate; the local dim lists the held elements in increasing (padded) global order, padding
   positions hold zeros;
-* placement: ``on`` coordinates, ``index`` (blocks / virtual / sizes) with local names;
+* placement: ``on`` coordinates, ``index`` (blocks / virtual / sizes) with local names (or the
+  global ones with ``keep``);
 * states: follow / scalar / flat (model or reverse order, align, pad to multiple_of, bucket,
   per_param), flat buffers numbered by creation order of (statement, kind) pairs.
 
@@ -140,9 +141,12 @@ class Index:
     sizes: Optional[tuple] = None
     first: Optional[Union[int, Ex]] = None
     last: Optional[Union[int, Ex]] = None
+    keep: bool = False  # the local name keeps the global value of the capture
 
     def render(self):
         out = f"index {self.capture} of {as_ex(self.count).text} over {self.axis}"
+        if self.keep:
+            out += " keep"
         if self.virtual is not None:
             out += f" virtual {as_ex(self.virtual).text}"
         if self.sizes is not None:
@@ -154,7 +158,17 @@ class Index:
         return out
 
 
-Transform = Union[Split, View, Concat, Pad, Replicate, On, Index]
+@dataclass(frozen=True)
+class Optional_:
+    """``optional`` / ``optional if e``: changes no layout (only which parameters synthesis invents)."""
+
+    condition: Optional[Union[int, Ex]] = None
+
+    def render(self):
+        return "optional" + ("" if self.condition is None else f" if {as_ex(self.condition).text}")
+
+
+Transform = Union[Split, View, Concat, Pad, Replicate, On, Index, Optional_]
 
 
 @dataclass
@@ -529,7 +543,8 @@ class _ParamLayout:
                         stage = chunk % S
                         local = (chunk // S) * per + value % per
                     self.allowed[t.axis] = {stage}
-                    repl.append((m.span(t.capture), str(local)))
+                    if not t.keep:  # `keep`: the name stays global
+                        repl.append((m.span(t.capture), str(local)))
         for (a, b), text in sorted(repl, reverse=True):
             self.local_name = self.local_name[:a] + text + self.local_name[b:]
         # dims: pads, structure

@@ -483,3 +483,175 @@ def test_spec_show(capsys, files):
 def test_spec_show_unknown_stdlib_name():
     rc, out, err = run_cli("spec", "show", "stdlib:nope")
     assert_clean_error(rc, out, err, "no standard spec named 'nope'", "available")
+
+
+# ---------------------------------------------------------------- clear messages for common mistakes
+
+LLAMA_DIMS = dict(vocab=99, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, layers=8, tied=0)
+
+
+def _dims_text(d):
+    return ",".join(f"{k}={v}" for k, v in d.items())
+
+
+def test_plan_with_missing_dims_names_them_in_one_error():
+    rc, out, err = run_cli("plan", "stdlib:llama", "--dims", "hidden=64", "--from", "tp=1", "--to", "tp=2")
+    assert_clean_error(rc, out, err, "error[UCL209]: dims not given: vocab (vocab_size), heads (num_attention_heads)",
+                       "layers (num_hidden_layers)", "tied (tie_word_embeddings)", "1 error in stdlib:llama")
+    assert err.count("error[") == 1, err
+    assert "unknown name" not in err and "UCL101" not in err and "UCL212" not in err, err
+    assert "hidden (" not in err  # given
+
+
+def test_check_with_a_mistyped_dim_names_the_missing_one_and_suggests(capsys, files):
+    rc, out, err = main(capsys, "check", files["spec"], "--dims", DIMS.replace("hidden=", "hiden="))
+    assert_clean_error(rc, out, err, "dims not given: hidden (hidden_size)", "unknown dim 'hiden'",
+                       "did you mean hidden?", "2 errors in")
+    assert "unknown name" not in err, err
+
+
+@pytest.mark.parametrize("dims,real", [("nosuch.json", True), ("configs/llama", False), ("./llama/config.json", False)])
+def test_dims_naming_a_missing_file_says_so(capsys, files, dims, real):
+    rc, out, err = run_either(capsys, real, "plan", files["spec"], "--dims", dims, "--from", "tp=1", "--to", "tp=2")
+    assert_clean_error(rc, out, err, f"--dims {dims}: no such file or folder", "config.json")
+    assert "cannot read dims" not in err, err
+
+
+def test_check_a_folder_says_it_is_a_folder(files):
+    rc, out, err = run_cli("check", files["dir"])
+    assert_clean_error(rc, out, err, str(files["dir"]), "is a folder, not a spec file")
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify"])
+@pytest.mark.parametrize("name", ["rank_00000.h5", "manifest.json"])
+def test_a_file_inside_a_checkpoint_names_the_folder_to_pass(capsys, files, cmd, name):
+    real = cmd == "inspect" and name == "rank_00000.h5"
+    rc, out, err = run_either(capsys, real, cmd, files["src"] / name)
+    assert_clean_error(rc, out, err, f"{files['src'] / name} is a file inside the checkpoint {files['src']}",
+                       "pass the checkpoint folder")
+    assert "does not exist" not in err, err
+
+
+def test_reshard_from_a_rank_file_names_the_folder(capsys, files, tmp_path):
+    rc, out, err = main(capsys, "reshard", files["src"] / "rank_00001.h5", tmp_path / "dst", "--to", "tp=2")
+    assert_clean_error(rc, out, err, "is a file inside the checkpoint", str(files["src"]))
+    assert os.listdir(tmp_path) == []
+
+
+def test_inspect_a_plain_file(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    rc, out, err = main(capsys, "inspect", tmp_path / "notes.txt")
+    assert_clean_error(rc, out, err, "notes.txt is a file, not a checkpoint", "manifest.json")
+
+
+@pytest.mark.parametrize("n", ["0", "-3"])
+def test_workers_must_be_positive_usage_error(capsys, files, tmp_path, n):
+    rc, out, err = main(capsys, "reshard", files["src"], tmp_path / "dst", "--to", "tp=2", "--workers", n)
+    assert rc == 2, (rc, out, err)
+    assert "usage: ucl reshard" in err and "--workers" in err and "at least 1" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_demo_bad_mesh_fails_before_writing(tmp_path):
+    rc, out, err = run_cli("demo", "--workdir", tmp_path / "work", "--to", "tp=3")
+    assert_clean_error(rc, out, err, "tp=3", "linear_qkv.weight", "error[UCL204]")
+    assert not (tmp_path / "work").exists() or os.listdir(tmp_path / "work") == [], os.listdir(tmp_path / "work")
+
+
+def test_spec_from_hf_config_without_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in HF_LLAMA.items() if k != "model_type"}))
+    rc, out, err = run_cli("spec", "from-hf", tmp_path / "config.json")
+    assert_clean_error(rc, out, err, "has no model_type", '"model_type": "llama"')
+    assert "KeyError" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_spec_from_hf_unknown_model_type_is_one_short_line(tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(dict(HF_LLAMA, model_type="lama")))
+    rc, out, err = run_cli("spec", "from-hf", tmp_path)
+    assert_clean_error(rc, out, err, "unknown model_type 'lama'", "model types", "did you mean llama?")
+    assert len(err.strip().splitlines()) == 1 and len(err) < 400, err
+    (tmp_path / "config.json").write_text(json.dumps(dict(HF_LLAMA, model_type="zzz_not_a_model")))
+    rc, out, err = run_cli("spec", "from-hf", tmp_path)
+    assert_clean_error(rc, out, err, "unknown model_type 'zzz_not_a_model'", "e.g. llama")
+    assert len(err.strip().splitlines()) == 1 and len(err) < 400, err
+
+
+def _fake_model_folder(path, params):
+    """A folder `--against` reads names and shapes from: a ucl manifest with `params`."""
+    path.mkdir()
+    (path / "manifest.json").write_text(json.dumps({"params": {n: list(s) for n, s in params.items()}}))
+    return path
+
+
+def test_check_against_prints_each_problem_once_with_its_rule(capsys, tmp_path):
+    spec = ucl.load_spec("stdlib:llama")
+    model = _fake_model_folder(tmp_path / "model", spec.synthesize_params(LLAMA_DIMS))
+    wrong = _dims_text(dict(LLAMA_DIMS, ffn=172))
+    rc, out, err = main(capsys, "check", "stdlib:llama", "--dims", wrong, "--against", model)
+    assert rc == 1, (out, err)
+    assert "error: error" not in out and "error[" not in out, out
+    lines = out.splitlines()
+    firsts = [l for l in lines if l.startswith("error: ")]
+    assert len(firsts) == 3, out  # gate, up and down projections: one line each, not one per layer
+    assert ("error: parameter 'model.layers.0.mlp.down_proj.weight' has shape [64, 128], but the rule declares "
+            "dim 1 = 172 [UCL203]") in lines, out
+    i = lines.index(next(l for l in lines if "down_proj.weight' has shape" in l))
+    assert lines[i + 1].startswith("    rule `model.layers.{i}.mlp.down_proj.weight` at ") and "llama.ucl:" in lines[i + 1]
+    assert lines[i + 2] == ("    ... and 7 more like this ('model.layers.1.mlp.down_proj.weight', "
+                            "'model.layers.2.mlp.down_proj.weight', ...)"), out
+    assert "model.layers.5.mlp.down_proj" not in out
+
+
+def test_check_against_strings_are_clean():
+    from ucl.interop.hf import check_against
+    spec = ucl.load_spec("stdlib:llama")
+    params = dict(spec.synthesize_params(LLAMA_DIMS), **{"extra.a": (3,), "extra.b": (4,)})
+    problems = check_against(spec, dict(LLAMA_DIMS, ffn=172), params)
+    assert problems and not any(p.startswith("error") for p in problems), problems
+    assert sum("[UCL203]" in p for p in problems) == 3 and all("rule `" in p for p in problems if "[UCL203]" in p)
+    unmatched = [p for p in problems if "[UCL201]" in p]
+    assert len(unmatched) == 2 and "extra.a" in unmatched[0] and "hint: add a rule" in unmatched[0]
+
+
+def test_check_prints_spec_names_and_paths_literally(capsys, tmp_path):
+    rc, out, err = main(capsys, "check", "stdlib:llama")
+    assert rc == 0, err
+    assert out.startswith("ok: stdlib:llama: ") and "\N{LLAMA}" not in out, out
+    (tmp_path / ":smile:").mkdir()
+    odd = tmp_path / ":smile:" / "[bold]odd.ucl"  # neither markup nor an emoji in what is printed
+    odd.write_text(LLAMA_MEGATRON)
+    rc, out, err = main(capsys, "check", odd)
+    assert rc == 0, err
+    assert f"ok: {odd}: " in out, out
+
+
+def test_reshard_reports_progress_from_worker_processes(files, tmp_path):
+    calls = []
+    stats = ucl.reshard(files["src"], tmp_path / "dst", "pp=1,dp=2,tp=4", workers=2, progress=calls.append)
+    assert len(calls) > 1, calls
+    assert sum(calls) == stats.bytes_written and all(n > 0 for n in calls)
+
+
+def test_reshard_progress_bar_has_a_total(capsys, files, tmp_path, monkeypatch):
+    import re
+    from rich.progress import Progress
+    totals = []
+    add_task = Progress.add_task
+
+    def spy(self, description, *a, total=None, **k):
+        totals.append(total)
+        return add_task(self, description, *a, total=total, **k)
+
+    monkeypatch.setattr(Progress, "add_task", spy)
+    rc, out, err = main(capsys, "reshard", files["src"], tmp_path / "dst", "--to", "pp=1,dp=2,tp=4", "--workers", "2")
+    assert rc == 0, err
+    written = int(re.search(r"([\d,]+) B written", out).group(1).replace(",", ""))
+    assert totals == [written], (totals, out)
+
+
+def test_pytest_config_does_not_hide_the_pass_count():
+    import tomllib
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        opts = tomllib.load(f)["tool"]["pytest"]["ini_options"]
+    assert "-q" not in str(opts.get("addopts", "")).split()

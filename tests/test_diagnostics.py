@@ -413,3 +413,134 @@ def test_explain_unknown_parameter():
     with pytest.raises(ucl.PlanError) as info:
         plan.explain("embed.weigth")
     assert "did you mean embed.weight?" in str(info.value)
+
+
+# =================================================================================================
+# Repeated problems are grouped when printed
+# =================================================================================================
+def test_group_diagnostics_groups_by_code_and_message_shape():
+    from ucl.errors import Diagnostic, group_diagnostics, message_shape
+    assert message_shape("parameter 'l.0.w' has shape [4, 2], dim 1 = 3") == \
+        message_shape("parameter 'l.17.w' has shape [8], dim 0 = 12")
+    diags = [Diagnostic("UCL203", f"parameter 'l.{i}.w' has shape [{i}], but the rule declares dim 0 = 3")
+             for i in range(10)]
+    diags.insert(2, Diagnostic("UCL201", "parameter 'x' (3,) matches no rule"))
+    diags.append(diags[0])  # the very same problem twice is one problem
+    groups = group_diagnostics(diags, limit=2)
+    assert [len(g) for g in groups] == [10, 1]
+    g = groups[0]
+    assert [d.message for d in g.shown] == [diags[0].message, diags[1].message]
+    assert g.more_line() == "... and 8 more like this ('l.2.w', 'l.3.w', ...)"
+    assert groups[1].shown == (diags[2],) and not groups[1].more
+    # a group only one longer than the limit is shown whole
+    assert [len(g.shown) for g in group_diagnostics(diags[:3] + diags[4:5], limit=2)] == [3, 1]
+    # a key decides what is alike (check_against also groups by rule)
+    assert len(group_diagnostics(diags, limit=1, key=lambda d: d.message)) == 11
+
+
+def test_bind_error_groups_repeats_but_keeps_every_diagnostic():
+    params = {"layers.0.w": (4,), "embed.weight": (4, 4), **{f"extra.{i}.w": (i + 1,) for i in range(10)}}
+    err = bind_error(SPEC, {"h": 4}, params)
+    assert [d.code for d in err.diagnostics] == ["UCL201"] * 10  # the API keeps them all
+    text = str(err)
+    assert text.count("error[UCL201]") == 3
+    assert "'extra.0.w'" in text and "'extra.2.w'" in text and "'extra.3.w'" not in text.split("more like")[0]
+    assert "    ... and 7 more like this ('extra.3.w', 'extra.4.w', ...)" in text.splitlines()
+    assert text.rstrip().endswith("10 errors in model.ucl")
+
+
+def test_spec_error_groups_unknown_names_naming_their_lines():
+    rules = "".join(f"w{i} [d{i}] : replicate\n" for i in range(6))
+    err = spec_error("dims a\nmesh tp\n" + rules)
+    assert [d.code for d in err.diagnostics] == ["UCL101"] * 6
+    text = str(err)
+    assert text.count("error[UCL101]") == 3
+    assert "... and 3 more like this ('d3' (line 6), 'd4' (line 7), ...)" in text, text
+    assert_points_at(err, "model.ucl", 3, 5, "UCL101")
+
+
+# =================================================================================================
+# Errors from the Python API carry no internal exception chain
+# =================================================================================================
+def _assert_no_chain(e: BaseException):
+    import traceback
+    text = "".join(traceback.format_exception(e))
+    assert "During handling of the above exception" not in text and "LayoutError" not in text, text
+    assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__)
+
+
+def test_compile_errors_have_no_internal_exception_chain():
+    model = ucl.load_spec(SPEC).bind(dims={"h": 6}, params={"layers.0.w": (6,), "embed.weight": (6, 6)})
+    with pytest.raises(ucl.BindError) as info:
+        ucl.compile(model, UNIVERSAL, Mesh(dp=2, tp=4))
+    assert info.value.code == "UCL204"
+    _assert_no_chain(info.value)
+
+
+def test_save_on_a_mesh_that_does_not_fit_has_no_internal_exception_chain(tmp_path):
+    model = ucl.load_spec(SPEC).bind(dims={"h": 6}, params={"layers.0.w": (6,), "embed.weight": (6, 6)})
+    with pytest.raises(ucl.BindError) as info:
+        ucl.save(tmp_path / "x", {r: {} for r in range(4)}, model=model, mesh=Mesh(tp=4))
+    _assert_no_chain(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+# =================================================================================================
+# save / save_rank: tensors that do not match the spec (UCL421)
+# =================================================================================================
+@pytest.fixture(scope="module")
+def demo_shards():
+    from ucl.demo import llama_model, universal_state
+    model = llama_model()
+    mesh = Mesh.parse("pp=2,tp=2")
+    return model, mesh, ucl.execute_memory(ucl.compile(model, UNIVERSAL, mesh), {0: universal_state(model)})
+
+
+def test_weights_only_save_is_grouped_and_hints_at_frozen(demo_shards, tmp_path):
+    model, mesh, shards = demo_shards
+    weights = {r: {k: v for k, v in s.items() if k.startswith("param/")} for r, s in shards.items()}
+    with pytest.raises(ucl.StoreError) as info:
+        ucl.save(tmp_path / "w", weights, model=model, mesh=mesh)
+    e = info.value
+    assert e.code == "UCL421"
+    text = str(e)
+    lines = text.splitlines()
+    assert lines[0].startswith("rank 0 of pp=2,tp=2: the tensors do not match the spec (")
+    assert len(lines) < 10, text  # not one line per missing optimizer tensor
+    assert "more like this ('step/" in text and "missing 'exp_avg/@flat0'" in text, text
+    assert "the flat buffer of the `state` statement at <demo:llama_megatron>:" in text
+    hint = next(l for l in lines if "hint:" in l)
+    assert "optimizer state (exp_avg, exp_avg_sq, fp32, step)" in hint and "frozen=" in hint, text
+    assert "spec.bind(dims, params, frozen=names)" in hint
+    # the hinted fix works: parameters frozen, weights alone are saved
+    frozen = model.spec.bind(model.dims, model.params, frozen=list(model.params))
+    ucl.save(tmp_path / "w", weights, model=frozen, mesh=mesh)
+    with ucl.open(tmp_path / "w") as c:
+        assert all(k.startswith("param/") for r in range(c.nranks) for k in c.keys(r))
+
+
+def test_dtype_mismatch_is_grouped_and_hints_the_state_line(demo_shards, tmp_path):
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    from ucl.demo import LLAMA_MEGATRON
+    model, mesh, shards = demo_shards
+    # the same model under a spec that leaves param at the default float32
+    spec = ucl.load_spec(LLAMA_MEGATRON.replace("state param : dtype bfloat16\n", ""))
+    fp32 = spec.bind(model.dims, model.params)
+    bf16 = {r: {k: torch.from_numpy(v.view(np.int16)).view(torch.bfloat16) if k.startswith("param/") else v
+                for k, v in s.items()} for r, s in shards.items()}
+    with pytest.raises(ucl.StoreError) as info:
+        ucl.save(tmp_path / "b", bf16, model=fp32, mesh=mesh)
+    text = str(info.value)
+    lines = text.splitlines()
+    assert len(lines) < 6, text
+    assert "expected [" in text and "float32, got [" in text and "bfloat16" in text and "more like this" in text
+    assert lines[-1] == ("  hint: the spec stores param as float32 (the default); if yours are bfloat16, declare it "
+                         "in the spec: `state param : dtype bfloat16`"), text
+    # and the other way round: the statement exists, the tensors are float32
+    f32 = {r: {k: torch.zeros(v.shape, dtype=torch.float32) if k.startswith("param/") else v for k, v in s.items()}
+           for r, s in shards.items()}
+    with pytest.raises(ucl.StoreError) as info:
+        ucl.save(tmp_path / "c", f32, model=model, mesh=mesh)
+    assert "the spec stores param as bfloat16 (the `state` statement at <demo:llama_megatron>:" in str(info.value)
+    assert "write `dtype float32` there, or convert the tensors to bfloat16" in str(info.value)

@@ -76,8 +76,8 @@ def load(text: str):
         msg = str(e)
         assert e.diagnostics, msg
         assert all(d.code.startswith("UCL") and len(d.code) == 6 for d in e.diagnostics), msg
-        if text.startswith("stdlib:") or ("\n" not in text and text.endswith(".ucl")):
-            return None  # a file or stdlib name, not spec text: no line/col to point at
+        if text.startswith("stdlib:") or ("\n" not in text and (text.endswith(".ucl") or os.path.exists(text))):
+            return None  # a file, folder or stdlib name, not spec text: no line/col to point at
         assert DIAG.search(msg), f"no file:line:col: error[UCLnnn] in:\n{msg}"
         for d in e.diagnostics:
             assert d.span is not None, f"diagnostic without a position: {d}"

@@ -23,7 +23,7 @@ _EXPORTS = {
     "Mesh": "ucl.layout.mesh", "UNIVERSAL": "ucl.layout.mesh",
     "compile": "ucl.plan.compile", "Plan": "ucl.plan.ir", "execute_memory": "ucl.plan.execute",
     "save": "ucl.ops.save", "save_rank": "ucl.ops.save", "load_rank": "ucl.ops.load", "reshard": "ucl.ops.reshard",
-    "open": "ucl.ops.prepare",
+    "open": "ucl.ops.prepare", "Checkpointer": "ucl.train.checkpointer",
 }
 _RENAMED = {"open": "open_checkpoint"}
 
@@ -54,3 +54,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above loa
     from .plan.compile import compile  # noqa: F401
     from .plan.execute import execute_memory  # noqa: F401
     from .plan.ir import Plan  # noqa: F401
+    from .train.checkpointer import Checkpointer  # noqa: F401

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .errors import UclError
+from .errors import BindError, Diagnostic, StoreError, UclError, did_you_mean
 
 EPILOG = """meshes are written slowest axis first, like pp=2,dp=2,tp=2 (tp fastest); 'universal' is the
 consolidated layout. SPEC is a .ucl file or stdlib:NAME. DIMS is hidden=4096,heads=32,... or a
@@ -16,15 +16,42 @@ Hugging Face config.json (or a folder holding one)."""
 
 
 def _console():
+    """Rich console for our output. Every user string printed through it goes through ``_e``
+    (rich.markup.escape): a path or spec name like ``stdlib:llama`` is not markup, nor an emoji."""
     from rich.console import Console
-    return Console(highlight=False, soft_wrap=True)
+    return Console(highlight=False, soft_wrap=True, emoji=False)
+
+
+def _e(value) -> str:
+    from rich.markup import escape
+    return escape(str(value))
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a bad value is a usage error, exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.endswith(".json") or "/" in text or os.sep in text
 
 
 def _dims(spec, text: str | None) -> dict[str, int]:
+    """Dims from ``--dims``: name=value pairs or a config.json (or a folder holding one); every
+    dim the spec declares must be given (one UCL209 naming those missing, before any binding)."""
     if text is None:
         raise UclError("this command needs --dims (hidden=4096,heads=32,... or a config.json)", code="UCL009")
     if os.path.exists(text):
         return spec.dims_from_config(text)
+    if _looks_like_path(text):
+        raise UclError(f"--dims {text}: no such file or folder (give a config.json, a folder holding one, "
+                       "or the dims themselves like hidden=4096,heads=32)", code="UCL009")
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, value = part.partition("=")
@@ -32,7 +59,41 @@ def _dims(spec, text: str | None) -> dict[str, int]:
             raise UclError(f"cannot read dims {text!r}: write them like hidden=4096,heads=32 "
                            "or give a config.json", code="UCL009")
         out[name.strip()] = int(value)
+    _require_dims(spec, out)
     return out
+
+
+def _require_dims(spec, dims: dict[str, int]) -> None:
+    """One UCL209 naming every missing dim (and the config fields it is read from), one per
+    unknown dim, instead of an "unknown name" for each expression that uses a missing dim."""
+    missing = [d for d in spec.dims if d not in dims]
+    problems = []
+    if missing:
+        keys = spec.checked.config_keys
+        named = ", ".join(f"{d} ({' | '.join(keys.get(d, (d,)))})" for d in missing)
+        problems.append(Diagnostic("UCL209", f"dims not given: {named}", None,
+                                   "add them to --dims as name=value, or pass the model's config.json, which "
+                                   "holds them under the field names in parentheses"))
+    for d in dims:
+        if d not in spec.dims:
+            problems.append(Diagnostic("UCL209", f"unknown dim {d!r}", None, did_you_mean(d, spec.dims)
+                                       or f"the spec declares: {', '.join(spec.dims) or '(none)'}"))
+    if problems:
+        raise BindError(problems, None, spec.name or spec.filename)
+
+
+def _checkpoint(path: str) -> str:
+    """``path`` if it may be a checkpoint folder; a file inside one (a rank file, the manifest) or any
+    other file gets a clear error naming the folder to pass instead."""
+    p = Path(path)
+    if p.is_file():
+        parent = p.resolve().parent
+        if (parent / "manifest.json").is_file():
+            raise StoreError(f"{path} is a file inside the checkpoint {parent}: pass the checkpoint folder "
+                             f"({parent}), not one of its files", code="UCL401")
+        raise StoreError(f"{path} is a file, not a checkpoint: pass a checkpoint folder (one holding a "
+                         "manifest.json)", code="UCL401")
+    return path
 
 
 def _params(spec, dims, source: str | None):
@@ -44,13 +105,12 @@ def _params(spec, dims, source: str | None):
 
 def _report(con, problems: list[str], failure: str, success: str) -> int:
     """Print problems (exit 1) or the success line (exit 0)."""
-    from rich.markup import escape
     for p in problems:
-        con.print(f"[red]error[/]: {escape(p)}")
+        con.print(f"[red]error[/]: {_e(p)}")
     if problems:
-        con.print(escape(f"{len(problems)} problem(s): {failure}"))
+        con.print(_e(f"{len(problems)} problem(s): {failure}"))
         return 1
-    con.print(f"[green]ok[/]: {escape(success)}")
+    con.print(f"[green]ok[/]: {_e(success)}")
     return 0
 
 
@@ -64,9 +124,9 @@ def cmd_check(args) -> int:
     if args.dims is None and args.against:
         raise UclError("--against needs --dims (a config.json or hidden=...,heads=...)", code="UCL009")
     if args.dims is None:
-        con.print(f"[green]ok[/]: {spec.name or spec.filename}: {len(spec.checked.rules)} rules, "
+        con.print("[green]ok[/]: " + _e(f"{spec.name or spec.filename}: {len(spec.checked.rules)} rules, "
                   f"{len(spec.checked.placements)} placement rules, axes {', '.join(spec.axes) or '-'}, "
-                  f"kinds {', '.join(spec.kinds)}")
+                  f"kinds {', '.join(spec.kinds)}"))
         return 0
     dims = _dims(spec, args.dims)
     if args.against:
@@ -88,7 +148,7 @@ def cmd_plan(args) -> int:
     model = spec.bind(dims, _params(spec, dims, args.params))
     plan = compile(model, Mesh.parse(args.src), Mesh.parse(args.dst))
     con = _console()
-    con.print(plan.summary())
+    con.print(_e(plan.summary()))
     per = plan.bytes_read_per_rank()
     if len(per):
         con.print(f"bytes read per target rank: min {int(per.min()):,}  max {int(per.max()):,}  "
@@ -100,7 +160,11 @@ def cmd_plan(args) -> int:
             Path(args.json).write_text(plan.to_json())
         except OSError as e:
             raise UclError(f"cannot write {args.json}: {e.strerror}", code="UCL000") from None
-        con.print(f"plan written to {args.json}")
+        con.print(f"plan written to {_e(args.json)}")
+    if args.png:
+        from .picture import draw_plan
+        draw_plan(model, plan.src_mesh, plan.dst_mesh, args.png, param=args.param)
+        con.print(f"picture written to {_e(args.png)}")
     return 0
 
 
@@ -110,15 +174,28 @@ def cmd_reshard(args) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
     to = Mesh.parse(args.to)
     con = _console()
+    src = _checkpoint(args.src)
+    total = None if args.quiet else _reshard_bytes(src, to)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=con, transient=True, disable=args.quiet) as bar:
-        task = bar.add_task(f"reshard -> {to}", total=None)
-        stats = reshard(args.src, args.dst, to, workers=args.workers, durable=not args.no_fsync,
+        task = bar.add_task(_e(f"reshard -> {to}"), total=total)
+        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync,
                         progress=lambda n: bar.advance(task, n))
-    con.print(f"[green]wrote[/] {args.dst} ({to}): {stats.datasets_written} datasets, "
+    con.print("[green]wrote[/] " + _e(f"{args.dst} ({to}): {stats.datasets_written} datasets, "
               f"{stats.bytes_written:,} B written, {stats.bytes_read:,} B read "
-              f"({stats.bytes_needed:,} B needed) in {stats.seconds:.2f} s (plan {stats.compile_seconds:.2f} s)")
+              f"({stats.bytes_needed:,} B needed) in {stats.seconds:.2f} s (plan {stats.compile_seconds:.2f} s)"))
     return 0
+
+
+def _reshard_bytes(src: str, to) -> int:
+    """Bytes a reshard of ``src`` to ``to`` writes (every target dataset on every rank holding it): the
+    progress bar's total. The plan is cached on the model, so the reshard itself reuses it."""
+    from .dtypes import itemsize
+    from .ops.prepare import mesh_of, model_of, open_checkpoint, plan_for
+    with open_checkpoint(src) as ck:
+        plan = plan_for(model_of(ck), mesh_of(ck), to)
+    per = [_prod(d["shape"]) * itemsize(d["dtype"]) for d in plan.datasets]
+    return int(sum(per[int(i)] for i in plan.dataset_ranks["dataset"]))
 
 
 def cmd_inspect(args) -> int:
@@ -126,16 +203,15 @@ def cmd_inspect(args) -> int:
     from .ops.prepare import mesh_of, model_of, open_checkpoint
     from .dtypes import itemsize
     con = _console()
-    with open_checkpoint(args.ckpt) as ck:
+    with open_checkpoint(_checkpoint(args.ckpt)) as ck:
         m = ck.manifest
         total = sum(int(_prod(e["shape"])) * itemsize(e["dtype"]) for ds in m.datasets for e in ds.values())
-        con.print(f"{args.ckpt}: ucl format v{m.version}, layout {mesh_of(ck)} ({ck.nranks} rank files), "
-                  f"{total:,} bytes, spec {m.spec_name or '(embedded)'}")
+        con.print(_e(f"{args.ckpt}: ucl format v{m.version}, layout {mesh_of(ck)} ({ck.nranks} rank files), "
+                      f"{total:,} bytes, spec {m.spec_name or '(embedded)'}"))
         if m.dims:
-            con.print("dims: " + ", ".join(f"{k}={v}" for k, v in m.dims.items()))
+            con.print(_e("dims: " + ", ".join(f"{k}={v}" for k, v in m.dims.items())))
         if m.state:
-            con.print("state: " + json.dumps(m.state)[:200])
-        from rich.markup import escape
+            con.print(_e("state: " + json.dumps(m.state)[:200]))
         table = Table("parameter", "shape", "kinds (dtype)", "layout rule")
         for col in table.columns:
             col.overflow = "fold"
@@ -147,13 +223,17 @@ def cmd_inspect(args) -> int:
             for name, shape in model.params.items():
                 t = next(x for x in model.tensors if x.name == name)
                 rule = "; ".join(_transform_text(model, t))
-                table.add_row(escape(name), escape(str(list(shape))), ", ".join(by.get(name, [])), escape(rule))
+                table.add_row(_e(name), _e(str(list(shape))), _e(", ".join(by.get(name, []))), _e(rule))
             con.print(table)
         if args.ranks:
             for r in range(ck.nranks):
-                con.print(f"rank {r} ({m.files[r]}):")
+                con.print(_e(f"rank {r} ({m.files[r]}):"))
                 for key, e in sorted(m.datasets[r].items()):
-                    con.print(escape(f"  {key:<60} {str(e['shape']):<16} {e['dtype']}"))
+                    con.print(_e(f"  {key:<60} {str(e['shape']):<16} {e['dtype']}"))
+    if args.png:
+        from .picture import draw_checkpoint
+        draw_checkpoint(_checkpoint(args.ckpt), args.png, param=args.param)
+        con.print(f"picture written to {_e(args.png)}")
     return 0
 
 
@@ -175,7 +255,7 @@ def _prod(xs):
 def cmd_verify(args) -> int:
     from .ops.prepare import open_checkpoint
     con = _console()
-    with open_checkpoint(args.ckpt) as ck:
+    with open_checkpoint(_checkpoint(args.ckpt)) as ck:
         problems = ck.verify()
     return _report(con, problems, f"in {args.ckpt}", f"{args.ckpt}: every file present and every checksum matches")
 
@@ -203,8 +283,8 @@ def cmd_spec_from_hf(args) -> int:
     text = draft_spec_from_hf(args.config)
     if args.output:
         Path(args.output).write_text(text)
-        _console().print(f"draft spec written to {args.output}; review it, then `ucl check {args.output} "
-                         f"--dims {args.config} --against MODEL`")
+        _console().print(_e(f"draft spec written to {args.output}; review it, then `ucl check {args.output} "
+                            f"--dims {args.config} --against MODEL`"))
     else:
         print(text, end="")
     return 0
@@ -235,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: synthesized from the spec's declared shapes)")
     p.add_argument("--explain", metavar="PARAM", help="print where every box of PARAM comes from")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON (docs/ir.md)")
+    p.add_argument("--png", metavar="FILE", help="draw which rank holds which box of a parameter, source and "
+                   "target side by side (needs matplotlib: pip install 'ucl[viz]')")
+    p.add_argument("--param", metavar="NAME", help="the parameter to draw (default: one whose layout changes)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("reshard", help="write a checkpoint in another layout", epilog=EPILOG,
@@ -242,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST", help="must not exist; appears atomically when complete")
     p.add_argument("--to", metavar="MESH", required=True)
-    p.add_argument("--workers", type=int, default=None, help="processes (default: min(2, cores))")
+    p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+                   help="processes, at least 1 (default: min(2, cores))")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files: still atomic if the "
                    "process dies, but not if the machine loses power before the OS writes the pages")
@@ -251,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show a checkpoint's parameters, shapes, dtypes, layout and sizes")
     p.add_argument("ckpt", metavar="CKPT")
     p.add_argument("--ranks", action="store_true", help="also list every rank's datasets")
+    p.add_argument("--png", metavar="FILE", help="draw which rank holds which box of a parameter and its optimizer "
+                   "states (needs matplotlib: pip install 'ucl[viz]')")
+    p.add_argument("--param", metavar="NAME", help="the parameter to draw (default: a split or padded one)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("verify", help="check every file and checksum of a checkpoint")

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from rich.markup import escape
 
 from .lang.spec import Spec
 from .layout.bind import Model
@@ -88,14 +89,14 @@ def _size(path: Path) -> int:
 
 
 def run_demo(workdir: str | None, *, src: str, dst: str, keep: bool, console) -> int:
-    base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ucl-demo-"))
-    base.mkdir(parents=True, exist_ok=True)
-    run = Path(tempfile.mkdtemp(prefix="run-", dir=base))
     A, B = Mesh.parse(src), Mesh.parse(dst)
-    say = console.print
     model = llama_model()
     for mesh in (A, B):  # a mesh that does not fit the model fails here, before anything is written
         compile(model, UNIVERSAL, mesh)
+    base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ucl-demo-"))
+    base.mkdir(parents=True, exist_ok=True)
+    run = Path(tempfile.mkdtemp(prefix="run-", dir=base))
+    say = console.print
     try:
         truth = universal_state(model, seed=0)
         n_params = sum(int(np.prod(s)) for s in model.params.values())
@@ -116,39 +117,43 @@ def run_demo(workdir: str | None, *, src: str, dst: str, keep: bool, console) ->
         stats = reshard(run / "target", run / "roundtrip", UNIVERSAL)
         say(f"[4] consolidated {B} -> universal in {stats.seconds:.2f} s")
 
-        failures = []
-        for name in ("universal", "roundtrip"):
-            with open_checkpoint(run / name) as c:
-                for key, value in truth.items():
-                    got = c.read(0, key)
-                    if got.dtype != value.dtype or not np.array_equal(got, value):
-                        failures.append(f"{name}: {key}")
         expected_b = execute_memory(compile(model, UNIVERSAL, B), {0: truth})
-        with open_checkpoint(run / "target") as c:
-            for r in range(B.size):
-                for key, value in expected_b[r].items():
-                    if not np.array_equal(c.read(r, key), value):
-                        failures.append(f"target rank {r}: {key}")
-            problems = c.verify()
+        failures = _compare_written(run, truth, expected_b, B)
         rank = B.size - 1
         stats = IOStats()
         direct = load_rank(run / "source", mesh=B, rank=rank, stats=stats)
-        for key, value in expected_b[rank].items():
-            if not np.array_equal(direct[key], value):
-                failures.append(f"load_rank {rank}: {key}")
+        failures += [f"load_rank {rank}: {key}" for key, value in expected_b[rank].items()
+                     if not np.array_equal(direct[key], value)]
         say(f"[5] loaded rank {rank} of {B} straight from the {A} checkpoint: read {stats.bytes_read:,} B for "
             f"{stats.bytes_needed:,} B needed, in {stats.seconds:.2f} s")
-        if failures or problems:
-            for f in failures[:20] + problems[:20]:
-                say(f"[red]MISMATCH[/] {f}")
+        if failures:
+            for f in failures[:20]:
+                say(f"[red]MISMATCH[/] {escape(f)}")
             return 1
         say(f"[green]bit-exact[/]: {len(truth)} tensors identical after {A} -> universal, {A} -> {B} -> universal, "
             f"and loading {B} rank {rank} from {A}; every checksum verified")
         if keep:
-            say(f"checkpoints kept in {run}")
+            say(f"checkpoints kept in {escape(str(run))}")
         return 0
     finally:
         if not keep:
             shutil.rmtree(run, ignore_errors=True)
             if workdir is None:
                 shutil.rmtree(base, ignore_errors=True)
+
+
+def _compare_written(run: Path, truth: dict, expected_b: dict, B: Mesh) -> list[str]:
+    """Mismatches between what the demo wrote and what it should hold, plus checksum problems."""
+    failures = []
+    for name in ("universal", "roundtrip"):
+        with open_checkpoint(run / name) as c:
+            for key, value in truth.items():
+                got = c.read(0, key)
+                if got.dtype != value.dtype or not np.array_equal(got, value):
+                    failures.append(f"{name}: {key}")
+    with open_checkpoint(run / "target") as c:
+        for r in range(B.size):
+            failures += [f"target rank {r}: {key}" for key, value in expected_b[r].items()
+                         if not np.array_equal(c.read(r, key), value)]
+        failures += c.verify()
+    return failures

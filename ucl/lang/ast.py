@@ -163,9 +163,19 @@ class Index:
     first: Expr | None
     last: Expr | None
     span: Span
+    keep: bool = False  # `keep`: the local name keeps the global value of the capture
 
 
-Transform = Union[Split, Replicate, View, Concat, Pad, Place, Index]
+@dataclass(frozen=True)
+class OptionalMark:
+    """``optional`` / ``optional if e``: the rule's parameters may be missing from a model, so
+    ``synthesize_params`` leaves them out (with a condition: only where ``e`` is nonzero)."""
+
+    condition: Expr | None
+    span: Span
+
+
+Transform = Union[Split, Replicate, View, Concat, Pad, Place, Index, OptionalMark]
 
 
 # ---- state transforms ------------------------------------------------------------------

@@ -40,15 +40,15 @@ class _Checker:
     def declared(self) -> set[str]:
         return set(self.out.dims) | {n for n, _ in self.out.lets} | set(self.out.axes)
 
-    def check_expr(self, expr: ast.Expr, *, allow_axes: bool = True):
+    def check_expr(self, expr: ast.Expr, *, allow_axes: bool = True,
+                   why: str = "shapes are global and must not depend on the mesh"):
         known = set(self.out.dims) | {n for n, _ in self.out.lets}
         if allow_axes:
             known |= set(self.out.axes)
         for var in names_in(expr):
             if var.name not in known:
                 if not allow_axes and var.name in self.out.axes:
-                    self.error("UCL106", f"mesh axis {var.name!r} cannot be used here: shapes are "
-                               "global and must not depend on the mesh", var.span)
+                    self.error("UCL106", f"mesh axis {var.name!r} cannot be used here: {why}", var.span)
                 else:
                     self.error("UCL101", f"unknown name {var.name!r}", var.span, did_you_mean(var.name, known))
         for call in calls_in(expr):
@@ -143,94 +143,121 @@ class _Checker:
 
     # -- transforms ---------------------------------------------------------------------------
     def check_transforms(self, st: ast.Rule):
-        ndim = len(st.shape) if st.shape is not None else None
-        structure: dict[tuple, tuple] = {}  # path -> ("view", nfactors) | ("concat", names)
-        split_paths: dict[tuple, ast.Split] = {}
-        split_order: list[ast.Split] = []
-        split_axes: dict[str, ast.Split] = {}
-        placed_axes: dict[str, object] = {}
-        padded: set[int] = set()
-        captures = set(st.pattern.captures)
-
-        def resolve(ref: ast.DimRef) -> bool:
-            root = ref.path[0]
-            if ndim is not None and not (0 <= root < ndim):
-                self.error("UCL108", f"dim {root} does not exist: the declared shape has {ndim} dims", ref.span)
-                return False
-            for depth in range(1, len(ref.path)):
-                parent, step = ref.path[:depth], ref.path[depth]
-                kind = structure.get(parent)
-                if kind is None:
-                    self.error("UCL108", f"dim {'.'.join(map(str, parent))} has no view or concat, so "
-                               f"{ref} means nothing", ref.span, "declare `view` or `concat` before using it")
-                    return False
-                if kind[0] == "view" and not (isinstance(step, int) and 0 <= step < kind[1]):
-                    self.error("UCL108", f"{ref}: the view has {kind[1]} factors (0..{kind[1] - 1})", ref.span)
-                    return False
-                if kind[0] == "concat" and step not in kind[1]:
-                    self.error("UCL108", f"{ref}: the concat has no part {step!r}", ref.span, did_you_mean(str(step), kind[1]))
-                    return False
-            return True
-
+        """Each transform in order, then the rules that need the whole list."""
+        scope = _RuleScope(st)
         for t in st.transforms:
-            if isinstance(t, (ast.View, ast.Concat)):
-                if resolve(t.dim):
-                    path = t.dim.path
-                    if path in structure:
-                        self.error("UCL109", f"dim {t.dim} is already viewed or concatenated", t.dim.span)
-                    elif path in split_paths:
-                        self.error("UCL109", f"view or concat of dim {t.dim} must come before its split", t.span)
-                    elif isinstance(t, ast.View):
-                        structure[path] = ("view", len(t.factors))
-                    else:
-                        names = [p.name.name for p in t.parts]
-                        if len(set(names)) != len(names):
-                            self.error("UCL109", "concat parts must have distinct names", t.span)
-                        structure[path] = ("concat", names)
-                for e in (t.factors if isinstance(t, ast.View) else [p.size for p in t.parts]):
-                    self.check_expr(e)
-            elif isinstance(t, ast.Split):
-                for axis in t.axes:
-                    self.check_axis(axis)
-                    if axis.name in placed_axes:
-                        self.error("UCL109", f"axis {axis.name!r} already places this parameter; it cannot also split it", axis.span)
-                    split_axes.setdefault(axis.name, t)
-                if resolve(t.dim):
-                    split_paths.setdefault(t.dim.path, t)  # the first split of each path
-                    split_order.append(t)
-            elif isinstance(t, ast.Pad):
-                if len(t.dim.path) != 1:
-                    self.error("UCL108", "pad applies to a whole dim (write `pad 0 ...`)", t.dim.span)
-                elif resolve(t.dim):
-                    if t.dim.root in padded:
-                        self.error("UCL109", f"dim {t.dim} is padded twice", t.span)
-                    if t.dim.path in structure or t.dim.path in split_paths:
-                        self.error("UCL109", f"pad dim {t.dim} before viewing or splitting it", t.span)
-                    padded.add(t.dim.root)
-                self.check_expr(t.target)
-            elif isinstance(t, ast.Replicate):
-                for axis in t.axes:
-                    self.check_axis(axis)
-            elif isinstance(t, ast.Place):
-                self.check_axis(t.axis)
-                for c in t.coords:
-                    if not isinstance(c, str):
-                        self.check_expr(c)
-                self._placed(placed_axes, split_axes, t.axis, t)
-            elif isinstance(t, ast.Index):
-                self.check_axis(t.axis)
-                if t.capture.name not in captures:
-                    self.error("UCL112", f"the pattern has no capture {{{t.capture.name}}}", t.capture.span,
-                               did_you_mean(t.capture.name, captures) or f"captures: {', '.join(sorted(captures)) or 'none'}")
-                self.check_expr(t.count)
-                for e in [x for x in (t.virtual, t.first, t.last) if x is not None] + list(t.sizes or ()):
-                    self.check_expr(e)
-                if t.sizes is not None and (t.virtual or t.first or t.last) is not None:
-                    self.error("UCL110", "`sizes` cannot be combined with virtual, first or last", t.span)
-                self._placed(placed_axes, split_axes, t.axis, t)
-        # An axis may split a tensor once, except separately in sibling parts of a concat.
-        for i, a in enumerate(split_order):
-            for b in split_order[i + 1:]:
+            getattr(self, "transform_" + type(t).__name__)(scope, t)
+        self.check_axes_split_once(scope)
+        self.check_replicated_axes(scope)
+        self.check_factor_split_order(scope)
+        self.check_optional(scope)
+
+    def resolve(self, scope: "_RuleScope", ref: ast.DimRef) -> bool:
+        """Does ``ref`` name a dim, view factor or concat part declared so far? Reports it if not."""
+        root = ref.path[0]
+        if scope.ndim is not None and not (0 <= root < scope.ndim):
+            self.error("UCL108", f"dim {root} does not exist: the declared shape has {scope.ndim} dims", ref.span)
+            return False
+        for depth in range(1, len(ref.path)):
+            parent, step = ref.path[:depth], ref.path[depth]
+            kind = scope.structure.get(parent)
+            if kind is None:
+                self.error("UCL108", f"dim {'.'.join(map(str, parent))} has no view or concat, so "
+                           f"{ref} means nothing", ref.span, "declare `view` or `concat` before using it")
+                return False
+            if kind[0] == "view" and not (isinstance(step, int) and 0 <= step < kind[1]):
+                self.error("UCL108", f"{ref}: the view has {kind[1]} factors (0..{kind[1] - 1})", ref.span)
+                return False
+            if kind[0] == "concat" and step not in kind[1]:
+                self.error("UCL108", f"{ref}: the concat has no part {step!r}", ref.span, did_you_mean(str(step), kind[1]))
+                return False
+        return True
+
+    def transform_View(self, scope: "_RuleScope", t):
+        """view / concat: declare the structure of a dim, before any split of it."""
+        if self.resolve(scope, t.dim):
+            path = t.dim.path
+            if path in scope.structure:
+                self.error("UCL109", f"dim {t.dim} is already viewed or concatenated", t.dim.span)
+            elif path in scope.split_paths:
+                self.error("UCL109", f"view or concat of dim {t.dim} must come before its split", t.span)
+            elif isinstance(t, ast.View):
+                scope.structure[path] = ("view", len(t.factors))
+            else:
+                names = [p.name.name for p in t.parts]
+                if len(set(names)) != len(names):
+                    self.error("UCL109", "concat parts must have distinct names", t.span)
+                scope.structure[path] = ("concat", names)
+        for e in (t.factors if isinstance(t, ast.View) else [p.size for p in t.parts]):
+            self.check_expr(e)
+
+    transform_Concat = transform_View
+
+    def transform_Split(self, scope: "_RuleScope", t: ast.Split):
+        for axis in t.axes:
+            self.check_axis(axis)
+            if axis.name in scope.placed_axes:
+                self.error("UCL109", f"axis {axis.name!r} already places this parameter; it cannot also split it", axis.span)
+            scope.split_axes.setdefault(axis.name, t)
+        if self.resolve(scope, t.dim):
+            scope.split_paths.setdefault(t.dim.path, t)  # the first split of each path
+            scope.split_order.append(t)
+
+    def transform_Pad(self, scope: "_RuleScope", t: ast.Pad):
+        if len(t.dim.path) != 1:
+            self.error("UCL108", "pad applies to a whole dim (write `pad 0 ...`)", t.dim.span)
+        elif self.resolve(scope, t.dim):
+            if t.dim.root in scope.padded:
+                self.error("UCL109", f"dim {t.dim} is padded twice", t.span)
+            if t.dim.path in scope.structure or t.dim.path in scope.split_paths:
+                self.error("UCL109", f"pad dim {t.dim} before viewing or splitting it", t.span)
+            scope.padded.add(t.dim.root)
+        self.check_expr(t.target)
+
+    def transform_Replicate(self, scope: "_RuleScope", t: ast.Replicate):
+        for axis in t.axes:
+            self.check_axis(axis)
+
+    def transform_Place(self, scope: "_RuleScope", t: ast.Place):
+        self.check_axis(t.axis)
+        for c in t.coords:
+            if not isinstance(c, str):
+                self.check_expr(c)
+        self.placed(scope, t.axis, t)
+
+    def transform_Index(self, scope: "_RuleScope", t: ast.Index):
+        self.check_axis(t.axis)
+        captures = scope.captures
+        if t.capture.name not in captures:
+            self.error("UCL112", f"the pattern has no capture {{{t.capture.name}}}", t.capture.span,
+                       did_you_mean(t.capture.name, captures) or f"captures: {', '.join(sorted(captures)) or 'none'}")
+        self.check_expr(t.count)
+        for e in [x for x in (t.virtual, t.first, t.last) if x is not None] + list(t.sizes or ()):
+            self.check_expr(e)
+        if t.sizes is not None and (t.virtual or t.first or t.last) is not None:
+            self.error("UCL110", "`sizes` cannot be combined with virtual, first or last", t.span)
+        self.placed(scope, t.axis, t)
+
+    def transform_OptionalMark(self, scope: "_RuleScope", t: ast.OptionalMark):
+        if scope.optional is not None:
+            self.error("UCL110", "a rule says `optional` at most once", t.span)
+        scope.optional = t
+        if t.condition is not None:
+            self.check_expr(t.condition, allow_axes=False,
+                            why="whether a parameter exists cannot depend on the mesh")
+
+    def placed(self, scope: "_RuleScope", axis: ast.Ident, t):
+        if axis.name in scope.split_axes:
+            self.error("UCL109", f"axis {axis.name!r} already splits this parameter; it cannot also place it", axis.span)
+        if axis.name in scope.placed_axes:
+            self.error("UCL109", f"axis {axis.name!r} places this parameter twice", axis.span)
+        scope.placed_axes[axis.name] = t
+
+    def check_axes_split_once(self, scope: "_RuleScope"):
+        """An axis may split a tensor once, except separately in sibling parts of a concat."""
+        order = scope.split_order
+        for i, a in enumerate(order):
+            for b in order[i + 1:]:
                 shared = {x.name for x in a.axes} & {x.name for x in b.axes}
                 if not shared:
                     continue
@@ -238,34 +265,57 @@ class _Checker:
                 while k < min(len(a.dim.path), len(b.dim.path)) and a.dim.path[k] == b.dim.path[k]:
                     k += 1
                 diverge_under_concat = k < min(len(a.dim.path), len(b.dim.path)) and \
-                    structure.get(a.dim.path[:k], ("",))[0] == "concat"
+                    scope.structure.get(a.dim.path[:k], ("",))[0] == "concat"
                 if not diverge_under_concat:
                     self.error("UCL109", f"axis {sorted(shared)[0]!r} splits this parameter twice ({a.dim} and "
                                f"{b.dim}): ranks would hold only parts of the diagonal", b.span,
                                "split each dim over its own axis, or over a tuple of axes")
-        for t in st.transforms:
+
+    def check_replicated_axes(self, scope: "_RuleScope"):
+        for t in scope.rule.transforms:
             if isinstance(t, ast.Replicate):
                 for axis in t.axes:
-                    if axis.name in split_axes:
+                    if axis.name in scope.split_axes:
                         self.error("UCL109", f"axis {axis.name!r} both splits and replicates this parameter", axis.span)
-        # Splitting a viewed dim and then one of its factors is ambiguous; the other order is
-        # well defined (the later split cuts the rank-local extent: FSDP on top of TP).
-        for i, t in enumerate(split_order):
+
+    def check_factor_split_order(self, scope: "_RuleScope"):
+        """Splitting a viewed dim and then one of its factors is ambiguous; the other order is well
+        defined (the later split cuts the rank-local extent: FSDP on top of TP)."""
+        order = scope.split_order
+        for i, t in enumerate(order):
             path = t.dim.path
-            if structure.get(path, ("",))[0] != "view":
+            if scope.structure.get(path, ("",))[0] != "view":
                 continue
-            for later in split_order[i + 1:]:
+            for later in order[i + 1:]:
                 other = later.dim.path
                 if other != path and other[:len(path)] == path:
                     self.error("UCL109", f"dim {t.dim} is split before its factor {later.dim}; split the factor "
                                "first (a later split of the whole dim then cuts each rank's local part)", later.span)
 
-    def _placed(self, placed_axes, split_axes, axis: ast.Ident, t):
-        if axis.name in split_axes:
-            self.error("UCL109", f"axis {axis.name!r} already splits this parameter; it cannot also place it", axis.span)
-        if axis.name in placed_axes:
-            self.error("UCL109", f"axis {axis.name!r} places this parameter twice", axis.span)
-        placed_axes[axis.name] = t
+    def check_optional(self, scope: "_RuleScope"):
+        """`optional` says which parameters a model may lack: it belongs to layout rules."""
+        st = scope.rule
+        others = [t for t in st.transforms if not isinstance(t, ast.OptionalMark)]
+        if scope.optional is not None and st.shape is None and others and \
+                all(isinstance(t, PLACEMENT) for t in others):
+            self.error("UCL110", "a placement rule cannot be optional: mark the layout rules of the parameters "
+                       "a model may lack", scope.optional.span)
+
+
+class _RuleScope:
+    """What the checker learns about one rule while it walks the rule's transforms in order."""
+
+    def __init__(self, rule: ast.Rule):
+        self.rule = rule
+        self.ndim = len(rule.shape) if rule.shape is not None else None
+        self.structure: dict[tuple, tuple] = {}  # path -> ("view", nfactors) | ("concat", names)
+        self.split_paths: dict[tuple, ast.Split] = {}
+        self.split_order: list[ast.Split] = []
+        self.split_axes: dict[str, ast.Split] = {}
+        self.placed_axes: dict[str, object] = {}
+        self.padded: set[int] = set()
+        self.captures = set(rule.pattern.captures)
+        self.optional: ast.OptionalMark | None = None
 
 
 def check(module: ast.Module) -> Checked:

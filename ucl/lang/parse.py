@@ -1,6 +1,7 @@
 """Text -> AST. The Lark transformer only builds dataclasses; every semantic check is in check.py."""
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 from lark import Lark, Token, Transformer, v_args
@@ -12,8 +13,8 @@ from .resources import data_dir
 
 KEYWORDS = ("dims", "from", "let", "mesh", "ignore", "state", "for", "split", "over", "uneven", "shared",
             "replicate", "view", "as", "concat", "pad", "to", "multiple_of", "on", "first", "last",
-            "index", "of", "virtual", "sizes", "dtype", "scalar", "follow", "flat", "per_param",
-            "reverse", "align", "bucket")
+            "index", "of", "virtual", "sizes", "keep", "optional", "if", "dtype", "scalar", "follow", "flat",
+            "per_param", "reverse", "align", "bucket")
 
 _READABLE = {
     "PATTERN": "a parameter pattern", "NAME": "a name", "INT": "an integer",
@@ -160,7 +161,7 @@ class _ToAst(Transformer):
 
     def index(self, meta, c):
         capture, count, axis, *options = c
-        opts = {"virtual": None, "sizes": None, "first": None, "last": None}
+        opts = {"virtual": None, "sizes": None, "first": None, "last": None, "keep": False}
         for key, value in options:
             opts[key] = value
         return ast.Index(_ident(capture), count, _ident(axis), span=_span_of(meta), **opts)
@@ -176,6 +177,12 @@ class _ToAst(Transformer):
 
     def index_last(self, meta, c):
         return ("last", c[0])
+
+    def index_keep(self, meta, c):
+        return ("keep", True)
+
+    def optional(self, meta, c):
+        return ast.OptionalMark(c[0], _span_of(meta))
 
     # state transforms
     def dtype(self, meta, c):
@@ -228,6 +235,21 @@ def _describe_expected(expected) -> str:
     return ", ".join(words)
 
 
+def _expected(err: UnexpectedInput) -> set:
+    """The tokens that could have come instead: exactly those the parser accepts in its state (the
+    LALR table's error set can list tokens only a merged state allows), else what lark reports."""
+    expected = set(getattr(err, "expected", None) or getattr(err, "allowed", None) or ())
+    parser = getattr(err, "interactive_parser", None)
+    if parser is not None:
+        try:
+            accepted = parser.accepts()
+        except Exception:  # pragma: no cover - a lark internals change: keep lark's own set
+            return expected
+        if accepted:
+            return accepted
+    return expected
+
+
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
     line, col = max(err.line, 1), max(err.column, 1)
     if isinstance(err, UnexpectedCharacters):
@@ -239,37 +261,78 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
         last = len(lines)
         return Diagnostic("UCL003", "the spec ends in the middle of a statement",
                           Span(last, len(lines[-1]) + 1, last, len(lines[-1]) + 2),
-                          f"expected {_describe_expected(err.expected)}")
+                          f"expected {_describe_expected(_expected(err))}")
     tok = err.token
     shown = "end of line" if tok.type == "_NL" else repr(str(tok))
     end_col = col + 1 if tok.type == "_NL" else (tok.end_column or col + 1)
     hint = did_you_mean(str(tok), KEYWORDS) if tok.type in ("NAME", "PATTERN") else None
-    expected = _describe_expected(err.expected)
+    expected = _describe_expected(_expected(err))
     return Diagnostic("UCL002", f"unexpected {shown}; expected {expected}", Span(line, col, line, end_col), hint)
 
 
+# A newline that does not end a statement: blank or comment lines, then an indented line.
+_CONTINUATION = re.compile(r"(?:\r?\n[ \t]*(?:#[^\n]*)?)*\r?\n[ \t]+(?=[^ \t\r\n#])")
+_MAX_SYNTAX_ERRORS = 50
+
+
+def _statement_end(text: str, pos: int) -> int:
+    """Offset of the newline that ends the statement holding offset ``pos`` (the grammar's rule:
+    a line that starts with spaces or tabs continues the previous statement)."""
+    while True:
+        k = text.find("\n", pos)
+        if k < 0:
+            return len(text)
+        if text[k - 1:k] == "\r":
+            k -= 1
+        m = _CONTINUATION.match(text, k)
+        if m is None:
+            return k
+        pos = m.end()
+
+
+def _error_offset(err: UnexpectedInput) -> int | None:
+    if isinstance(err, UnexpectedCharacters):
+        return err.pos_in_stream
+    tok = getattr(err, "token", None)
+    if tok is None or tok.type == "$END" or tok.start_pos is None:
+        return None
+    return tok.start_pos
+
+
+def _parse_recovering(source: str):
+    """Parse; after a syntax error, skip to the end of the statement it is in and parse on from
+    there, so every statement with a syntax error is reported once. -> (tree or None, diagnostics)."""
+    diagnostics: list[Diagnostic] = []
+    pos, resumed = 0, {0}
+    while True:
+        cursor = _parser().parse_interactive(source)
+        if pos:
+            cursor.lexer_thread.state.line_ctr.feed(source[:pos])  # resume at a statement boundary
+        try:
+            tree = cursor.resume_parse()
+        except UnexpectedInput as err:
+            diagnostics.append(_syntax_diagnostic(err, source))
+            at = _error_offset(err)
+            if at is None or len(diagnostics) >= _MAX_SYNTAX_ERRORS:
+                return None, diagnostics
+            # An error at the newline ending a statement resumes at that newline; any other error
+            # skips the rest of its statement (its continuation lines included).
+            end = at if source[at] in "\r\n" else _statement_end(source, at)
+            if end >= len(source) or end in resumed:
+                return None, diagnostics
+            pos = end
+            resumed.add(pos)
+            continue
+        return (None if diagnostics else tree), diagnostics
+
+
 def parse(text: str, filename: str = "<spec>") -> ast.Module:
-    """Parse spec text into an AST. Raises SpecError with every syntax error found (one per line)."""
+    """Parse spec text into an AST. Raises SpecError with every syntax error found: each statement
+    with an error is reported once (at its first bad token), and parsing goes on with the next one."""
     if not isinstance(text, str):
         raise SpecError([Diagnostic("UCL001", "a spec must be text")], None, filename)
     source = text if text.endswith("\n") else text + "\n"
-    diagnostics: list[Diagnostic] = []
-    work = source
-    for _ in range(50):
-        try:
-            tree = _parser().parse(work)
-            break
-        except UnexpectedInput as err:
-            diagnostics.append(_syntax_diagnostic(err, work))
-            # Blank the offending line (keeping offsets) and parse again to find further errors.
-            lines = work.split("\n")
-            bad = max(err.line, 1) - 1
-            if bad >= len(lines) or not lines[bad].strip():
-                break
-            lines[bad] = " " * len(lines[bad])
-            work = "\n".join(lines)
-    else:
-        tree = None
+    tree, diagnostics = _parse_recovering(source)
     if diagnostics:
         raise SpecError(diagnostics, source, filename)
     try:

@@ -18,11 +18,26 @@ I64 = np.int64
 
 
 class LayoutError(Exception):
-    """Internal: a numeric problem found while lowering; callers add the parameter and rule."""
+    """Internal: a numeric problem found while lowering; callers add the parameter and rule.
+    ``split`` says which split failed, when one did (so callers can say what to change)."""
 
-    def __init__(self, code: str, message: str, hint: str | None = None):
+    def __init__(self, code: str, message: str, hint: str | None = None, *, split: "SplitFailure | None" = None):
         super().__init__(message)
-        self.code, self.hint = code, hint
+        self.code, self.hint, self.split = code, hint, split
+
+
+@dataclass(frozen=True)
+class SplitFailure:
+    """A split that cannot cut what it is given: ``size`` elements of the node at ``path`` (dim
+    index first, then view factors / concat parts) over ``axes`` (``parts`` pieces in all).
+    ``whole``: ``size`` is the node's whole (padded) size, not what an earlier split left."""
+
+    path: tuple
+    axes: tuple[str, ...]
+    mode: str
+    size: int
+    parts: int
+    whole: bool
 
 
 @dataclass(frozen=True)
@@ -32,6 +47,7 @@ class Node:
     children: tuple["Node", ...] = ()
     splits: tuple[tuple[tuple[str, ...], str], ...] = ()  # ((axes...), "even"|"uneven"|"shared")
     post: tuple[tuple[tuple[str, ...], str], ...] = ()  # splits of a view/concat's rank-local extent
+    path: tuple = ()  # where the node sits in its dim: (dim, factor or part, ...); for messages
 
     def axes(self) -> frozenset[str]:
         own = {a for axes, _ in self.splits + self.post for a in axes}
@@ -120,17 +136,26 @@ def _held(node: Node, coords: Mapping[str, tuple[int, int]]):
     for axes, mode in node.post:
         coord, parts = _coord(axes, coords)
         n = held[1] - held[0] if isinstance(held, tuple) else len(held)
-        lo, hi = split_range(n, parts, coord, mode)
+        lo, hi = _split(node, axes, mode, n, parts, coord, whole=False)
         held = (held[0] + lo, held[0] + hi) if isinstance(held, tuple) else held[lo:hi]
     return held
+
+
+def _split(node: Node, axes, mode, n, parts, coord, whole):
+    """split_range, with a failure saying which split of which node it was."""
+    try:
+        return split_range(n, parts, coord, mode)
+    except LayoutError as e:
+        raise LayoutError(e.code, str(e), e.hint,
+                          split=SplitFailure(node.path, tuple(axes), mode, n, parts, whole)) from None
 
 
 def _held_structure(node: Node, coords):
     if node.kind == "leaf" or (node.kind == "view" and node.splits):
         lo, hi = 0, node.size
-        for axes, mode in node.splits:
+        for k, (axes, mode) in enumerate(node.splits):
             coord, parts = _coord(axes, coords)
-            dlo, dhi = split_range(hi - lo, parts, coord, mode)
+            dlo, dhi = _split(node, axes, mode, hi - lo, parts, coord, whole=k == 0)
             lo, hi = lo + dlo, lo + dhi
         return lo, hi
     kids = [_held(c, coords) for c in node.children]

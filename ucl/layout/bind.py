@@ -221,11 +221,26 @@ class Model:
                 "frozen": sorted(self.frozen)}
 
 
+def _is_optional(rule: ast.Rule, env: Mapping[str, int]) -> bool:
+    """Does ``rule`` say the model may lack its parameters (``optional``, or ``optional if e`` with
+    ``e`` nonzero in ``env``)? Raises ExprError if the condition cannot be evaluated."""
+    for t in rule.transforms:
+        if isinstance(t, ast.OptionalMark):
+            return t.condition is None or evaluate(t.condition, env) != 0
+    return False
+
+
+def _rule_list(rules) -> str:
+    return ", ".join(f"`{r.pattern.text}` (line {r.span.line})" for r in rules)
+
+
 def synthesize_params(spec, dims: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes from the spec alone, for planning from metadata: every layout
-    rule must declare its shape, and each capture must be spread by an ``index c of N`` so
-    its values are known. Order: rules before the first rule with captures, then the captured
-    rules index-major (layer 0's rules, then layer 1's...), then the remaining rules."""
+    rule must declare its shape and use no globs, and each capture must be spread by an
+    ``index c of N`` so its values are known. Rules marked ``optional`` (or ``optional if e`` with
+    ``e`` nonzero) are left out: the model may lack their parameters. Order: rules before the first
+    rule with captures, then the captured rules index-major (layer 0's rules, then layer 1's...),
+    then the remaining rules."""
     env, _ = evaluate_lets(spec.checked.lets, dims)
     problems = []
     counts: dict[str, int] = {}
@@ -237,11 +252,19 @@ def synthesize_params(spec, dims: Mapping[str, int]) -> dict[str, tuple[int, ...
                 except ExprError as e:
                     problems.append(e.diagnostic)
     head, body, tail = [], [], []
+    globbed, shapeless, uncounted = [], [], {}
     for order, rule in enumerate(spec.checked.rules):
-        if rule.shape is None or "*" in rule.pattern.text:
-            problems.append(Diagnostic("UCL212", f"rule {rule.pattern.text!r} needs a declared shape and no "
-                                       "globs to synthesize its parameters; pass the parameters instead",
-                                       rule.pattern.span))
+        try:
+            if _is_optional(rule, env):
+                continue
+        except ExprError as e:
+            problems.append(e.diagnostic)
+            continue
+        if "*" in rule.pattern.text:
+            globbed.append(rule)
+            continue
+        if rule.shape is None:
+            shapeless.append(rule)
             continue
         try:
             shape = tuple(evaluate(e, env) for e in rule.shape)
@@ -254,14 +277,29 @@ def synthesize_params(spec, dims: Mapping[str, int]) -> dict[str, tuple[int, ...
             continue
         missing = [c for c in caps if c not in counts]
         if missing:
-            problems.append(Diagnostic("UCL212", f"capture {{{missing[0]}}} has no `index {missing[0]} of N` "
-                                       "saying how many values it takes", rule.pattern.span))
+            uncounted.setdefault(missing[0], []).append(rule)
             continue
         for values in itertools.product(*(range(counts[c]) for c in caps)):
             name = rule.pattern.text
             for c, v in zip(caps, values):
                 name = name.replace("{" + c + "}", str(v))
             body.append((values, order, name, shape))
+    if globbed or shapeless:
+        reasons = []
+        if globbed:
+            reasons.append(f"{len(globbed)} rule{'s' if len(globbed) > 1 else ''} with globs ({_rule_list(globbed)}): "
+                           "the names they match are not known")
+        if shapeless:
+            reasons.append(f"{len(shapeless)} rule{'s' if len(shapeless) > 1 else ''} without a declared shape "
+                           f"({_rule_list(shapeless)})")
+        first = min(globbed + shapeless, key=lambda r: (r.span.line, r.span.col))
+        problems.append(Diagnostic(
+            "UCL212", "cannot synthesize the parameters from the spec alone: " + "; ".join(reasons), first.pattern.span,
+            "pass the parameters: `--params MODEL` on the command line, or `spec.bind(dims, params)` with the "
+            "model's names and shapes; mark rules whose parameters a model may lack `optional`"))
+    for cap, rules in uncounted.items():
+        problems.append(Diagnostic("UCL212", f"capture {{{cap}}} has no `index {cap} of N` saying how many values "
+                                   f"it takes (used by {_rule_list(rules)})", rules[0].pattern.span))
     if problems:
         raise SpecError(problems, spec.text, spec.filename)
     body.sort(key=lambda x: (x[0], x[1]))

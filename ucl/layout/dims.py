@@ -11,12 +11,26 @@ from .algebra import DimSpec, LayoutError, Node
 from .mesh import Mesh
 
 
+class TensorFailure(BindError):
+    """A BindError about one tensor on one mesh. Besides the rendered diagnostic it keeps the
+    ``tensor``, the ``mesh``, the ``problem`` itself (the diagnostic before the tensor is named) and
+    its ``cause`` where known (the split or placement that does not fit), so that lowering can
+    report a problem shared by many tensors (every layer) once, and say what to change."""
+
+    def __init__(self, model, tensor, problem: Diagnostic, mesh: Mesh, cause=None):
+        self.tensor, self.problem, self.mesh, self.cause = tensor, problem, mesh, cause
+        where = "" if mesh.is_universal else f" on mesh {mesh}"
+        msg = f"{tensor.name} {list(tensor.shape)} ({tensor.kind}){where}: {problem.message}"
+        super().__init__([Diagnostic(problem.code, msg, problem.span, problem.hint)], model.spec.text,
+                         model.spec.filename)
+
+
 def fail(model, tensor, span, err: LayoutError | Diagnostic, mesh: Mesh):
-    """Raise a BindError naming the tensor, its shape and kind, the mesh and the rule's span."""
+    """Raise a BindError (a TensorFailure) naming the tensor, its shape and kind, the mesh and the
+    rule's span."""
     d = err if isinstance(err, Diagnostic) else Diagnostic(err.code, str(err), span, err.hint)
-    where = "" if mesh.is_universal else f" on mesh {mesh}"
-    msg = f"{tensor.name} {list(tensor.shape)} ({tensor.kind}){where}: {d.message}"
-    raise BindError([Diagnostic(d.code, msg, d.span or span, d.hint)], model.spec.text, model.spec.filename)
+    cause = getattr(err, "split", None)
+    raise TensorFailure(model, tensor, Diagnostic(d.code, d.message, d.span or span, d.hint), mesh, cause)
 
 
 def evaluate_in(model, tensor, expr, env, mesh):
@@ -58,7 +72,7 @@ def build_dims(model, tensor, env: dict, mesh: Mesh) -> tuple[DimSpec, ...]:
         mine = splits.get(path, [])
         t = structure.get(path)
         if t is None:
-            return Node("leaf", size, (), tuple(inherited) + tuple(x for _, x in mine))
+            return Node("leaf", size, (), tuple(inherited) + tuple(x for _, x in mine), path=path)
         cut = first_below(path)
         if isinstance(t, ast.View):
             pre = tuple(inherited) + tuple(x for o, x in mine if o < cut)
@@ -75,20 +89,20 @@ def build_dims(model, tensor, env: dict, mesh: Mesh) -> tuple[DimSpec, ...]:
                 fail(model, tensor, t.span, LayoutError(
                     "UCL206", f"view {t.dim} as {sizes}: the factors multiply to {int(np.prod(sizes))}, not {size}"), mesh)
             if pre and cut == float("inf"):  # a split of the whole viewed dim: the view does not matter
-                return Node("leaf", size, (), pre)
+                return Node("leaf", size, (), pre, path=path)
             if pre:
                 fail(model, tensor, t.span, LayoutError(
                     "UCL109", f"dim {t.dim} is split as a whole before one of its factors is; split the factor "
                     "first (a later split of the whole then cuts each rank's local part)"), mesh)
             kids = tuple(build(path + (k,), s) for k, s in enumerate(sizes))
-            return Node("view", size, kids, (), post)
+            return Node("view", size, kids, (), post, path=path)
         sizes = [evaluate_in(model, tensor, p.size, env, mesh) for p in t.parts]
         if sum(sizes) != size:
             fail(model, tensor, t.span, LayoutError(
                 "UCL206", f"concat {t.dim} parts {sizes} sum to {sum(sizes)}, not {size}"), mesh)
         # A split of a concat splits every part: each rank holds [q_r; k_r; v_r].
         kids = tuple(build(path + (p.name.name,), s, pre) for p, s in zip(t.parts, sizes))
-        return Node("concat", size, kids, (), post)
+        return Node("concat", size, kids, (), post, path=path)
 
     dims = []
     for d, n in enumerate(shape):

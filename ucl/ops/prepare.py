@@ -12,7 +12,7 @@ import numpy as np
 import xxhash
 
 from ..dtypes import storage_dtype, to_numpy
-from ..errors import StoreError
+from ..errors import Diagnostic, StoreError, UclError, detach, group_diagnostics
 from ..lang.spec import Spec
 from ..layout.bind import Model
 from ..layout.lower import lower
@@ -81,36 +81,96 @@ def manifest_fields(model: Model, mesh: Mesh, state: Any = None) -> dict:
 
 def expected_datasets(model: Model, mesh: Mesh, rank: int) -> dict[str, tuple[tuple, str]]:
     """key -> (shape, logical dtype) of every dataset ``rank`` must hold on ``mesh``."""
-    return lower(model, mesh).rank_datasets(rank)
+    try:
+        return lower(model, mesh).rank_datasets(rank)
+    except UclError as e:  # lowering translates internal exceptions: show the UclError alone
+        raise detach(e) from None
+
+
+def _tensor_of(model: Model, key: str):
+    """A tensor of ``key``'s kind whose rule matches it (keys hold stage-local layer numbers)."""
+    kind, _, local = key.partition("/")
+    return next((t for t in model.tensors if t.kind == kind and (t.name == local or t.rule.pattern.match(local))),
+                None)
+
+
+def _flat_group_of(model: Model, key: str):
+    kind, _, local = key.partition("/")
+    number = local[len("@flat"):]
+    return next((g for g in model.flat_groups if local.startswith("@flat") and g.kind == kind
+                 and str(g.number) == number), None)
 
 
 def _rule_of(model: Model, key: str) -> str:
-    kind, _, local = key.partition("/")
-    for t in model.tensors:
-        if t.kind == kind and (t.name == local or t.rule.pattern.match(local)):
-            r = t.rule
-            return f"rule `{r.pattern.text}` ({model.spec.filename}:{r.span.line})"
+    t = _tensor_of(model, key)
+    if t is not None:
+        return f"rule `{t.rule.pattern.text}` ({model.spec.filename}:{t.rule.span.line})"
+    g = _flat_group_of(model, key)
+    if g is not None:
+        return f"the flat buffer of the `state` statement at {model.spec.filename}:{g.decl.span.line}"
     return "no rule"
 
 
+def _state_line(model: Model, key: str) -> int | None:
+    """Line of the ``state`` statement that gives ``key`` its dtype, if any."""
+    t = _tensor_of(model, key)
+    decl = t.state if t is not None else getattr(_flat_group_of(model, key), "decl", None)
+    return decl.span.line if decl is not None else None
+
+
 def normalise(model: Model, mesh: Mesh, rank: int, tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Arrays in storage form, checked against the layout: names, shapes and dtypes."""
+    """Arrays in storage form, checked against the layout: names, shapes and dtypes. Problems are
+    reported at once, repeats grouped, with a hint for the usual causes (weights saved without
+    optimizer state; a parameter dtype the spec does not declare)."""
     want = expected_datasets(model, mesh, rank)
-    problems, out = [], {}
-    for key in sorted(set(want) - set(tensors)):
-        problems.append(f"missing {key} {list(want[key][0])} {want[key][1]} ({_rule_of(model, key)})")
+    problems: list[Diagnostic] = []
+    missing = sorted(set(want) - set(tensors))
+    retyped: list[tuple[str, str, str]] = []  # (key, got, expected): right shape, other dtype
+    out = {}
+    for key in missing:
+        problems.append(Diagnostic("UCL421", f"missing {key!r} {list(want[key][0])} {want[key][1]} "
+                                             f"({_rule_of(model, key)})"))
     for key in sorted(set(tensors) - set(want)):
-        problems.append(f"unexpected {key}: the spec puts no such tensor on rank {rank} of {mesh}")
+        problems.append(Diagnostic("UCL421", f"unexpected {key!r}: the spec puts no such tensor on this rank"))
     for key in sorted(set(tensors) & set(want)):
         shape, dtype = want[key]
         arr, logical = to_numpy(tensors[key], dtype if _is_raw(tensors[key], dtype) else None)
         if tuple(arr.shape) != tuple(shape) or logical != dtype:
-            problems.append(f"{key}: expected {list(shape)} {dtype}, got {list(arr.shape)} {logical} "
-                            f"({_rule_of(model, key)}, mesh {mesh}, rank {rank})")
+            problems.append(Diagnostic("UCL421", f"{key!r}: expected {list(shape)} {dtype}, got {list(arr.shape)} "
+                                                 f"{logical} ({_rule_of(model, key)})"))
+            if tuple(arr.shape) == tuple(shape):
+                retyped.append((key, logical, dtype))
         out[key] = arr
     if problems:
-        raise StoreError(f"rank {rank}'s tensors do not match the spec:\n  " + "\n  ".join(problems), code="UCL421")
+        lines = []
+        for g in group_diagnostics(problems, limit=1):
+            lines += [d.message for d in g.shown] + (["  " + g.more_line()] if g.more else [])
+        lines += [f"hint: {h}" for h in _hints(model, tensors, missing, retyped)]
+        n = len(problems)
+        raise StoreError(f"rank {rank} of {mesh}: the tensors do not match the spec ({n} problem{'s' * (n != 1)}):"
+                         "\n  " + "\n  ".join(lines), code="UCL421")
     return out
+
+
+def _hints(model: Model, tensors: Mapping[str, Any], missing: list[str], retyped: list[tuple[str, str, str]]):
+    kinds_given = {k.partition("/")[0] for k in tensors}
+    state_missing = sorted({k.partition("/")[0] for k in missing} - {"param"})
+    if kinds_given <= {"param"} and state_missing:
+        yield (f"only parameters were given, but the spec also expects optimizer state ({', '.join(state_missing)}). "
+               "To save weights alone, bind with the parameters frozen so that no optimizer state is expected: "
+               "spec.bind(dims, params, frozen=names)")
+    found = {(key.partition("/")[0], got, expected) for key, got, expected in retyped}
+    if len(found) == 1:
+        (kind, got, expected), = found
+        line = _state_line(model, retyped[0][0])
+        if line is None:
+            yield (f"the spec stores {kind} as {expected} (the default); if yours are {got}, declare it in the "
+                   f"spec: `state {kind} : dtype {got}`")
+        else:
+            yield (f"the spec stores {kind} as {expected} (the `state` statement at {model.spec.filename}:{line}); "
+                   f"to store {got}, write `dtype {got}` there, or convert the tensors to {expected}")
+    elif found:
+        yield "each kind's dtype comes from the spec's `state KIND : dtype DTYPE` statements (float32 when none)"
 
 
 def _is_raw(value: Any, dtype: str) -> bool:

@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 
-from ..errors import PlanError
+from ..errors import PlanError, UclError, detach
 from ..layout.algebra import I64, DimLayout, intersect, product
 from ..layout.bind import Model
 from ..layout.boxes import Slot
@@ -69,7 +69,14 @@ def _fill_boxes(piece) -> np.ndarray:
 def compile(model: Model, src: Mesh | str, dst: Mesh | str, ranks=None) -> Plan:
     """Plan the move of every tensor of ``model`` from layout ``src`` to layout ``dst`` (only for the
     target ``ranks`` if given: what one rank needs to load, without planning every other rank)."""
-    src, dst = as_mesh(src), as_mesh(dst)
+    try:
+        return _compile(model, as_mesh(src), as_mesh(dst), ranks)
+    except UclError as e:
+        # lowering translates internal exceptions (LayoutError, ExprError) inside `except` blocks
+        raise detach(e) from None
+
+
+def _compile(model: Model, src: Mesh, dst: Mesh, ranks) -> Plan:
     S, T = lower(model, src), lower(model, dst)
     wanted = None if ranks is None else np.unique(np.asarray(list(ranks), dtype=I64))
 

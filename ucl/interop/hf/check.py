@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from ...errors import UclError
+from ...errors import Diagnostic, UclError, group_diagnostics, message_shape
 from ...lang.spec import load_spec
 from .names import fuse_saved_experts
 
@@ -14,6 +14,10 @@ def check_against(spec, dims: Mapping[str, int], tensors: Mapping[str, Iterable[
     ``tensors`` (``{name: shape}``, e.g. from :func:`read_tensor_names`). An empty list means every
     tensor is matched by exactly one rule with the right shape.
 
+    Each problem is one string: the message and its code, then (indented lines) the rule it
+    concerns (``file:line`` and pattern) and a hint. The same problem repeated under one rule (once
+    per layer) is one string ending in ``... and N more like this (examples)``.
+
     Saved per-expert MoE names are first mapped onto the fused in-memory tensors the specs describe
     (see :func:`fuse_saved_experts`), so both a ``state_dict()`` and a ``save_pretrained`` folder
     can be checked."""
@@ -22,9 +26,33 @@ def check_against(spec, dims: Mapping[str, int], tensors: Mapping[str, Iterable[
         spec = load_spec(spec)
         spec.bind(dict(dims), fused, frozen=[f for f in frozen if f in fused])
     except UclError as e:
-        diags = getattr(e, "diagnostics", None)
-        if diags:
-            problems += [f"error[{d.code}]: {d.message}" + (f" ({d.hint})" if d.hint else "") for d in diags]
-        else:
-            problems.append(f"error[{e.code}]: {e}")
+        diags = getattr(e, "diagnostics", None) or [Diagnostic(e.code, str(e))]
+        rule_of = _rules_by_line(spec) if hasattr(spec, "checked") else {}
+        filename = getattr(spec, "filename", "<spec>")
+
+        def key(d: Diagnostic):
+            return d.code, message_shape(d.message), d.span.line if d.span else None
+
+        for g in group_diagnostics(diags, limit=1, key=key):
+            for d in g.shown:
+                lines = [f"{d.message} [{d.code}]"]
+                rule = rule_of.get(d.span.line) if d.span else None
+                if rule is not None:
+                    lines.append(f"    rule `{rule}` at {filename}:{d.span.line}")
+                elif d.span:
+                    lines.append(f"    at {filename}:{d.span.line}")
+                if d.hint:
+                    lines.append(f"    hint: {d.hint}")
+                problems.append("\n".join(lines))
+            if g.more:
+                problems[-1] += "\n    " + g.more_line()
     return problems
+
+
+def _rules_by_line(spec) -> dict[int, str]:
+    """Source line -> pattern of the (layout or placement) rule written on it."""
+    out: dict[int, str] = {}
+    for r in list(spec.checked.rules) + list(spec.checked.placements):
+        for line in range(r.span.line, r.span.end_line + 1):
+            out.setdefault(line, r.pattern.text)
+    return out

@@ -3,9 +3,10 @@ tensor-parallel plan and the parameter names/shapes of a meta-device instance.""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Mapping
 
-from ...errors import StoreError
+from ...errors import StoreError, did_you_mean
 from ...model_config import read_raw_config
 from .names import Shapes
 
@@ -153,18 +154,77 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
     over ``pp``, parameters before them on the first stage and after them on the last; optimizer
     states follow their parameter. Review the result: see docs/stdlib.md for what cannot be inferred.
     """
-    raw = None  # the fields the user's config really has (a spec's `--dims CONFIG` reads only those)
+    raw, config, model = _build_model(config_or_dir)
+    dims, fields, field_of = _recognised_dims(config)
+    facts = _model_facts(config, model)
+    shapes = _ShapeWriter.for_model(config, dims, fields, field_of)
+    entries = _entries_by_pattern(facts, shapes.second_shapes)
+    lines, uses_ep = [], False
+    for pat, e in entries.items():
+        line, ep = _rule_line(pat, e, facts, shapes)
+        lines.append(line)
+        uses_ep |= ep
+    decl, lets = _declarations(dict(dims), shapes, raw, facts)
+    return _assemble(name or getattr(config, "model_type", "model"), type(model).__name__, facts, decl, lets,
+                     ["pp", "dp"] + (["ep"] if uses_ep else []) + ["tp"], lines)
+
+
+# ---- the steps of a draft --------------------------------------------------------------------------
+def _build_model(config_or_dir):
+    """(the fields the user's config really has or None for a PretrainedConfig, the config, a meta-device
+    model). A spec's ``--dims CONFIG`` reads only the raw fields, so the draft must know them."""
+    raw = None
     if not hasattr(config_or_dir, "to_dict"):
         raw = read_raw_config(config_or_dir)  # a missing or unreadable config is a StoreError
+        _check_model_type(raw, config_or_dir)
     try:
         config, model = _meta_model(raw if raw is not None else config_or_dir)
-    except Exception as e:  # transformers' own errors (unknown model_type, bad fields)
-        raise StoreError(f"transformers cannot build a model from {config_or_dir}: {e}", code="UCL423") from None
+    except Exception as e:  # transformers' own errors (bad fields, missing packages), on one short line
+        text = " ".join(str(e).split()) or type(e).__name__
+        text = text if len(text) <= 300 else text[:300] + "..."
+        raise StoreError(f"transformers cannot build a model from {_where(config_or_dir)}: {text}",
+                         code="UCL423") from None
+    return raw, config, model
+
+
+def _where(config_or_dir) -> str:
+    return "the config" if isinstance(config_or_dir, Mapping) else str(config_or_dir)
+
+
+def _check_model_type(raw: dict, source) -> None:
+    """A clear UCL423 for a config without ``model_type`` or with one transformers does not know
+    (transformers' own message lists every known type: kilobytes)."""
+    model_type = raw.get("model_type")
+    if not model_type:
+        raise StoreError(f"{_where(source)} has no model_type, so transformers cannot tell which model it "
+                         "describes; add one, e.g. \"model_type\": \"llama\"", code="UCL423")
+    known = _known_model_types()
+    if known is None or model_type in known:
+        return
+    guess = did_you_mean(str(model_type), known)
+    examples = ", ".join(t for t in ("llama", "mistral", "qwen2", "gemma", "mixtral", "gpt2") if t in known)
+    raise StoreError(f"{_where(source)}: unknown model_type {model_type!r}; this transformers knows "
+                     f"{len(known)} model types" + (f"; {guess}" if guess else f" (e.g. {examples})"),
+                     code="UCL423")
+
+
+def _known_model_types() -> list[str] | None:
+    """The model types of the installed transformers, or None without it (then transformers' error
+    on building the model says what is wrong)."""
+    try:
+        from transformers import CONFIG_MAPPING
+        return sorted(CONFIG_MAPPING.keys())
+    except Exception:
+        return None
+
+
+def _recognised_dims(config):
+    """Dims from the config fields we recognise (canonical name, or its alias key in ``to_dict()``):
+    (dim -> (key, value), canonical field -> key, dim -> canonical field)."""
     cfg = config.to_dict()
     attr_map = dict(getattr(config, "attribute_map", {}) or {})
-    # dims from the config fields we recognise (canonical name or its alias key in to_dict())
     dims: dict[str, tuple[str, int]] = {}
-    fields: dict[str, str] = {}  # canonical field -> key in cfg, for the recognised dims
+    fields: dict[str, str] = {}
     for field, dim in _KNOWN_DIMS:
         key = field if cfg.get(field) is not None else attr_map.get(field)
         if key is None or isinstance(cfg.get(key), bool) or not isinstance(cfg.get(key), int):
@@ -173,9 +233,24 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
             dims[dim] = (key, int(cfg[key]))
             fields[field] = key
     field_of = {dim: field for field, dim in _KNOWN_DIMS if fields.get(field) == dims.get(dim, ("",))[0]}
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return dims, fields, field_of
 
-    params: list[tuple[str, tuple[int, ...]]] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+@dataclass
+class _Facts:
+    """What the meta-device model says about its tensors and parallel plans."""
+
+    params: list[tuple[str, tuple[int, ...]]]
+    buffers: list[tuple[str, tuple[int, ...]]]  # persistent ones (in state_dict())
+    plan: dict[str, str]  # generic parameter name -> TP style
+    ep_keys: set[str]  # generic names of expert parameters split over ep
+    embed_name: str | None
+    layer_prefix: str | None  # ``model.layers.``: the first numbered module list
+    tied: bool
+
+
+def _model_facts(config, model) -> _Facts:
+    params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     sd_keys = set(model.state_dict().keys())
     buffers = [(n, tuple(b.shape)) for n, b in model.named_buffers() if n in sd_keys]
     plan = dict(getattr(model, "_tp_plan", None) or {})
@@ -187,126 +262,161 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
     ep_keys = {f"{model.base_model_prefix}.{k}" for k, v in ep_plan.items() if v == "grouped_gemm"}
     embed = model.get_input_embeddings()
     embed_name = next((n for n, p in model.named_parameters() if embed is not None and p is embed.weight), None)
-
-    # pattern per parameter; the layer list is the first numbered module list
-    def pattern(n: str) -> str:
-        caps = iter("ijklmn")
-        return re.sub(r"(?<=\.)\d+(?=\.|$)", lambda m: "{" + next(caps) + "}", n)
-
     layer_prefix = None
     for n, _ in params:
         m = re.match(r"^(.*?\.)\d+\.", n)
         if m:
             layer_prefix = m.group(1)
             break
-    second = _perturbed_shapes(config, fields)
-    dims2 = {d: second[0][field_of[d]] for d in dims} if second else None
-    shapes2_of = second[1] if second else {}
-    values = {d: v for d, (_, v) in dims.items()}
-    derived_head_dim = ("head_dim" not in values and values.get("hidden") and values.get("heads")
-                        and values["hidden"] % values["heads"] == 0)
-    if derived_head_dim:  # written as `let head_dim = hidden / heads`
-        values["head_dim"] = values["hidden"] // values["heads"]
-        if dims2 is not None:
-            dims2["head_dim"] = dims2["hidden"] // dims2["heads"]
-    ex = _Exprs(values, dims2)
-    used: set[str] = set()
+    return _Facts(params, buffers, plan, ep_keys, embed_name, layer_prefix,
+                  bool(getattr(config, "tie_word_embeddings", False)))
 
-    def shape_expr(shapes: set, shapes2: set) -> str | None:
+
+class _ShapeWriter:
+    """Writes shapes as expressions of the recognised dims (checked on a perturbed second instance
+    when one builds) and records which dims the draft uses."""
+
+    def __init__(self, dims, values, dims2, second_shapes, derived_head_dim):
+        self.dims = dims  # dim -> (config key, value)
+        self.values = values  # dim -> value, with a derived head_dim
+        self.dims2 = dims2  # the same dims in the perturbed instance, or None
+        self.second_shapes = second_shapes  # parameter -> shape in the perturbed instance
+        self.derived_head_dim = derived_head_dim  # written as `let head_dim = hidden / heads`
+        self.ex = _Exprs(values, dims2)
+        self.used: set[str] = set()
+
+    @classmethod
+    def for_model(cls, config, dims, fields, field_of) -> "_ShapeWriter":
+        second = _perturbed_shapes(config, fields)
+        dims2 = {d: second[0][field_of[d]] for d in dims} if second else None
+        values = {d: v for d, (_, v) in dims.items()}
+        derived_head_dim = bool("head_dim" not in values and values.get("hidden") and values.get("heads")
+                                and values["hidden"] % values["heads"] == 0)
+        if derived_head_dim:
+            values["head_dim"] = values["hidden"] // values["heads"]
+            if dims2 is not None:
+                dims2["head_dim"] = dims2["hidden"] // dims2["heads"]
+        return cls(dims, values, dims2, second[1] if second else {}, derived_head_dim)
+
+    def use(self, text: str) -> str:
+        self.used.update(re.findall(r"[A-Za-z_]\w*", text))
+        return text
+
+    def shape(self, shapes: set, shapes2: set) -> str | None:
         if len(shapes) != 1:
             return None
         (shape,) = shapes
-        shape2 = next(iter(shapes2)) if len(shapes2) == 1 and dims2 else None
+        shape2 = next(iter(shapes2)) if len(shapes2) == 1 and self.dims2 else None
         if shape2 is None or len(shape2) != len(shape):
-            parts = [ex(v) for v in shape] if dims2 is None else [str(v) for v in shape]
+            parts = [self.ex(v) for v in shape] if self.dims2 is None else [str(v) for v in shape]
         else:
-            parts = [ex(v, w) for v, w in zip(shape, shape2)]
-        for p in parts:
-            used.update(w for w in re.findall(r"[A-Za-z_]\w*", p))
-        return "[" + ", ".join(parts) + "]"
+            parts = [self.ex(v, w) for v, w in zip(shape, shape2)]
+        return "[" + ", ".join(self.use(p) for p in parts) + "]"
 
+    def half(self, sizes: set, sizes2: set) -> str:
+        """Half of a packed [gate|up] dim."""
+        v = next(iter(sizes)) // 2
+        if len(sizes) == 1 and len(sizes2) == 1 and self.dims2:
+            return self.use(self.ex(v, next(iter(sizes2)) // 2))
+        return self.use(str(v) if self.dims2 else self.ex(v))
+
+
+def _pattern(name: str) -> str:
+    """Numbered segments become captures: ``{i}`` for the layer, then ``{j}``, ``{k}``..."""
+    caps = iter("ijklmn")
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", lambda m: "{" + next(caps) + "}", name)
+
+
+def _entries_by_pattern(facts: _Facts, second_shapes) -> dict[str, dict]:
+    """Parameters and persistent buffers grouped by pattern, in model order, with their stage."""
     entries: dict[str, dict] = {}
     seen_layers = False
-    for n, shape in params + buffers:
-        pat = pattern(n)
-        in_layers = layer_prefix is not None and n.startswith(layer_prefix) and pat != n
+    for n, shape in facts.params + facts.buffers:
+        pat = _pattern(n)
+        in_layers = facts.layer_prefix is not None and n.startswith(facts.layer_prefix) and pat != n
         seen_layers |= in_layers
         e = entries.setdefault(pat, dict(names=[], shapes=set(), shapes2=set(), buffer=False, in_layers=in_layers,
                                          stage=None if in_layers else ("last" if seen_layers else "first")))
         e["names"].append(n)
         e["shapes"].add(shape)
-        if n in shapes2_of:
-            e["shapes2"].add(shapes2_of[n])
-        e["buffer"] = e["buffer"] or (n, shape) in buffers
+        if n in second_shapes:
+            e["shapes2"].add(second_shapes[n])
+        e["buffer"] = e["buffer"] or (n, shape) in facts.buffers
+    return entries
 
+
+def _rule_line(pat: str, e: dict, facts: _Facts, shapes: _ShapeWriter) -> tuple[str, bool]:
+    """The layout rule of one pattern, and whether it splits over ep."""
+    first = e["names"][0]
+    ndim = len(next(iter(e["shapes"])))
+    style = _style(first, facts.plan)
+    leaf = first.rsplit(".", 1)[-1]
+    t: list[str] = []
+    note = ""
     uses_ep = False
-    lines = []
-    for pat, e in entries.items():
-        first = e["names"][0]
-        shapes = e["shapes"]
-        ndim = len(next(iter(shapes)))
-        style = _style(first, plan)
-        leaf = first.rsplit(".", 1)[-1]
-        t: list[str] = []
-        note = ""
-        tp_dim = None
-        if e["buffer"]:
-            t.append("replicate")
-            note = "persistent buffer: not sharded by FSDP2; pass it to bind(frozen=...)"
-        else:
-            if _generic(first) in ep_keys and ndim >= 1:
-                t.append("split 0 over ep")
-                uses_ep = True
-            if style in _COLWISE and ndim >= 1:
-                tp_dim = max(ndim - 2, 0) if leaf != "bias" else 0
-                t.append(f"split {tp_dim} over tp uneven")
-            elif style in _ROWWISE and ndim >= 1:
-                if leaf != "bias":
-                    tp_dim = ndim - 1
-                    t.append(f"split {tp_dim} over tp uneven")
-            elif style in _PACKED and ndim >= 1:
-                d = max(ndim - 2, 0) if leaf != "bias" else 0
-                sizes = {s[d] for s in shapes}
-                sizes2 = {s[d] for s in e["shapes2"] if len(s) > d}
-                v = next(iter(sizes)) // 2
-                if len(sizes) == 1 and len(sizes2) == 1 and dims2:
-                    half = ex(v, next(iter(sizes2)) // 2)
-                else:
-                    half = str(v) if dims2 else ex(v)
-                used.update(re.findall(r"[A-Za-z_]\w*", half))
-                t.insert(0, f"view {d} as [2, {half}]")
-                t.append(f"split {d}.1 over tp uneven")
-                tp_dim = ("packed", d)
-            elif style is not None and style not in _REPLICATED:
-                note = f"unknown TP style {style!r}: replicated over tp here"
-            if ndim >= 1:
-                if tp_dim == ("packed", 0):
-                    t.append("split 1 over dp uneven" if ndim >= 2 else "replicate over dp")
-                else:
-                    # FSDP2: dim 0 of the (EP-, TP-local) tensor; after a split of dim 0 it splits again
-                    t.append("split 0 over dp uneven")
+    if e["buffer"]:
+        t.append("replicate")
+        note = "persistent buffer: not sharded by FSDP2; pass it to bind(frozen=...)"
+    else:
+        if _generic(first) in facts.ep_keys and ndim >= 1:
+            t.append("split 0 over ep")
+            uses_ep = True
+        view, splits, packed_dim, note = _tp_transforms(style, leaf, ndim, e, shapes)
+        t = view + t + splits
+        if ndim >= 1:
+            if packed_dim == 0:
+                t.append("split 1 over dp uneven" if ndim >= 2 else "replicate over dp")
             else:
-                t.append("replicate")
-        if e["stage"] == "first":
-            t.append("on pp = first, (pp - 1) * tied" if first == embed_name else "on pp = first")
-            if first == embed_name:
-                used.add("tied")
-        elif e["stage"] == "last":
-            t.append("on pp = last")
-        shp = shape_expr(shapes, e["shapes2"])
-        head = pat + (f" {shp}" if shp else "")
-        line = f"{head} : " + "; ".join(t)
-        if style is not None or note:
-            line += f"    # {style or ''}{': ' if style and note else ''}{note}"
-        lines.append(line)
+                # FSDP2: dim 0 of the (EP-, TP-local) tensor; after a split of dim 0 it splits again
+                t.append("split 0 over dp uneven")
+        else:
+            t.append("replicate")
+    t += _placement(e, first, facts, shapes)
+    shp = shapes.shape(e["shapes"], e["shapes2"])
+    line = f"{pat}{f' {shp}' if shp else ''} : " + "; ".join(t)
+    if style is not None or note:
+        line += f"    # {style or ''}{': ' if style and note else ''}{note}"
+    return line, uses_ep
 
-    if layer_prefix is not None:
+
+def _tp_transforms(style, leaf: str, ndim: int, e: dict, shapes: _ShapeWriter):
+    """Tensor parallelism of one parameter from its TP style: (a view to put first, the tp split,
+    the dim of a packed [gate|up] split or None, a note for the comment)."""
+    if style in _COLWISE and ndim >= 1:
+        return [], [f"split {max(ndim - 2, 0) if leaf != 'bias' else 0} over tp uneven"], None, ""
+    if style in _ROWWISE and ndim >= 1:
+        return [], ([f"split {ndim - 1} over tp uneven"] if leaf != "bias" else []), None, ""
+    if style in _PACKED and ndim >= 1:
+        d = max(ndim - 2, 0) if leaf != "bias" else 0
+        half = shapes.half({s[d] for s in e["shapes"]}, {s[d] for s in e["shapes2"] if len(s) > d})
+        return [f"view {d} as [2, {half}]"], [f"split {d}.1 over tp uneven"], d, ""
+    if style is not None and style not in _REPLICATED:
+        return [], [], None, f"unknown TP style {style!r}: replicated over tp here"
+    return [], [], None, ""
+
+
+def _placement(e: dict, first: str, facts: _Facts, shapes: _ShapeWriter) -> list[str]:
+    """Pipeline stage of a parameter outside the layers: the embedding also on the last stage when tied."""
+    if e["stage"] == "first":
+        if first == facts.embed_name:
+            shapes.used.add("tied")
+            return ["on pp = first, (pp - 1) * tied"]
+        return ["on pp = first"]
+    if e["stage"] == "last":
+        return ["on pp = last"]
+    return []
+
+
+def _declarations(dims: dict, shapes: _ShapeWriter, raw: dict | None, facts: _Facts) -> tuple[list[str], list[str]]:
+    """The ``dims`` declarations and ``let`` lines. A dim the config file leaves to the class default
+    cannot be read from it: it is derived (head_dim) or fixed by a ``let``."""
+    used, values = shapes.used, shapes.values
+    if facts.layer_prefix is not None:
         used.add("layers")
     lets = []
-    if derived_head_dim and "head_dim" in used:
+    if shapes.derived_head_dim and "head_dim" in used:
         used |= {"hidden", "heads"}
         lets.append("let head_dim = hidden / heads")
-    # a dim the config file leaves to the class default cannot be read from it: derive or fix it
     missing = {d for d, (key, _) in dims.items() if d in used and raw is not None and raw.get(key) is None}
     if "tied" in used and raw is not None and raw.get("tie_word_embeddings") is None:
         missing.add("tied")
@@ -317,34 +427,33 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
         used |= {"hidden", "heads"}
         lets.append("let head_dim = hidden / heads  # config.json has no head_dim")
     for d in sorted(missing):
-        value = int(tied) if d == "tied" else dims.pop(d)[1]
+        value = int(facts.tied) if d == "tied" else dims.pop(d)[1]
         lets.append(f"let {d} = {value}  # the class default: config.json does not set it")
-    consts = {d for d in missing}
-    decl = []
-    for d, (key, _) in dims.items():
-        if d in used and d not in consts:
-            decl.append(d if d == key else f"{d} from {key}")
-    if "tied" in used and "tied" not in consts:
+    decl = [d if d == key else f"{d} from {key}" for d, (key, _) in dims.items() if d in used and d not in missing]
+    if "tied" in used and "tied" not in missing:
         decl.append("tied from tie_word_embeddings")
-    axes = ["pp", "dp"] + (["ep"] if uses_ep else []) + ["tp"]
-    title = name or getattr(config, "model_type", "model")
+    return decl, lets
+
+
+def _assemble(title: str, class_name: str, facts: _Facts, decl: list[str], lets: list[str], axes: list[str],
+              lines: list[str]) -> str:
     out = [
-        f"# Draft spec for {title} ({type(model).__name__}), written by `ucl spec from-hf`.",
+        f"# Draft spec for {title} ({class_name}), written by `ucl spec from-hf`.",
         "# transformers names; tp from the model's tensor-parallel plan, FSDP2 over dp (dim 0 of the",
         "# TP-local tensor), layers in contiguous blocks over pp, optimizer states follow their parameter.",
         "# REVIEW IT: shapes were matched to config dims by value (on the model and on a perturbed copy),",
         "# fused tensors other than packed [gate|up] are split as plain blocks, and",
         "# everything docs/stdlib.md lists under `from-hf` limits still needs a human.",
-        f"# Tied embeddings: {'yes' if tied else 'no'}.",
+        f"# Tied embeddings: {'yes' if facts.tied else 'no'}.",
         "",
         "dims " + ",\n    ".join(decl) if decl else "",
         *lets,
         f"mesh {', '.join(axes)}",
         "",
     ]
-    if layer_prefix is not None:
-        out.append(f"{layer_prefix}{{i}}.** : index i of layers over pp first layers - (pp - 1) * (layers // pp)")
+    if facts.layer_prefix is not None:
+        out.append(f"{facts.layer_prefix}{{i}}.** : index i of layers over pp first layers - (pp - 1) * (layers // pp)")
         out.append("")
     out += lines
     out += ["", "state exp_avg, exp_avg_sq : follow", "state step : scalar", ""]
-    return "\n".join(x for x in out if x is not None)
+    return "\n".join(out)

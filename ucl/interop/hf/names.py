@@ -46,8 +46,16 @@ def _ucl_checkpoint(path: Path) -> Shapes:
 def read_tensor_names(path) -> Shapes:
     """``{name: shape}`` of every tensor in a ``.safetensors`` file, a ``save_pretrained`` folder
     (``model.safetensors`` or shards listed by ``model.safetensors.index.json``; other
-    ``*.safetensors`` files otherwise) or a ucl checkpoint folder (its manifest's ``params``)."""
-    path = Path(path)
+    ``*.safetensors`` files otherwise) or a ucl checkpoint folder (its manifest's ``params``).
+    Malformed JSON (a header, an index, a manifest) is a StoreError (UCL401) naming the path."""
+    try:
+        return _read_tensor_names(Path(path))
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:  # JSON that is not what we read
+        what = f"missing {e}" if isinstance(e, KeyError) else " ".join(str(e).split())[:200]
+        raise StoreError(f"{path}: cannot read tensor names ({what})", code="UCL401") from None
+
+
+def _read_tensor_names(path: Path) -> Shapes:
     if path.is_file():
         if path.name == "manifest.json":
             return _ucl_checkpoint(path.parent)

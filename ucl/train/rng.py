@@ -1,0 +1,40 @@
+"""Random number generator states as JSON (never pickle): torch (CPU and CUDA), numpy, Python."""
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+
+
+def capture() -> dict:
+    import torch
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    out = {"torch": torch.get_rng_state().tolist(),
+           "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+           "python": [py_state[0], list(py_state[1]), py_state[2]]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore(saved: Any, process_rank: int, world: int) -> None:
+    """Restore this process's generators when the checkpoint has them (same world size); warn when it
+    was written by another number of processes (the generators keep their current state)."""
+    import torch
+    if not saved:
+        return
+    mine = saved.get(str(process_rank))
+    if mine is None or len(saved) != world:
+        warnings.warn(f"the checkpoint holds RNG states of {len(saved)} processes, this job has {world}: "
+                      "random generators are not restored", stacklevel=3)
+        return
+    torch.set_rng_state(torch.tensor(mine["torch"], dtype=torch.uint8))
+    s = mine["numpy"]
+    np.random.set_state((s[0], np.asarray(s[1], dtype=np.uint32), s[2], s[3], s[4]))
+    p = mine["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+    if "cuda" in mine and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in mine["cuda"]])

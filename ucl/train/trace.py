@@ -1,0 +1,38 @@
+"""What the checkpointer did and when, per rank: intervals (blocked, fence, snapshot, flush,
+promote) with bytes and the host pool's high-water mark, appended as JSON lines next to the
+checkpoints (``ROOT/trace-rank00000.jsonl``)."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+
+class Trace:
+    def __init__(self, root: str, rank: int):
+        self.path = os.path.join(root, f"trace-rank{rank:05d}.jsonl")
+        self.rank = rank
+        self.origin = time.time() - time.perf_counter()  # perf_counter -> wall clock
+        self._events: list[dict] = []  # every event, for events()
+        self._written = 0  # how many of them the trace file has
+        self._lock = threading.Lock()
+
+    def add(self, phase: str, start: float, end: float, **info) -> None:
+        with self._lock:
+            self._events.append({"rank": self.rank, "phase": phase, "start": self.origin + start,
+                                 "end": self.origin + end, **info})
+
+    def events(self) -> list[dict]:
+        with self._lock:
+            return list(self._events)
+
+    def flush(self) -> None:
+        """Append the events recorded since the last flush to the trace file."""
+        with self._lock:
+            events, self._written = self._events[self._written:], len(self._events)
+        if not events:
+            return
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write("".join(json.dumps(e) + "\n" for e in events))
