@@ -116,10 +116,10 @@ class Checkpointer:
         self._validate(layout)
         sizes = [e.tensor.numel() * e.tensor.element_size() for e in layout.entries]
         offsets, total = layout_bytes(sizes)
-        if self._pool is None:
-            import torch
-            self._pool = HostPool(max(self.pool_bytes or 2 * total, 1), pin=self._cuda and torch.cuda.is_available())
-        region, waited = self._pool.allocate(total, closed=lambda: self._error is not None or self._closed)
+        if self._pool is None or (self.pool_bytes is None and self._pool.nbytes < 2 * total):
+            self._new_pool(max(self.pool_bytes or 2 * total, 1))
+        region, waited = self._pool.allocate(total, closed=lambda: self._error is not None or self._closed,
+                                             reclaim=self._forget_memory)
         persist = step % self.persist_every == 0
         snap = Snapshot(step, extra, layout, region, offsets, persist, self._state(step, extra),
                         holders={"memory"} | ({"flush"} if persist else set()))
@@ -214,6 +214,22 @@ class Checkpointer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _new_pool(self, nbytes: int) -> None:
+        """The default pool holds two snapshots; it is replaced (once every region is free) when the
+        snapshots grow, e.g. when the optimizer state appears after the first step."""
+        import torch
+        if self._pool is not None:
+            self.wait()
+            self._forget_memory()
+        self._pool = HostPool(nbytes, pin=self._cuda and torch.cuda.is_available())
+
+    def _forget_memory(self) -> None:
+        """Give up the tier-0 (host memory) copy of the newest snapshot, to make room for a new one."""
+        with self._lock:
+            memory, self._memory = self._memory, None
+        if memory is not None:
+            self._drop(memory, "memory")
+
     # ---- layout ----------------------------------------------------------------------------------
     @staticmethod
     def _manual(spec, mesh):
@@ -288,7 +304,8 @@ class Checkpointer:
                     self._done()
                 continue
             self.trace.add("snapshot", t0, time.perf_counter(), step=snap.step, bytes=snap.region.stop - snap.region.start)
-            previous, self._memory = self._memory, snap
+            with self._lock:
+                previous, self._memory = self._memory, snap
             if previous is not None:
                 self._drop(previous, "memory")
             if snap.persist:

@@ -34,13 +34,16 @@ class HostPool:
     def _used(self) -> int:
         return sum(r.stop - r.start for r in self._regions)
 
-    def allocate(self, nbytes: int, closed=lambda: False) -> tuple[Region, float]:
+    def allocate(self, nbytes: int, closed=lambda: False, reclaim=lambda: None) -> tuple[Region, float]:
         """A region of ``nbytes`` (waits for older regions to be released); returns it and the seconds
-        waited. ``closed()`` is polled so a failing flusher cannot leave the caller waiting forever."""
+        waited. When it does not fit, ``reclaim()`` is called once (the owner may give up regions it
+        keeps only as a cache); ``closed()`` is polled so a failing flusher cannot leave the caller
+        waiting forever."""
         if nbytes > self.nbytes:
             raise UclError(f"a snapshot of this rank needs {nbytes:,} bytes but the pool holds {self.nbytes:,}; "
                            "pass a larger pool_bytes", code="UCL431")
         t0 = time.perf_counter()
+        reclaimed = False
         with self._cond:
             while True:
                 while self._regions and self._regions[0].released:
@@ -53,6 +56,14 @@ class HostPool:
                     return region, time.perf_counter() - t0
                 if closed():
                     raise StoreError("the checkpointer stopped while waiting for pool space", code="UCL432")
+                if not reclaimed:
+                    reclaimed = True
+                    self._cond.release()  # reclaim() releases regions, which takes this lock
+                    try:
+                        reclaim()
+                    finally:
+                        self._cond.acquire()
+                    continue
                 self._cond.wait(timeout=0.1)
 
     def _fit(self, nbytes: int) -> int | None:

@@ -1,0 +1,241 @@
+"""ucl.Checkpointer in one process: resume gives the same losses bit for bit as an uninterrupted run,
+for several optimizers and dtypes, with tied, frozen and buffer tensors; back-pressure, tiers,
+retention, background errors and the debug fence check."""
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import ucl  # noqa: E402
+from ucl.store.writer import CheckpointWriter  # noqa: E402
+
+
+class Toy(nn.Module):
+    """A seeded toy transformer: embedding, attention + MLP block with dropout, tied output head,
+    a frozen positional table and a persistent buffer updated in forward."""
+
+    def __init__(self, vocab=64, dim=32, dtype=torch.float32, tied=True):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, dtype=dtype)
+        self.pos = nn.Parameter(torch.randn(16, dim, dtype=dtype), requires_grad=False)  # frozen
+        self.attn = nn.MultiheadAttention(dim, 4, dropout=0.1, batch_first=True, dtype=dtype)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim, dtype=dtype), nn.GELU(), nn.Dropout(0.1),
+                                 nn.Linear(4 * dim, dim, dtype=dtype))
+        self.norm = nn.LayerNorm(dim, dtype=dtype)
+        self.head = nn.Linear(dim, vocab, bias=False, dtype=dtype)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(self.norm(h + self.mlp(h)))
+
+
+def make(opt="adamw", dtype=torch.float32, seed=0, tied=True):
+    torch.manual_seed(seed)
+    model = Toy(dtype=dtype, tied=tied)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = {"adamw": lambda: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+                 "adam": lambda: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
+                 "sgd": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9)}[opt]()
+    return model, optimizer
+
+
+def train_step(model, optimizer, i):
+    g = torch.Generator().manual_seed(1000 + i)
+    x = torch.randint(0, 64, (4, 8), generator=g)
+    logits = model(x)
+    loss = nn.functional.cross_entropy(logits.float().reshape(-1, 64), x.reshape(-1))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.detach().float().item()
+
+
+def run(root, *, steps=6, save_at=(3,), opt="adamw", dtype=torch.float32, **kw):
+    model, optimizer = make(opt, dtype)
+    losses = []
+    with ucl.Checkpointer(root, model, optimizer, **kw) as ck:
+        for i in range(steps):
+            losses.append(train_step(model, optimizer, i))
+            if i + 1 in save_at:
+                ck.save(i + 1, extra={"data_position": i + 1})
+    return model, optimizer, losses
+
+
+def resume(root, *, steps=6, opt="adamw", dtype=torch.float32, step=None, **kw):
+    model, optimizer = make(opt, dtype, seed=123)  # other initial weights: everything must come from the checkpoint
+    torch.manual_seed(999)  # and another RNG state
+    with ucl.Checkpointer(root, model, optimizer, **kw) as ck:
+        at, extra = ck.load(step)
+        losses = [train_step(model, optimizer, i) for i in range(at, steps)]
+    return model, optimizer, at, extra, losses
+
+
+@pytest.mark.parametrize("opt,dtype", [("adamw", torch.float32), ("adam", torch.float32), ("sgd", torch.float32),
+                                       ("adamw", torch.bfloat16)])
+def test_resume_continues_bit_for_bit(tmp_path, opt, dtype):
+    model, optimizer, losses = run(tmp_path, opt=opt, dtype=dtype)
+    m2, o2, at, extra, again = resume(tmp_path, opt=opt, dtype=dtype)
+    assert at == 3 and extra == {"data_position": 3}
+    assert again == losses[3:]  # dropout draws the same numbers: the RNG was restored too
+    for (n, a), b in zip(model.state_dict().items(), m2.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert m2.head.weight is m2.embed.weight  # still tied
+    s1, s2 = optimizer.state_dict(), o2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    for k in s1["state"]:
+        for kind, v in s1["state"][k].items():
+            assert torch.equal(v, s2["state"][k][kind]), (k, kind)
+
+
+def test_checkpoint_is_an_ordinary_ucl_checkpoint(tmp_path):
+    model, _, _ = run(tmp_path)
+    from ucl.store import CheckpointRoot
+    path = CheckpointRoot(tmp_path).latest()
+    with ucl.open(path) as ck:
+        assert ck.verify() == []
+        m = ck.manifest
+        assert m.mesh == [] and "head.weight" not in m.params  # tied: stored once
+        assert "pos" in m.frozen and "seen" in m.frozen
+        names = set(ck.keys(0))
+    assert {"param/embed.weight", "exp_avg/embed.weight", "exp_avg_sq/embed.weight", "step/embed.weight",
+            "param/pos", "param/seen"} <= names
+    assert "exp_avg/pos" not in names
+    got = ucl.load_rank(path, mesh="universal", rank=0, as_torch=True)
+    # the snapshot is the state right after step 3 (the model trained on afterwards)
+    m3, o3, _ = run(tmp_path / "again", steps=3, save_at=())
+    assert torch.equal(got["param/embed.weight"], m3.embed.weight)
+    assert int(got["param/seen"]) == int(m3.seen)
+
+
+def test_persist_every_keep_and_tiers(tmp_path):
+    tier = tmp_path / "remote"
+    _, _, losses = run(tmp_path / "local", steps=9, save_at=range(1, 10), persist_every=3, keep=2, tiers=[tier])
+    from ucl.store import CheckpointRoot
+    assert CheckpointRoot(tmp_path / "local").steps() == [6, 9]
+    assert CheckpointRoot(tier).steps() == [6, 9] and CheckpointRoot(tier).latest_step() == 9
+    *_, at, _, again = resume(tier, steps=9)
+    assert at == 9 and again == []
+    *_, at, _, again = resume(tmp_path / "local", steps=9, step=6)
+    assert at == 6 and again == losses[6:]
+
+
+def test_tiny_pool_applies_back_pressure(tmp_path):
+    model, optimizer = make()
+    with ucl.Checkpointer(tmp_path, model, optimizer) as probe:
+        probe.save(0)  # before the first step there is no optimizer state yet: the default pool grows
+        train_step(model, optimizer, 0)
+        probe.save(1)
+    events = probe.trace.events()
+    need = max(e["bytes"] for e in events if e["phase"] == "snapshot")
+    root = tmp_path / "tiny"
+    losses = []
+    with ucl.Checkpointer(root, model, optimizer, pool_bytes=need + 64) as ck:
+        for i in range(4):
+            losses.append(train_step(model, optimizer, i))
+            ck.save(i + 1)
+    events = ck.trace.events()
+    assert [e["step"] for e in events if e["phase"] == "flush"] == [1, 2, 3, 4]
+    assert all(e["pool_high_water"] <= need + 64 for e in events if e["phase"] == "flush")
+    with pytest.raises(ucl.UclError) as err:
+        with ucl.Checkpointer(tmp_path / "small", model, optimizer, pool_bytes=need // 2) as ck:
+            ck.save(1)
+    assert err.value.code == "UCL431" and "pool_bytes" in str(err.value)
+
+
+def test_background_error_surfaces_and_publishes_nothing(tmp_path, monkeypatch):
+    model, optimizer = make()
+    ck = ucl.Checkpointer(tmp_path, model, optimizer)
+    train_step(model, optimizer, 0)
+    ck.save(1)
+    ck.wait()
+    real = CheckpointWriter.commit
+
+    def full_disk(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(CheckpointWriter, "commit", full_disk)
+    train_step(model, optimizer, 1)
+    ck.save(2)
+    with pytest.raises(ucl.StoreError) as err:
+        ck.wait()
+    assert "step 2" in str(err.value) and "No space left" in str(err.value)
+    monkeypatch.setattr(CheckpointWriter, "commit", real)
+    from ucl.store import CheckpointRoot
+    root = CheckpointRoot(tmp_path)
+    assert root.latest_step() == 1 and root.steps() == [1]
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+    train_step(model, optimizer, 2)
+    ck.save(3)  # it keeps working after the error was reported
+    ck.close()
+    assert root.latest_step() == 3
+
+
+def test_debug_mode_detects_a_mutation_without_fence(tmp_path):
+    model, optimizer = make()
+    with ucl.Checkpointer(tmp_path, model, optimizer, debug=True) as ck:
+        train_step(model, optimizer, 0)
+        ck.save(1)
+        ck.fence()  # nothing changed: fine
+        ck.save(2)
+        with torch.no_grad():
+            model.norm.weight.add_(1.0)  # changes state behind the checkpointer's back
+        with pytest.raises(ucl.StoreError) as err:
+            ck.fence()
+        assert err.value.code == "UCL433" and "norm.weight" in str(err.value)
+
+
+def test_snapshot_is_the_state_at_save_not_after_the_next_step(tmp_path):
+    model, optimizer = make()
+    with ucl.Checkpointer(tmp_path, model, optimizer) as ck:
+        train_step(model, optimizer, 0)
+        ck.save(1)
+        want = copy.deepcopy(model.state_dict())
+        for i in range(1, 4):  # the next steps change every parameter while the flush may still run
+            train_step(model, optimizer, i)
+    from ucl.store import CheckpointRoot
+    got = ucl.load_rank(CheckpointRoot(tmp_path).latest(), mesh="universal", rank=0, as_torch=True)
+    for n, v in want.items():
+        if n != "head.weight":
+            assert torch.equal(got[f"param/{n}"], v), n
+
+
+def test_load_into_another_module_is_refused_clearly(tmp_path):
+    run(tmp_path)
+    model = nn.Linear(3, 3)
+    with ucl.Checkpointer(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ck:
+        with pytest.raises(ucl.StoreError) as err:
+            ck.load()
+    assert err.value.code == "UCL434" and "missing" in str(err.value)
+
+
+def test_bad_arguments(tmp_path):
+    model, optimizer = make()
+    for kw in ({"persist_every": 0}, {"keep": 0}, {"mesh": "tp=2"}):
+        with pytest.raises(ucl.UclError):
+            ucl.Checkpointer(tmp_path, model, optimizer, **kw)
+    with ucl.Checkpointer(tmp_path, model, optimizer) as ck:
+        with pytest.raises(ucl.UclError):
+            ck.save(-1)
+        with pytest.raises(ucl.StoreError):
+            ck.load()  # nothing saved yet
+
+
+def test_numbers_survive_as_json(tmp_path):
+    """extra state is JSON; numpy scalars in it are plain numbers."""
+    model, optimizer = make()
+    with ucl.Checkpointer(tmp_path, model, optimizer) as ck:
+        ck.save(0, extra={"lr": np.float32(0.5), "seen": [1, 2]})
+    with ucl.Checkpointer(tmp_path, model, optimizer) as ck:
+        _, extra = ck.load()
+    assert extra == {"lr": 0.5, "seen": [1, 2]}
