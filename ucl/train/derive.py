@@ -111,9 +111,10 @@ def derive(model, optimizer, *, bound=None, mesh: Mesh | None = None) -> TrainLa
     ``bound`` (a ``ucl.layout.Model``: a spec bound to the global dims and parameters) with ``mesh``
     describes a manual layout whose module holds rank-local tensors under their local names."""
     import torch
-    params = dict(model.named_parameters())  # tied parameters once, under their first name
-    state_dict = model.state_dict(keep_vars=True)
-    buffers = {n: b for n, b in model.named_buffers() if n in state_dict}  # persistent buffers only
+    model = unwrap(model)
+    params = {clean_name(n): p for n, p in model.named_parameters()}  # tied parameters once, first name
+    state_dict = {clean_name(n) for n in model.state_dict(keep_vars=True)}
+    buffers = {clean_name(n): b for n, b in model.named_buffers() if clean_name(n) in state_dict}  # persistent
     by_param = {id(p): n for n, p in params.items()}
     states: dict[str, dict[str, Any]] = {}
     if optimizer is not None:
@@ -157,6 +158,18 @@ def derive(model, optimizer, *, bound=None, mesh: Mesh | None = None) -> TrainLa
     text = _spec_text(tensors, states, kinds, axes=axes, rules=rules)
     global_shapes = {n: tuple(t.shape) for n, t in tensors.items()}  # DTensor .shape is global
     return _layout(text, global_shapes, frozen, ucl_mesh, r, tensors, states, kinds)
+
+
+def unwrap(model):
+    """The module a DistributedDataParallel wrapper trains (its FQNs lack the ``module.`` prefix)."""
+    from torch.nn.parallel import DistributedDataParallel
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def clean_name(name: str) -> str:
+    """An FQN without the segments wrappers insert (``torch.compile``, activation checkpointing),
+    so checkpoints of wrapped and plain modules share names, as torch's own state-dict FQNs do."""
+    return ".".join(p for p in name.split(".") if p not in ("_orig_mod", "_checkpoint_wrapped_module"))
 
 
 def _dist():

@@ -1,0 +1,310 @@
+"""ucl.Checkpointer survives SIGKILL at any moment of snapshot, flush, commit, ``latest`` and pruning.
+
+Each trial runs tests/train_crash_child.py (a seeded MLP + Adam that calls ``ck.save(i, extra={"i": i})``
+before every iteration) in a subprocess, waits until it has returned from a random number of
+``save`` calls, sleeps a random 0-50 ms and kills it with SIGKILL. Then, in this process:
+
+* every ``step_*`` directory visible in the root is committed and verifies (no partial checkpoint);
+* ``latest`` is absent only before the first ``set_latest`` (at most one commit), and otherwise
+  points at a committed step, the newest or (killed between commit and ``set_latest``) the one before;
+* the committed steps are consecutive, at most ``keep + 1``, none beyond the child's last ``save``;
+* ``load()`` (and ``load(step)`` for every committed step) into a fresh, differently initialised model
+  gives bit-for-bit the parameters, Adam state and torch RNG state of a replay of the same seeded
+  run without checkpointing, and ``extra == {"i": step}``;
+* ``cleanup_stale`` removes exactly the leftover temp entries and nothing committed.
+
+Trials draw their seeds, kill points and delays from ``random.Random(1234)``: reproducible.
+Two children run at a time.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ucl  # noqa: E402
+from ucl.store import CheckpointRoot, cleanup_stale  # noqa: E402
+from ucl.store.atomic import is_committed, is_tmp_name  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import train_crash_child as child  # noqa: E402
+
+CHILD = os.path.join(HERE, "train_crash_child.py")
+TRIALS = 24
+PARALLEL = 2
+MASTER_SEED = 1234
+CHILD_TIMEOUT_S = 120  # a child that has not printed enough `saved` lines by then is hung
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+@dataclass
+class Trial:
+    n: int
+    seed: int
+    saves: int  # kill once this many `saved` lines were read (0: right after `ready`, before any save)
+    delay_s: float
+    root: str = ""
+    last_saved: int = -1  # highest step whose save() returned, from everything the child printed
+    returncode: int | None = None
+    error: str = ""  # the child misbehaved (died on its own, hung)
+    stderr: str = ""
+    problems: list[str] = field(default_factory=list)
+    kind: str = ""  # what the kill interrupted, judged from what it left
+
+    def __str__(self) -> str:
+        return (f"trial {self.n} (seed={self.seed}, kill after {self.saves} saves + {self.delay_s * 1000:.1f} ms, "
+                f"last saved step {self.last_saved}, root {self.root})")
+
+
+def _plan() -> list[Trial]:
+    r = random.Random(MASTER_SEED)
+    return [Trial(n, r.randrange(1, 1 << 30), r.randint(0, 6), r.uniform(0.0, 0.05)) for n in range(TRIALS)]
+
+
+def _run_child(trial: Trial, tmp_path) -> Trial:
+    """Start the child, kill it with SIGKILL at the trial's point, read everything it printed."""
+    base = tmp_path / f"trial{trial.n:02d}"
+    base.mkdir()
+    trial.root = str(base / "ckpt")
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with open(base / "stderr", "w+b") as err:
+        proc = subprocess.Popen([sys.executable, CHILD, trial.root, str(trial.seed)], stdout=subprocess.PIPE,
+                                stderr=err, env=env, cwd=REPO)
+        watchdog = threading.Timer(CHILD_TIMEOUT_S, proc.kill)
+        watchdog.start()
+        try:
+            lines = []
+            want = trial.saves
+            for raw in proc.stdout:  # type: ignore[union-attr]
+                lines.append(raw.decode().strip())
+                if lines[-1] == "ready" and want == 0 or lines[-1].startswith("saved") and \
+                        sum(x.startswith("saved") for x in lines) >= want:
+                    break
+            time.sleep(trial.delay_s)
+            alive = proc.poll() is None
+            proc.send_signal(signal.SIGKILL)
+            lines += [x.decode().strip() for x in proc.stdout.read().splitlines()]  # type: ignore[union-attr]
+            trial.returncode = proc.wait()
+        finally:
+            watchdog.cancel()
+            proc.stdout.close()  # type: ignore[union-attr]
+        err.seek(0)
+        trial.stderr = err.read().decode(errors="replace")[-3000:]
+    saved = [int(x.split()[1]) for x in lines if x.startswith("saved ")]
+    trial.last_saved = max(saved, default=-1)
+    if not alive or trial.returncode != -signal.SIGKILL:
+        trial.error = (f"the child was not killed by us at the planned point: alive before kill={alive}, "
+                       f"returncode={trial.returncode}, printed {len(lines)} lines (last {lines[-3:]}); "
+                       f"stderr:\n{trial.stderr}")
+    elif not any(x == "ready" for x in lines):
+        trial.error = f"the child never printed 'ready'; stderr:\n{trial.stderr}"
+    return trial
+
+
+class _GlobalRng:
+    """Checkpointer.load() restores the process's torch/numpy/Python generators: keep ours."""
+
+    def __enter__(self):
+        self.state = torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+    def __exit__(self, *exc):
+        torch.set_rng_state(self.state[0])
+        np.random.set_state(self.state[1])
+        random.setstate(self.state[2])
+
+
+def _diff_tensors(what: str, got: dict, want: dict) -> list[str]:
+    out = []
+    if set(got) != set(want):
+        out.append(f"{what}: keys differ: loaded {sorted(got)}, replay {sorted(want)}")
+    for k in sorted(set(got) & set(want)):
+        a, b = got[k], want[k]
+        if torch.is_tensor(a) and torch.is_tensor(b):
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+                delta = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else "n/a"
+                out.append(f"{what}[{k}]: loaded {a.dtype}{list(a.shape)} != replay {b.dtype}{list(b.shape)} "
+                           f"(max |diff| {delta})")
+        elif a != b:
+            out.append(f"{what}[{k}]: loaded {a!r} != replay {b!r}")
+    return out
+
+
+def _load_and_compare(trial: Trial, step: int | None, want_step: int, replay: dict) -> list[str]:
+    """Load (latest when ``step`` is None) into a fresh, differently seeded model and compare with the replay."""
+    where = f"load({'' if step is None else step})"
+    model, optimizer = child.build(trial.seed + 1)  # other weights, no optimizer state: all must come from disk
+    try:
+        with _GlobalRng():
+            torch.manual_seed(trial.seed + 2)  # another RNG state, which load() must overwrite
+            with ucl.Checkpointer(trial.root, model, optimizer, keep=child.KEEP) as ck:
+                got_step, extra = ck.load(step)
+            got_rng = torch.get_rng_state()
+    except Exception as e:
+        return [f"{where}: raised {type(e).__name__}: {e}"]
+    problems = []
+    if got_step != want_step:
+        return [f"{where}: returned step {got_step}, expected {want_step}"]
+    if extra != {"i": want_step}:
+        problems.append(f"{where}: extra {extra!r}, expected {{'i': {want_step}}}")
+    want = replay[want_step]
+    problems += _diff_tensors(f"{where} step {want_step} parameter", dict(model.state_dict()), want["params"])
+    got_opt, want_opt = optimizer.state_dict(), want["optimizer"]
+    if want_step == 0:  # no optimizer step yet: nothing to compare but the hyperparameters
+        pass
+    elif set(got_opt["state"]) != set(want_opt["state"]):
+        problems.append(f"{where} step {want_step}: optimizer state for params {sorted(got_opt['state'])}, "
+                        f"replay has {sorted(want_opt['state'])}")
+    else:
+        for pid in sorted(want_opt["state"]):
+            problems += _diff_tensors(f"{where} step {want_step} optimizer state of param {pid}",
+                                      got_opt["state"][pid], want_opt["state"][pid])
+    if [{k: v for k, v in g.items() if k != "params"} for g in got_opt["param_groups"]] != \
+            [{k: v for k, v in g.items() if k != "params"} for g in want_opt["param_groups"]]:
+        problems.append(f"{where} step {want_step}: optimizer hyperparameters differ")
+    if not torch.equal(got_rng, want["torch_rng"]):
+        problems.append(f"{where} step {want_step}: the torch RNG state was not restored to the child's")
+    return problems
+
+
+def _check(trial: Trial) -> Trial:
+    """Every invariant of the checkpoint root a SIGKILL may leave; appends to trial.problems."""
+    p = trial.problems
+    root = CheckpointRoot(trial.root)
+    names = sorted(os.listdir(trial.root)) if os.path.isdir(trial.root) else []
+    tmp = [n for n in names if is_tmp_name(n)]
+    step_dirs = [n for n in names if STEP_DIR.match(n)]
+    other = [n for n in names if n not in tmp and n not in step_dirs and n != "latest"
+             and not re.match(r"^trace-rank\d+\.jsonl$", n)]
+    if other:
+        p.append(f"unexpected entries in the root: {other}")
+    partial = [n for n in step_dirs if not is_committed(os.path.join(trial.root, n))]
+    if partial:
+        p.append(f"partial checkpoint(s) visible under a final name (no manifest.json): {partial}")
+    steps = root.steps()
+    if steps != sorted(int(STEP_DIR.match(n).group(1)) for n in step_dirs if n not in partial):
+        p.append(f"CheckpointRoot.steps() = {steps} disagrees with the listing {names}")
+
+    # latest
+    try:
+        latest_name = root.latest_name()
+    except Exception as e:
+        p.append(f"`latest` is unreadable: {type(e).__name__}: {e}")
+        return trial
+    latest_step = root.latest_step()
+    if latest_name is None:
+        if len(steps) > 1:
+            p.append(f"no `latest` although steps {steps} are committed (only the very first commit may "
+                     "precede the first `latest`)")
+    else:
+        try:
+            path = root.latest()
+        except Exception as e:
+            p.append(f"`latest` -> {latest_name} is dangling: {type(e).__name__}: {e}; listing {names}")
+            return trial
+        if latest_step not in steps:
+            p.append(f"`latest` -> {latest_name} (step {latest_step}) is not among the committed steps {steps}")
+            return trial
+        if latest_step not in steps[-2:]:
+            p.append(f"`latest` -> step {latest_step} lags more than one commit behind: committed {steps}")
+        if path != root.path_for(latest_step):
+            p.append(f"latest() = {path}, expected {root.path_for(latest_step)}")
+
+    # the committed set
+    if steps:
+        if steps != list(range(steps[0], steps[-1] + 1)):
+            p.append(f"committed steps are not consecutive: {steps}")
+        if len(steps) > child.KEEP + 1:
+            p.append(f"{len(steps)} committed steps {steps}, keep={child.KEEP} allows at most {child.KEEP + 1} "
+                     "(one committed but not yet pruned)")
+        if steps[-1] > trial.last_saved + 1:
+            p.append(f"step {steps[-1]} committed, but the child's last save() that returned was step "
+                     f"{trial.last_saved}")
+    for s in steps:
+        with ucl.open(root.path_for(s)) as ck:
+            bad = ck.verify()
+        if bad:
+            p.append(f"committed step {s} does not verify: {bad[:3]}")
+
+    # what was interrupted, for the summary
+    if not steps:
+        trial.kind = "before the first commit"
+    elif latest_name is None:
+        trial.kind = "between the first commit and `latest`"
+    elif latest_step != steps[-1]:
+        trial.kind = "between a commit and moving `latest`"
+    elif any(".tmp-del-" in n for n in tmp):
+        trial.kind = "while pruning"
+    elif len(steps) > child.KEEP:
+        trial.kind = "after `latest` moved, before pruning"
+    elif tmp:
+        trial.kind = "while writing a checkpoint"
+    else:
+        trial.kind = "between flushes"
+
+    # contents: bit for bit what the uninterrupted run had at each committed step
+    if steps:
+        replay = child.replay(trial.seed, steps)
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            model, _ = child.build(trial.seed)  # the child's torch RNG state: seeded, then init, never again
+            rng = torch.get_rng_state()
+        finally:
+            torch.set_num_threads(old)
+        del model
+        for s in replay:
+            replay[s]["torch_rng"] = rng
+        if latest_name is not None:
+            p += _load_and_compare(trial, None, latest_step, replay)
+        for s in steps:
+            p += _load_and_compare(trial, s, s, replay)
+    else:
+        try:
+            with _GlobalRng(), ucl.Checkpointer(trial.root, *child.build(0), keep=child.KEEP) as ck:
+                ck.load()
+            p.append("load() succeeded although no checkpoint is committed")
+        except ucl.StoreError as e:
+            if e.code != "UCL404":
+                p.append(f"load() with no checkpoint raised {e.code}, expected UCL404: {e}")
+
+    # leftovers: cleanup_stale removes the temp entries and nothing else
+    removed = sorted(os.path.basename(x) for x in cleanup_stale(trial.root))
+    if removed != tmp:
+        p.append(f"cleanup_stale removed {removed}, the temp entries were {tmp}")
+    after = sorted(os.listdir(trial.root)) if os.path.isdir(trial.root) else []
+    if [n for n in after if is_tmp_name(n)]:
+        p.append(f"temp entries left after cleanup_stale: {after}")
+    if root.steps() != steps or root.latest_name() != latest_name:
+        p.append(f"cleanup_stale changed the committed state: steps {steps} -> {root.steps()}, latest "
+                 f"{latest_name} -> {root.latest_name()}")
+    return trial
+
+
+def test_sigkill_during_snapshot_and_flush_leaves_latest_loadable(tmp_path):
+    trials = _plan()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(PARALLEL) as pool:  # checks run here while the next children start
+        done = [_check(t) if not t.error else t for t in pool.map(lambda t: _run_child(t, tmp_path), trials)]
+    failures = [f"{t}:\n  " + (t.error or "\n  ".join(t.problems)) for t in done if t.error or t.problems]
+    kinds = collections.Counter(t.kind for t in done if not t.error)
+    print(f"\n{len(done)} SIGKILL trials in {time.perf_counter() - t0:.1f} s; interrupted: "
+          + ", ".join(f"{k}: {v}" for k, v in kinds.most_common()))
+    assert not failures, f"{len(failures)} of {len(done)} trials failed:\n" + "\n".join(failures)
+    assert sum(1 for t in done if t.kind != "before the first commit") >= TRIALS // 2, \
+        f"too few trials killed after a commit to test anything: {dict(kinds)}"

@@ -1,0 +1,242 @@
+"""Reading and showing the checkpointer's traces (``ROOT/trace-rank*.jsonl``, see ``trace.py``).
+
+:func:`load_trace` reads every rank's events, :func:`summarize` computes what training lost and
+how long checkpoints took to become durable, :func:`to_chrome` converts to the Chrome trace event
+format (Perfetto, chrome://tracing) and :func:`draw_timeline` draws a PNG with matplotlib, which
+is imported only when drawing. See docs/trace.md.
+"""
+from __future__ import annotations
+
+import bisect
+import fnmatch
+import json
+import math
+import os
+import statistics
+import warnings
+
+from ..errors import StoreError, UclError
+
+MAX_TRACE_BYTES = 256 << 20
+TRACE_GLOB = "trace-rank*.jsonl"
+# phase -> lane (Chrome tid): the training thread, the snapshot copier, the flusher
+LANES = {"blocked": 0, "fence": 0, "snapshot": 1, "flush": 2, "promote": 2}
+LANE_NAMES = ("training", "snapshot", "flush/promote")
+COLOURS = {"blocked": "#d62728", "fence": "#ff7f0e", "snapshot": "#1f77b4", "flush": "#2ca02c",
+           "promote": "#9467bd"}
+LEGEND = {"blocked": "blocked in save()", "fence": "fence (optimizer step waited)", "snapshot": "snapshot copy",
+          "flush": "flush (write + commit)", "promote": "promote (latest, prune, tiers)"}
+
+
+class TraceWarning(UserWarning):
+    """Lines of a trace file that are not events were skipped."""
+
+
+# ---- reading -------------------------------------------------------------------------------------
+def trace_files(root) -> list[str]:
+    """The trace files in ``root``, sorted; StoreError UCL404 if there are none."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise StoreError(f"no trace: {root} is not a folder", code="UCL404")
+    names = sorted(n for n in os.listdir(root) if fnmatch.fnmatch(n, TRACE_GLOB))
+    files = [os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n))]
+    if not files:
+        raise StoreError(f"no trace files ({TRACE_GLOB}) in {root}", code="UCL404")
+    return files
+
+
+def load_trace(root) -> list[dict]:
+    """Every event of every rank's trace file in ``root``, sorted by start. Malformed lines are
+    skipped and counted in one :class:`TraceWarning`."""
+    events, skipped = [], {}
+    for path in trace_files(root):
+        try:
+            size = os.path.getsize(path)
+            if size > MAX_TRACE_BYTES:
+                raise StoreError(f"{path} is {size >> 20} MiB, larger than the {MAX_TRACE_BYTES >> 20} MiB "
+                                 "a trace is read up to", code="UCL401")
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            raise StoreError(f"cannot read {path}: {e}", code="UCL401") from None
+        for line in lines:
+            event = _event(line) if line.strip() else {}
+            if event is None:
+                skipped[os.path.basename(path)] = skipped.get(os.path.basename(path), 0) + 1
+            elif event:
+                events.append(event)
+    if skipped:
+        where = ", ".join(f"{name}: {n}" for name, n in sorted(skipped.items()))
+        warnings.warn(TraceWarning(f"skipped {sum(skipped.values())} malformed trace lines in "
+                                   f"{os.fspath(root)} ({where})"), stacklevel=2)
+    events.sort(key=lambda e: e["start"])
+    return events
+
+
+def _event(line: str) -> dict | None:
+    """The event a line holds, or None if it is not one (bad JSON, unknown phase, bad times)."""
+    try:
+        e = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(e, dict) or e.get("phase") not in LANES or not _is_int(e.get("rank")) or e["rank"] < 0:
+        return None
+    times = (e.get("start"), e.get("end"))
+    if not all(_is_number(t) and math.isfinite(t) for t in times) or times[1] < times[0]:
+        return None
+    if "step" in e and not _is_int(e["step"]):
+        return None
+    return e
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# ---- summary (pure) ------------------------------------------------------------------------------
+def summarize(events: list[dict]) -> dict:
+    """Counts and times (seconds) of a trace: ``saves`` (save calls), ``checkpoints`` (steps
+    flushed), ``blocked_s`` (total time in save), ``blocked_median_s`` (per save), ``fence_s``
+    (fence waits outside save, which blocked_s already holds), ``durable_median_s`` (per step: the
+    last end of its flush/promote on any rank minus the first start of its save),
+    ``pool_peak_mib`` (host pool high-water), ``ranks`` and ``span_s``."""
+    by_phase = {p: [e for e in events if e["phase"] == p] for p in LANES}
+    blocked = [e["end"] - e["start"] for e in by_phase["blocked"]]
+    saves_of_rank: dict[int, list] = {}
+    for e in sorted(by_phase["blocked"], key=lambda e: e["start"]):
+        saves_of_rank.setdefault(e["rank"], []).append((e["start"], e["end"]))
+    fence = 0.0
+    for e in by_phase["fence"]:
+        saves = saves_of_rank.get(e["rank"], [])
+        i = bisect.bisect_right(saves, (e["start"], math.inf)) - 1
+        if i < 0 or saves[i][1] < e["end"]:  # not inside a save() of the same rank
+            fence += e["end"] - e["start"]
+    done: dict[int, float] = {}
+    for e in by_phase["flush"] + by_phase["promote"]:
+        if "step" in e:
+            done[e["step"]] = max(done.get(e["step"], -math.inf), e["end"])
+    begun: dict[int, list] = {}
+    for e in by_phase["blocked"]:
+        begun.setdefault(e.get("step"), []).append(e["start"])
+    durable = []
+    for step, end in done.items():
+        starts = [t for t in begun.get(step, ()) if t <= end]
+        if starts:
+            durable.append(end - min(starts))
+    peaks = [e["pool_high_water"] for e in events if _is_number(e.get("pool_high_water"))]
+    return {"ranks": sorted({e["rank"] for e in events}), "saves": len(blocked),
+            "checkpoints": len({e.get("step") for e in by_phase["flush"]}),
+            "blocked_s": sum(blocked), "blocked_median_s": statistics.median(blocked) if blocked else None,
+            "fence_s": fence, "durable_median_s": statistics.median(durable) if durable else None,
+            "pool_peak_mib": max(peaks) / 2**20 if peaks else None,
+            "span_s": max(e["end"] for e in events) - min(e["start"] for e in events) if events else 0.0}
+
+
+# ---- Chrome trace event format -------------------------------------------------------------------
+def to_chrome(events: list[dict]) -> dict:
+    """The events as Chrome trace events: one complete ("X") event each, ts/dur in microseconds
+    since the first event, pid = rank, tid = lane; plus process and thread names ("M")."""
+    t0 = min((e["start"] for e in events), default=0.0)
+    out = []
+    for rank in sorted({e["rank"] for e in events}):
+        out.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        out += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": lane, "args": {"name": name}}
+                for lane, name in enumerate(LANE_NAMES)]
+    for e in events:
+        out.append({"ph": "X", "name": e["phase"], "cat": "ucl.checkpoint", "pid": e["rank"], "tid": LANES[e["phase"]],
+                    "ts": round((e["start"] - t0) * 1e6, 3), "dur": round((e["end"] - e["start"]) * 1e6, 3),
+                    "args": {k: v for k, v in e.items() if k not in ("rank", "phase", "start", "end")}})
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"origin_unix_s": t0}}
+
+
+def write_chrome(root, path):
+    """Write the trace of ``root`` as Chrome trace JSON to ``path``, which is returned."""
+    with open(os.fspath(path), "w") as f:
+        json.dump(to_chrome(load_trace(root)), f)
+    return path
+
+
+# ---- drawing -------------------------------------------------------------------------------------
+def draw_timeline(root, path) -> dict:
+    """Draw the trace of ``root`` as a PNG at ``path``: per rank a training lane (what training
+    lost) and background lanes, checkpoint steps on top, the summary in the title. Returns the
+    summary (:func:`summarize`)."""
+    events = load_trace(root)
+    summary = summarize(events)
+    Figure, FigureCanvasAgg, Patch = _matplotlib()
+    ranks = summary["ranks"]
+    row = {r: i * (len(LANE_NAMES) + 1) for i, r in enumerate(ranks)}  # a gap row between ranks
+    nrows = max(len(ranks) * (len(LANE_NAMES) + 1) - 1, 1)
+    fig = Figure(figsize=(12, min(2.6 + 0.28 * nrows, 40)), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)  # Agg for this figure only: no global backend, no pyplot state
+    ax = fig.add_subplot()
+    t0 = min((e["start"] for e in events), default=0.0)
+    spans: dict[tuple, list] = {}
+    for e in events:
+        spans.setdefault((e["phase"], e["rank"]), []).append((e["start"] - t0, e["end"] - e["start"]))
+    order = {p: i for i, p in enumerate(("snapshot", "flush", "promote", "blocked", "fence"))}  # fences over saves
+    for (phase, rank), xs in sorted(spans.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
+        y = row[rank] + LANES[phase]
+        ax.broken_barh(xs, (y - 0.38, 0.76), facecolors=COLOURS[phase], edgecolors=COLOURS[phase], linewidth=0.6)
+    ticks = [row[r] + lane for r in ranks for lane in range(len(LANE_NAMES))]
+    ax.set_yticks(ticks, [f"rank {r} · {name}" for r in ranks for name in LANE_NAMES], fontsize=8)
+    for r in ranks[1:]:
+        ax.axhline(row[r] - 1, color="0.8", linewidth=0.8)
+    ax.set_ylim(nrows - 0.5, -0.5)
+    ax.set_xlim(0, max(summary["span_s"], 1e-6) * 1.01)
+    ax.set_xlabel("seconds since the first event")
+    ax.grid(axis="x", color="0.92")
+    ax.set_axisbelow(True)
+    _mark_steps(ax, events, t0, summary["span_s"])
+    fig.legend([Patch(color=COLOURS[p]) for p in LEGEND], LEGEND.values(), loc="outside lower center",
+               ncols=len(LEGEND), fontsize=8, frameon=False)
+    fig.suptitle(f"checkpointer timeline: {os.fspath(root)}\n{_title(summary)}", fontsize=10)
+    fig.savefig(os.fspath(path))
+    return summary
+
+
+def _mark_steps(ax, events, t0: float, span: float) -> None:
+    """A dotted line at the first save of each step, labelled on a top axis (labels thinned out)."""
+    first: dict[int, float] = {}
+    for e in events:
+        if e["phase"] == "blocked" and "step" in e:
+            first[e["step"]] = min(first.get(e["step"], math.inf), e["start"] - t0)
+    xs, labels, last = [], [], -math.inf
+    for step, x in sorted(first.items(), key=lambda kv: kv[1]):
+        ax.axvline(x, color="0.55", linewidth=0.6, linestyle=":", zorder=0)
+        if x - last >= span / 40:
+            xs.append(x)
+            labels.append(str(step))
+            last = x
+    top = ax.secondary_xaxis("top")
+    top.set_xticks(xs, labels, fontsize=7)
+    top.set_xlabel("checkpoint step (save)", fontsize=8)
+
+
+def _title(s: dict) -> str:
+    peak = "n/a" if s["pool_peak_mib"] is None else f"{s['pool_peak_mib']:.1f} MiB"
+    return (f"{s['checkpoints']} checkpoints ({s['saves']} saves) · blocked {_seconds(s['blocked_s'])} total, "
+            f"median {_seconds(s['blocked_median_s'])} per save · fence waits {_seconds(s['fence_s'])} · "
+            f"save→durable median {_seconds(s['durable_median_s'])} · pool peak {peak}")
+
+
+def _seconds(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.2f} s" if x >= 1 else f"{x * 1e3:.1f} ms" if x >= 1e-3 else f"{x * 1e6:.0f} µs"
+
+
+def _matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UclError("timelines need matplotlib: pip install matplotlib (or ucl[viz])", code="UCL009") from None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    return Figure, FigureCanvasAgg, Patch
