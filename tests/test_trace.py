@@ -236,3 +236,16 @@ def test_missing_matplotlib_is_ucl009(two_ranks, tmp_path, monkeypatch):
         draw_timeline(two_ranks, tmp_path / "x.png")
     assert e.value.code == "UCL009" and "pip install matplotlib" in str(e.value)
     assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_trace_draws_and_exports(real_root, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from ucl.cli import main
+    png, chrome = tmp_path / "t.png", tmp_path / "t.json"
+    assert main(["trace", str(real_root), "--png", str(png), "--chrome", str(chrome)]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoints 4" in out and "blocked_s" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(chrome.read_text())["traceEvents"]
+    assert main(["trace", str(tmp_path / "nothing-here")]) == 1
+    assert "Traceback" not in capsys.readouterr().err

@@ -260,6 +260,20 @@ def cmd_verify(args) -> int:
     return _report(con, problems, f"in {args.ckpt}", f"{args.ckpt}: every file present and every checksum matches")
 
 
+def cmd_trace(args) -> int:
+    from .train.timeline import draw_timeline, load_trace, summarize, write_chrome
+    con = _console()
+    summary = summarize(load_trace(args.root))
+    con.print(_e(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())))
+    if args.png:
+        draw_timeline(args.root, args.png)
+        con.print(f"timeline written to {_e(args.png)}")
+    if args.chrome:
+        write_chrome(args.root, args.chrome)
+        con.print(f"Chrome/Perfetto trace written to {_e(args.chrome)}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
     return run_demo(args.workdir, src=args.src, dst=args.dst, keep=args.keep, console=_console())
@@ -343,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every file and checksum of a checkpoint")
     p.add_argument("ckpt", metavar="CKPT")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("trace", help="summarise a training checkpointer's trace (ROOT/trace-rank*.jsonl); draw it")
+    p.add_argument("root", metavar="ROOT", help="the Checkpointer's root folder")
+    p.add_argument("--png", metavar="FILE", help="training iterations vs checkpoint phases per rank (matplotlib)")
+    p.add_argument("--chrome", metavar="FILE", help="Chrome trace-event JSON, for Perfetto or chrome://tracing")
+    p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("demo", help="build a Llama-style checkpoint, reshard it and verify it bit-exactly")
     p.add_argument("--workdir", default=None, help="where to write (default: a temporary folder)")

@@ -76,8 +76,32 @@ def compile(model: Model, src: Mesh | str, dst: Mesh | str, ranks=None) -> Plan:
         raise detach(e) from None
 
 
-def _compile(model: Model, src: Mesh, dst: Mesh, ranks) -> Plan:
-    S, T = lower(model, src), lower(model, dst)
+def compile_between(src_model: Model, src: Mesh | str, dst_model: Model, dst: Mesh | str, ranks=None) -> Plan:
+    """Plan the move of ``dst_model``'s tensors from ``src_model``'s layout on ``src`` to
+    ``dst_model``'s layout on ``dst``: two specs describing the same tensors (same names, kinds,
+    global shapes and dtypes), e.g. a checkpoint written by FSDP2 and a job that runs TP."""
+    try:
+        return _compile(src_model, as_mesh(src), as_mesh(dst), ranks, dst_model)
+    except UclError as e:
+        raise detach(e) from None
+
+
+def _matching_source(src_model: Model, t):
+    """The source tensor that holds target tensor ``t``."""
+    try:
+        s = src_model.tensor(t.key)
+    except KeyError:
+        raise PlanError(f"the source has no {t.key} {list(t.shape)} ({t.dtype}); it was written for other "
+                        "parameters or optimizer states", code="UCL316") from None
+    if tuple(s.shape) != tuple(t.shape) or s.dtype != t.dtype:
+        raise PlanError(f"{t.key}: the source holds {list(s.shape)} {s.dtype}, the target wants {list(t.shape)} "
+                        f"{t.dtype}", code="UCL316")
+    return s
+
+
+def _compile(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Model | None = None) -> Plan:
+    src_model, model = model, (dst_model or model)
+    S, T = lower(src_model, src), lower(model, dst)
     wanted = None if ranks is None else np.unique(np.asarray(list(ranks), dtype=I64))
 
     def target_ranks(fixed) -> np.ndarray:
@@ -94,7 +118,7 @@ def _compile(model: Model, src: Mesh, dst: Mesh, ranks) -> Plan:
     geometry: dict[tuple, tuple] = {}  # (target piece, source pieces) -> rows; layers repeat geometry
     source_ids: dict[tuple, int] = {}
     for t in model.tensors:
-        sources = _dedup_sources(S, t)
+        sources = _dedup_sources(S, t if src_model is model else _matching_source(src_model, t))
         if not T.mesh.is_universal:
             _dedup_sources(T, t, "target")  # P1 for the target too: no element may be dropped
         src_key = source_ids.setdefault(tuple(_sig(p) for _, _, p, _, _ in sources), len(source_ids))

@@ -24,12 +24,10 @@ from ..dtypes import logical_of_torch_dtype, storage_dtype, to_torch
 from ..errors import StoreError, UclError
 from ..lang.spec import Spec, load_spec
 from ..layout.bind import Model
-from ..layout.mesh import UNIVERSAL, Mesh, as_mesh
+from ..layout.mesh import Mesh, as_mesh
 from ..ops.dist import allgather_json, broadcast_json
 from ..ops.load import load_rank
 from ..ops.prepare import expected_datasets, open_checkpoint
-from ..plan.compile import compile
-from ..plan.execute import execute_memory
 from ..store.atomic import fsync_path, publish_dir, tmp_name
 from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
@@ -432,11 +430,7 @@ class Checkpointer:
             differ = sorted(n for n in set(saved) & set(model.params) if saved[n] != tuple(model.params[n]))
             raise StoreError(f"{path} holds another model: missing {missing[:5]}, extra {extra[:5]}, other shapes "
                              f"{differ[:5]}", code="UCL434")
-        if manifest.spec == model.spec.text:  # same layout family: read only this rank's hyperslabs
-            return load_rank(path, mesh=layout.mesh, rank=rank)
-        whole = load_rank(path, mesh=UNIVERSAL, rank=0)  # another layout: through the global tensors
-        plan = compile(model, UNIVERSAL, layout.mesh, ranks=[rank])
-        return execute_memory(plan, {0: whole}, ranks=[rank])[rank]
+        return load_rank(path, mesh=layout.mesh, rank=rank, model=model)  # only this rank's hyperslabs
 
     # ---- helpers -----------------------------------------------------------------------------------------
     def _checksums(self, layout: TrainLayout) -> dict[str, str]:

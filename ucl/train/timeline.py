@@ -206,13 +206,13 @@ def _mark_steps(ax, events, t0: float, span: float) -> None:
     for e in events:
         if e["phase"] == "blocked" and "step" in e:
             first[e["step"]] = min(first.get(e["step"], math.inf), e["start"] - t0)
-    xs, labels, last = [], [], -math.inf
+    xs, labels = [], []
     for step, x in sorted(first.items(), key=lambda kv: kv[1]):
         ax.axvline(x, color="0.55", linewidth=0.6, linestyle=":", zorder=0)
-        if x - last >= span / 40:
+        chars = max(len(str(step)), len(labels[-1]) if labels else 0) + 1  # ~0.6 % of the width per char
+        if not xs or x - xs[-1] >= span * 0.006 * chars:
             xs.append(x)
             labels.append(str(step))
-            last = x
     top = ax.secondary_xaxis("top")
     top.set_xticks(xs, labels, fontsize=7)
     top.set_xlabel("checkpoint step (save)", fontsize=8)
