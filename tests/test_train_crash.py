@@ -62,7 +62,7 @@ class Trial:
     last_saved: int = -1  # highest step whose save() returned, from everything the child printed
     returncode: int | None = None
     error: str = ""  # the child misbehaved (died on its own, hung)
-    stderr: str = ""
+    output: str = ""  # the child's stdout and stderr
     problems: list[str] = field(default_factory=list)
     kind: str = ""  # what the kill interrupted, judged from what it left
 
@@ -76,44 +76,52 @@ def _plan() -> list[Trial]:
     return [Trial(n, r.randrange(1, 1 << 30), r.randint(0, 6), r.uniform(0.0, 0.05)) for n in range(TRIALS)]
 
 
-def _run_child(trial: Trial, tmp_path) -> Trial:
-    """Start the child, kill it with SIGKILL at the trial's point, read everything it printed."""
+def _run_child(ctx, trial: Trial, tmp_path) -> Trial:
+    """Start a trial process, kill it with SIGKILL at the trial's point, collect what it reported."""
     base = tmp_path / f"trial{trial.n:02d}"
     base.mkdir()
     trial.root = str(base / "ckpt")
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with open(base / "stderr", "w+b") as err:
-        proc = subprocess.Popen([sys.executable, CHILD, trial.root, str(trial.seed)], stdout=subprocess.PIPE,
-                                stderr=err, env=env, cwd=REPO)
-        watchdog = threading.Timer(CHILD_TIMEOUT_S, proc.kill)
-        watchdog.start()
+    log = str(base / "output")
+    r, w = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=child.run, args=(trial.root, trial.seed, w, log), daemon=True,
+                       name=f"ucl-crash-trial-{trial.n}")
+    lines: list[str] = []
+    alive = False
+    try:
+        proc.start()
+        w.close()
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while True:
+            if not r.poll(max(0.0, deadline - time.monotonic())):
+                trial.error = f"no progress for {CHILD_TIMEOUT_S} s (hung?)"
+                break
+            try:
+                lines.append(r.recv_bytes().decode())
+            except (EOFError, OSError):
+                break  # the child died on its own: reported below
+            saves = sum(x.startswith("saved ") for x in lines)
+            if lines[-1] == "ready" and trial.saves == 0 or lines[-1].startswith("saved ") and saves >= trial.saves:
+                time.sleep(trial.delay_s)
+                alive = proc.is_alive()
+                break
+    finally:
+        proc.kill()  # SIGKILL
+        proc.join(30)
         try:
-            lines = []
-            want = trial.saves
-            for raw in proc.stdout:  # type: ignore[union-attr]
-                lines.append(raw.decode().strip())
-                if lines[-1] == "ready" and want == 0 or lines[-1].startswith("saved") and \
-                        sum(x.startswith("saved") for x in lines) >= want:
-                    break
-            time.sleep(trial.delay_s)
-            alive = proc.poll() is None
-            proc.send_signal(signal.SIGKILL)
-            lines += [x.decode().strip() for x in proc.stdout.read().splitlines()]  # type: ignore[union-attr]
-            trial.returncode = proc.wait()
-        finally:
-            watchdog.cancel()
-            proc.stdout.close()  # type: ignore[union-attr]
-        err.seek(0)
-        trial.stderr = err.read().decode(errors="replace")[-3000:]
+            while r.poll(0):  # what it reported between our last read and the kill
+                lines.append(r.recv_bytes().decode())
+        except (EOFError, OSError):
+            pass
+        r.close()
+    trial.returncode = proc.exitcode
+    trial.output = open(log, errors="replace").read()[-3000:] if os.path.exists(log) else ""
     saved = [int(x.split()[1]) for x in lines if x.startswith("saved ")]
     trial.last_saved = max(saved, default=-1)
-    if not alive or trial.returncode != -signal.SIGKILL:
-        trial.error = (f"the child was not killed by us at the planned point: alive before kill={alive}, "
-                       f"returncode={trial.returncode}, printed {len(lines)} lines (last {lines[-3:]}); "
-                       f"stderr:\n{trial.stderr}")
-    elif not any(x == "ready" for x in lines):
-        trial.error = f"the child never printed 'ready'; stderr:\n{trial.stderr}"
+    if not trial.error and (not alive or trial.returncode != -signal.SIGKILL):
+        trial.error = f"the child was not killed by us at the planned point (alive before the kill: {alive})"
+    if trial.error:
+        trial.error += (f"; exit code {trial.returncode}, reported {len(lines)} lines (last {lines[-3:]}); "
+                        f"its output:\n{trial.output}")
     return trial
 
 

@@ -1,15 +1,17 @@
-"""A seeded training loop that checkpoints every iteration; tests/test_train_crash.py runs it as a
-child process and kills it with SIGKILL at a random moment.
+"""A seeded training loop that checkpoints every iteration; tests/test_train_crash.py runs it in a
+child process (``run``, forked by a forkserver that has torch and ucl imported already) and kills it
+with SIGKILL at a random moment. By hand:
 
-    python tests/train_crash_child.py ROOT SEED
+    python tests/train_crash_child.py ROOT SEED      # prints `ready`, then `saved <i>` per save
 
 The checkpoint of step ``i`` holds the state after ``i`` training iterations (``save(i)`` comes
-before iteration ``i``), with ``extra={"i": i}``. After each ``save`` returns the child prints
-``saved <i>`` (flushed) so the parent can follow it. ``build``/``train_step``/``replay`` are shared
-with the test, which replays the same seeded run without checkpointing.
+before iteration ``i``), with ``extra={"i": i}``. After each ``save`` returns the child reports
+``saved <i>`` so the parent can follow it. ``build``/``train_step``/``replay`` are shared with the
+test, which replays the same seeded run without checkpointing.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -60,18 +62,30 @@ def replay(seed: int, steps, threads: int = 1) -> dict[int, dict]:
         torch.set_num_threads(old)
 
 
-def main(root: str, seed: int) -> None:
+def _train(root: str, seed: int, report) -> None:
+    """Checkpoint before every iteration; ``report(line)`` after each ``save`` returned."""
     torch.set_num_threads(1)
     import ucl
     model, optimizer = build(seed)
     ck = ucl.Checkpointer(root, model, optimizer, keep=KEEP, persist_every=1)
-    print("ready", flush=True)
+    report("ready")
     for i in range(MAX_STEPS):
         ck.save(i, extra={"i": i})
-        print(f"saved {i}", flush=True)
+        report(f"saved {i}")
         train_step(model, optimizer, seed, i)
     ck.close()
 
 
-if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+def run(root: str, seed: int, conn, log: str) -> None:
+    """Entry point of a trial process forked by the test's forkserver: progress goes to ``conn``
+    (one small ``send_bytes`` = one ``write``, so a kill cannot tear a message), stdout and stderr
+    to the file ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    _train(root, seed, lambda line: conn.send_bytes(line.encode()))
+
+
+if __name__ == "__main__":  # by hand, to reproduce a trial: progress on stdout
+    _train(sys.argv[1], int(sys.argv[2]), lambda line: print(line, flush=True))
