@@ -2,7 +2,7 @@
 torch.save and torch.distributed.checkpoint (DCP), measured in one run on the same seeded GPT-like toy
 transformer (torch.nn embedding + N blocks of attention and MLP, AdamW, CPU).
 
-    python bench/save.py [--params-m 70] [--every 1 10] [--iters N] [--batch 2] [--seq 128] [--workdir DIR]
+    python bench/save.py [--params-m 60] [--every 1 10] [--iters N] [--batch 2] [--seq 128] [--workdir DIR]
     python bench/save.py --quick        # tiny model, 6 timed iterations: checks that everything runs
 
 Variants: none; torch.save of {model, optimizer} state_dicts to one file, then fsync (training waits
@@ -398,9 +398,9 @@ def report(results: list[dict], base: dict):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params-m", type=float, default=70.0, help="model size in millions of parameters")
+    ap.add_argument("--params-m", type=float, default=60.0, help="model size in millions of parameters")
     ap.add_argument("--every", type=int, nargs="+", default=[1, 10], help="checkpoint intervals to measure")
-    ap.add_argument("--iters", type=int, default=0, help="timed iterations per run (default: max(8, 3 * every))")
+    ap.add_argument("--iters", type=int, default=0, help="timed iterations per run (default: max(8, 2 * every))")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="tiny model, 6 timed iterations")
@@ -412,7 +412,7 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args)), flush=True)
         return
-    iters = {k: args.iters or (6 if args.quick else max(8, 3 * k)) for k in args.every}
+    iters = {k: args.iters or (6 if args.quick else max(8, 2 * k)) for k in args.every}
     work = tempfile.mkdtemp(prefix="ucl-bench-save-", dir=args.workdir)
     args.workdir = work
     try:
@@ -422,11 +422,13 @@ def main() -> None:
         print(f"model: {n_params / 1e6:.1f} M parameters {cfg}, batch {args.batch}; AdamW (checkpoint ~"
               f"{n_params * 12 / 2**20:.0f} MiB payload); torch {torch.__version__}, {torch.get_num_threads()} threads, "
               f"{os.cpu_count()} CPUs; checkpoints in {work} ({fs or '?'}); timed iterations {iters}")
-        print("page cache: warm (nothing dropped; every variant fsyncs what it writes, so durable = on disk)", flush=True)
+        print("page cache: warm (nothing dropped; every variant fsyncs what it writes, so durable = on disk); "
+              f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
         base = spawn(args, "none", 1, max(iters.values()))
         results = [spawn(args, v, k, iters[k]) for k in args.every for v in VARIANTS]
         check = spawn(args, "verify", 1, 2)
         report(results, base)
+        print(f"\nload average at end {os.getloadavg()[0]:.2f} (above ~0.5 means something else shared the CPUs)")
         if "error" in check:
             print(f"\nucl bit-exact check: FAILED to run ({check['error']})")
         else:

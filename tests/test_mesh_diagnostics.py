@@ -16,7 +16,7 @@ import pytest
 import ucl
 from ucl import Mesh, UNIVERSAL
 from ucl.demo import llama_model
-from ucl.layout.lower import MeshFitWarning
+from ucl.layout.fit import MeshFitWarning
 
 
 def compile_error(model, mesh) -> ucl.BindError:

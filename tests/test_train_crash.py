@@ -1,29 +1,42 @@
 """ucl.Checkpointer survives SIGKILL at any moment of snapshot, flush, commit, ``latest`` and pruning.
 
-Each trial runs tests/train_crash_child.py (a seeded MLP + Adam that calls ``ck.save(i, extra={"i": i})``
-before every iteration) in a subprocess, waits until it has returned from a random number of
-``save`` calls, sleeps a random 0-50 ms and kills it with SIGKILL. Then, in this process:
+A trial runs tests/train_crash_child.py (a seeded MLP + Adam that calls ``ck.save(i, extra={"i": i})``
+before every iteration, ~2.7 MB per checkpoint, keep=3) in its own process and SIGKILLs it:
+
+* at random points (``test_sigkill_at_random_points...``): once ``save`` has returned a random number
+  of times (0-10), after a random delay spanning about one save-to-save cycle (one flush, commit,
+  ``latest`` move and prune), measured in the child as it runs; two trials at a time;
+* at the narrow publication points random kills rarely hit (``test_sigkill_at_publication_point``):
+  the child kills itself right after a commit before ``latest`` moves, with the new ``latest`` written
+  but not renamed, and in the middle of pruning.
+
+Then, in this process:
 
 * every ``step_*`` directory visible in the root is committed and verifies (no partial checkpoint);
 * ``latest`` is absent only before the first ``set_latest`` (at most one commit), and otherwise
   points at a committed step, the newest or (killed between commit and ``set_latest``) the one before;
 * the committed steps are consecutive, at most ``keep + 1``, none beyond the child's last ``save``;
-* ``load()`` (and ``load(step)`` for every committed step) into a fresh, differently initialised model
-  gives bit-for-bit the parameters, Adam state and torch RNG state of a replay of the same seeded
-  run without checkpointing, and ``extra == {"i": step}``;
+* ``load()`` (and ``load(step)`` for every other committed step) into a fresh, differently initialised
+  model gives bit for bit the parameters, Adam state and torch RNG state of a replay of the same
+  seeded run without checkpointing, and ``extra == {"i": step}``; with nothing committed, UCL404;
 * ``cleanup_stale`` removes exactly the leftover temp entries and nothing committed.
 
-Trials draw their seeds, kill points and delays from ``random.Random(1234)``: reproducible.
-Two children run at a time.
+Trial processes are forked by a forkserver that has torch and ucl imported already (started from
+``sys.executable``): a trial costs a fraction of a second instead of the seconds ``import torch`` and
+the first optimizer (which imports torch._dynamo) take. Seeds, kill counts and delay fractions come
+from ``random.Random(1234)``: the plan is reproducible (where in the cycle a kill lands depends on
+timing). ``test_resume_after_kill_between_commit_and_latest`` is a known failure (xfail): resuming
+as docs/training.md shows collides with the committed step ``latest`` does not name yet.
 """
 from __future__ import annotations
 
 import collections
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -44,11 +57,16 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import train_crash_child as child  # noqa: E402
 
-CHILD = os.path.join(HERE, "train_crash_child.py")
-TRIALS = 24
+TRIALS = 32
 PARALLEL = 2
 MASTER_SEED = 1234
-CHILD_TIMEOUT_S = 120  # a child that has not printed enough `saved` lines by then is hung
+# multiprocessing's Process objects are not thread-safe: start() reaps finished children (reading their
+# exit status) and may race with another thread's join()/is_alive() on the same child, which then reads
+# EOF and reports exit code 255. Every start/poll/kill/join holds this lock.
+_PROCS = threading.Lock()
+MAX_SAVES = 10  # keep=3: from the 4th commit on, every flush also prunes
+MIN_SPAN_S, SPAN_CYCLES = 0.05, 1.5
+CHILD_TIMEOUT_S = 60  # a child that reported nothing for this long is hung
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
@@ -56,8 +74,10 @@ STEP_DIR = re.compile(r"^step_(\d{8,})$")
 class Trial:
     n: int
     seed: int
-    saves: int  # kill once this many `saved` lines were read (0: right after `ready`, before any save)
-    delay_s: float
+    saves: int  # kill once this many `saved` reports were read (0: right after `ready`, before any save)
+    phase: float  # then sleep phase * max(MIN_SPAN_S, SPAN_CYCLES * the last save-to-save interval)
+    where: str | None = None  # or: the child kills itself there (train_crash_child.run_killed_in)
+    delay_s: float = 0.0  # the sleep that resulted
     root: str = ""
     last_saved: int = -1  # highest step whose save() returned, from everything the child printed
     returncode: int | None = None
@@ -67,58 +87,80 @@ class Trial:
     kind: str = ""  # what the kill interrupted, judged from what it left
 
     def __str__(self) -> str:
-        return (f"trial {self.n} (seed={self.seed}, kill after {self.saves} saves + {self.delay_s * 1000:.1f} ms, "
-                f"last saved step {self.last_saved}, root {self.root})")
+        if self.where:
+            return (f"trial {self.where!r} (seed={self.seed}, killed itself at {self.where}, last save() "
+                    f"returned: step {self.last_saved}, root {self.root})")
+        return (f"trial {self.n} (seed={self.seed}, killed {self.delay_s * 1000:.1f} ms after save() returned "
+                f"{self.saves} times, last save() returned: step {self.last_saved}, root {self.root})")
 
 
 def _plan() -> list[Trial]:
     r = random.Random(MASTER_SEED)
-    return [Trial(n, r.randrange(1, 1 << 30), r.randint(0, 6), r.uniform(0.0, 0.05)) for n in range(TRIALS)]
+    return [Trial(n, r.randrange(1, 1 << 30), r.randint(0, MAX_SAVES), r.random()) for n in range(TRIALS)]
 
 
 def _run_child(ctx, trial: Trial, tmp_path) -> Trial:
-    """Start a trial process, kill it with SIGKILL at the trial's point, collect what it reported."""
+    """Start a trial process and SIGKILL it at the trial's point (or let it kill itself at
+    ``trial.where``); collect what it reported."""
     base = tmp_path / f"trial{trial.n:02d}"
     base.mkdir()
     trial.root = str(base / "ckpt")
     log = str(base / "output")
     r, w = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=child.run, args=(trial.root, trial.seed, w, log), daemon=True,
-                       name=f"ucl-crash-trial-{trial.n}")
+    if trial.where:
+        proc = ctx.Process(target=child.run_killed_in, args=(trial.root, trial.seed, trial.where, w, log), daemon=True)
+    else:
+        proc = ctx.Process(target=child.run, args=(trial.root, trial.seed, w, log), daemon=True)
     lines: list[str] = []
-    alive = False
+    times: list[float] = []
+    killed = False  # by us
     try:
-        proc.start()
+        with _PROCS:
+            proc.start()
         w.close()
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
         while True:
-            if not r.poll(max(0.0, deadline - time.monotonic())):
+            if not r.poll(CHILD_TIMEOUT_S):
                 trial.error = f"no progress for {CHILD_TIMEOUT_S} s (hung?)"
                 break
             try:
                 lines.append(r.recv_bytes().decode())
+                times.append(time.monotonic())
             except (EOFError, OSError):
-                break  # the child died on its own: reported below
+                break  # the child died: on its own, or (trial.where) by its own SIGKILL
             saves = sum(x.startswith("saved ") for x in lines)
-            if lines[-1] == "ready" and trial.saves == 0 or lines[-1].startswith("saved ") and saves >= trial.saves:
+            if trial.where is None and (lines[-1] == "ready" and trial.saves == 0 or
+                                        lines[-1].startswith("saved ") and saves >= trial.saves):
+                # A save() returns when the pool has room, i.e. when the flush before last is done, so
+                # the last interval is about one flush + commit + `latest` + prune cycle on this machine
+                # now: sweep a bit more than that, wherever the kill lands in it.
+                cycle = times[-1] - times[-2] if len(times) >= 2 else 0.0
+                trial.delay_s = trial.phase * max(MIN_SPAN_S, SPAN_CYCLES * cycle)
                 time.sleep(trial.delay_s)
-                alive = proc.is_alive()
+                with _PROCS:
+                    if proc.is_alive():
+                        proc.kill()  # SIGKILL
+                        killed = True
                 break
     finally:
-        proc.kill()  # SIGKILL
-        proc.join(30)
+        with _PROCS:
+            if proc.pid is not None:  # started
+                if not killed and proc.exitcode is None and (trial.where is None or trial.error):
+                    proc.kill()  # something above went wrong (hung, error): end it
+                proc.join(30)
+                trial.returncode = proc.exitcode
         try:
             while r.poll(0):  # what it reported between our last read and the kill
                 lines.append(r.recv_bytes().decode())
         except (EOFError, OSError):
             pass
         r.close()
-    trial.returncode = proc.exitcode
     trial.output = open(log, errors="replace").read()[-3000:] if os.path.exists(log) else ""
     saved = [int(x.split()[1]) for x in lines if x.startswith("saved ")]
     trial.last_saved = max(saved, default=-1)
-    if not trial.error and (not alive or trial.returncode != -signal.SIGKILL):
-        trial.error = f"the child was not killed by us at the planned point (alive before the kill: {alive})"
+    if not trial.error and trial.returncode != -signal.SIGKILL:
+        trial.error = "the child ended on its own"
+    elif not trial.error and not killed and trial.where is None:
+        trial.error = "the child died before the planned kill"
     if trial.error:
         trial.error += (f"; exit code {trial.returncode}, reported {len(lines)} lines (last {lines[-3:]}); "
                         f"its output:\n{trial.output}")
@@ -254,6 +296,8 @@ def _check(trial: Trial) -> Trial:
         trial.kind = "before the first commit"
     elif latest_name is None:
         trial.kind = "between the first commit and `latest`"
+    elif any(n.startswith(".latest.tmp-") for n in tmp):
+        trial.kind = "while replacing `latest`"
     elif latest_step != steps[-1]:
         trial.kind = "between a commit and moving `latest`"
     elif any(".tmp-del-" in n for n in tmp):
@@ -281,7 +325,8 @@ def _check(trial: Trial) -> Trial:
         if latest_name is not None:
             p += _load_and_compare(trial, None, latest_step, replay)
         for s in steps:
-            p += _load_and_compare(trial, s, s, replay)
+            if s != latest_step:  # the latest was just loaded through load()
+                p += _load_and_compare(trial, s, s, replay)
     else:
         try:
             with _GlobalRng(), ucl.Checkpointer(trial.root, *child.build(0), keep=child.KEEP) as ck:
@@ -304,15 +349,91 @@ def _check(trial: Trial) -> Trial:
     return trial
 
 
-def test_sigkill_during_snapshot_and_flush_leaves_latest_loadable(tmp_path):
+@pytest.fixture(scope="module")
+def forkserver():
+    """A multiprocessing context whose forkserver (started from sys.executable) has torch, torch._dynamo
+    (the first optimizer imports it: seconds) and ucl imported: each trial process is a fork of it and
+    starts in milliseconds instead of seconds. The server is stopped afterwards if we started it."""
+    ctx = multiprocessing.get_context("forkserver")
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    ours = server is not None and getattr(server, "_forkserver_pid", 1) is None
+    if ours:
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.optim", "numpy", "h5py", "ucl",
+                                    "ucl.train.checkpointer", "ucl.ops.prepare", "train_crash_child"])
+    try:
+        yield ctx
+    finally:
+        if ours and hasattr(server, "_stop"):
+            server._stop()
+            server.set_forkserver_preload(["__main__"])  # the default
+
+
+def _report(done: list[Trial]) -> list[str]:
+    return [f"{t}:\n  " + (t.error or "\n  ".join(t.problems)) for t in done if t.error or t.problems]
+
+
+def test_sigkill_at_random_points_leaves_latest_loadable(tmp_path, forkserver):
     trials = _plan()
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(PARALLEL) as pool:  # checks run here while the next children start
-        done = [_check(t) if not t.error else t for t in pool.map(lambda t: _run_child(t, tmp_path), trials)]
-    failures = [f"{t}:\n  " + (t.error or "\n  ".join(t.problems)) for t in done if t.error or t.problems]
+    with ThreadPoolExecutor(PARALLEL) as pool:  # checks run here while the next children run
+        done = [_check(t) if not t.error else t
+                for t in pool.map(lambda t: _run_child(forkserver, t, tmp_path), trials)]
+    failures = _report(done)
     kinds = collections.Counter(t.kind for t in done if not t.error)
     print(f"\n{len(done)} SIGKILL trials in {time.perf_counter() - t0:.1f} s; interrupted: "
           + ", ".join(f"{k}: {v}" for k, v in kinds.most_common()))
     assert not failures, f"{len(failures)} of {len(done)} trials failed:\n" + "\n".join(failures)
     assert sum(1 for t in done if t.kind != "before the first commit") >= TRIALS // 2, \
         f"too few trials killed after a commit to test anything: {dict(kinds)}"
+
+
+K = child.KILL_STEP
+PUBLICATION_POINTS = {  # where -> (committed steps, latest step, temp entry prefix, kind)
+    "set_latest": (list(range(K - 3, K + 1)), K - 1, None, "between a commit and moving `latest`"),
+    "replace_latest": (list(range(K - 3, K + 1)), K - 1, ".latest.tmp-", "while replacing `latest`"),
+    "prune": ([1, 2, 3], 3, ".step_00000000.tmp-del-", "while pruning"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(PUBLICATION_POINTS))
+def test_sigkill_at_publication_point_leaves_latest_loadable(tmp_path, forkserver, where):
+    steps, latest, temp, kind = PUBLICATION_POINTS[where]
+    trial = _run_child(forkserver, Trial(0, 4321, 0, 0.0, where=where), tmp_path)
+    assert not trial.error, f"{trial}: {trial.error}"
+    root = CheckpointRoot(trial.root)
+    names = sorted(os.listdir(trial.root))
+    assert (root.steps(), root.latest_step()) == (steps, latest), f"{trial}: left {names}"
+    tmp = [n for n in names if is_tmp_name(n)]
+    assert [n for n in tmp if n.startswith(temp)] if temp else not tmp, f"{trial}: temp entries {tmp}"
+    _check(trial)
+    assert not trial.problems, "\n".join(_report([trial]))
+    assert trial.kind == kind, f"{trial}: classified {trial.kind!r}"
+
+
+@pytest.mark.xfail(strict=True, raises=ucl.StoreError, reason=(
+    "killed after step N's commit but before `latest` moved, the documented resume loop loads step N-1, "
+    "trains and saves step N again: CheckpointWriter refuses (UCL405 'already exists'), on every restart"))
+def test_resume_after_kill_between_commit_and_latest(tmp_path, forkserver):
+    """Resume as docs/training.md does (load the latest, train, save step + 1) after the child died
+    between committing step K and pointing `latest` at it: training must go on."""
+    seed = 4321
+    trial = _run_child(forkserver, Trial(0, seed, 0, 0.0, where="set_latest"), tmp_path)
+    assert not trial.error, f"{trial}: {trial.error}"
+    root = CheckpointRoot(trial.root)
+    assert (root.steps()[-1], root.latest_step()) == (K, K - 1)
+    cleanup_stale(trial.root)
+    model, optimizer = child.build(seed + 1)
+    with _GlobalRng(), ucl.Checkpointer(trial.root, model, optimizer, keep=child.KEEP) as ck:
+        start, extra = ck.load()
+        assert (start, extra) == (K - 1, {"i": K - 1})
+        for i in range(start, start + 3):
+            child.train_step(model, optimizer, seed, i)
+            ck.save(i + 1, extra={"i": i + 1})
+    assert root.latest_step() == start + 3
+    with _GlobalRng():
+        got = CheckpointRoot(trial.root).latest()
+        model2, optimizer2 = child.build(seed + 2)
+        with ucl.Checkpointer(trial.root, model2, optimizer2) as ck:
+            assert ck.load() == (start + 3, {"i": start + 3}), got
+    want = child.replay(seed, [start + 3])[start + 3]["params"]
+    assert not _diff_tensors("resumed parameter", dict(model2.state_dict()), want)

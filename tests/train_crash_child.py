@@ -12,6 +12,7 @@ test, which replays the same seeded run without checkpointing.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import torch
@@ -76,15 +77,68 @@ def _train(root: str, seed: int, report) -> None:
     ck.close()
 
 
-def run(root: str, seed: int, conn, log: str) -> None:
-    """Entry point of a trial process forked by the test's forkserver: progress goes to ``conn``
-    (one small ``send_bytes`` = one ``write``, so a kill cannot tear a message), stdout and stderr
-    to the file ``log``."""
+def _redirect(log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def run(root: str, seed: int, conn, log: str) -> None:
+    """Entry point of a trial process forked by the test's forkserver: progress goes to ``conn``
+    (one small ``send_bytes`` = one ``write``, so a kill cannot tear a message), stdout and stderr
+    to the file ``log``."""
+    _redirect(log)
     _train(root, seed, lambda line: conn.send_bytes(line.encode()))
+
+
+KILL_STEP = 4  # the self-killing runs die while step 4 (the 5th checkpoint) is being published
+
+
+def run_killed_in(root: str, seed: int, where: str, conn, log: str) -> None:
+    """``run``, but the process SIGKILLs itself at a precise point of the flusher:
+
+    * ``set_latest``: step KILL_STEP is committed, ``latest`` not yet touched;
+    * ``replace_latest``: the new ``latest`` (naming step KILL_STEP) is written and fsynced under its
+      temp name, not yet renamed over ``latest``;
+    * ``prune``: the first pruned checkpoint (step 0, when step 3 is published) is renamed to its
+      ``.tmp-del-`` name, not yet deleted.
+    """
+    import shutil
+    from ucl.store.root import CheckpointRoot
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "set_latest":
+        real_set_latest = CheckpointRoot.set_latest
+
+        def set_latest(self, name):
+            if name == KILL_STEP:
+                die()
+            return real_set_latest(self, name)
+        CheckpointRoot.set_latest = set_latest
+    elif where == "replace_latest":
+        real_replace = os.replace
+
+        def replace(src, dst, *a, **k):
+            if os.path.basename(dst) == "latest":
+                with open(src) as f:
+                    if f.read().strip() == f"step_{KILL_STEP:08d}":
+                        die()
+            return real_replace(src, dst, *a, **k)
+        os.replace = replace
+    elif where == "prune":
+        real_rmtree = shutil.rmtree
+
+        def rmtree(path, *a, **k):
+            if ".tmp-del-" in os.path.basename(path):
+                die()
+            return real_rmtree(path, *a, **k)
+        shutil.rmtree = rmtree
+    else:
+        raise ValueError(where)
+    run(root, seed, conn, log)
 
 
 if __name__ == "__main__":  # by hand, to reproduce a trial: progress on stdout

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,14 +23,15 @@ from ..dtypes import logical_of_torch_dtype, storage_dtype, to_torch
 from ..errors import StoreError, UclError
 from ..lang.spec import Spec, load_spec
 from ..layout.bind import Model
-from ..layout.mesh import Mesh, as_mesh
+from ..layout.mesh import as_mesh
 from ..ops.dist import allgather_json, broadcast_json
 from ..ops.load import load_rank
 from ..ops.prepare import expected_datasets, open_checkpoint
-from ..store.atomic import fsync_path, publish_dir, tmp_name
 from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 from . import rng
+from .optim import hyperparameters, init_state, restore_hyperparameters
+from .tiers import promote
 from .derive import TrainLayout, derive
 from .pool import HostPool, Region, layout_bytes
 from .trace import Trace
@@ -175,7 +175,7 @@ class Checkpointer:
         saved = manifest.state or {}
         kinds = {k.split("/", 1)[0] for ds in manifest.datasets for k in ds}
         if self.optimizer is not None and kinds - {"param"} and not self.optimizer.state:
-            _init_optimizer_state(self.optimizer)
+            init_state(self.optimizer)
         layout = derive(self.model, self.optimizer, bound=self._bound, mesh=self._mesh)
         arrays = self._read(path, manifest, layout)
         import torch
@@ -187,7 +187,7 @@ class Checkpointer:
                 src = to_torch(arrays[e.key], logical_of_torch_dtype(e.tensor.dtype))
                 e.tensor.copy_(src.reshape(e.tensor.shape))
         if self.optimizer is not None:
-            _restore_hyperparameters(self.optimizer, saved.get("optimizer"))
+            restore_hyperparameters(self.optimizer, saved.get("optimizer"))
         rng.restore(saved.get("rng"), self._process_rank(), self._world())
         return int(saved.get("step", -1)), saved.get("extra")
 
@@ -273,7 +273,7 @@ class Checkpointer:
     def _state(self, step: int, extra: Any) -> dict:
         groups = None
         if self.optimizer is not None:
-            groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            groups = hyperparameters(self.optimizer)
         return {"step": step, "extra": extra, "rng": {str(self._process_rank()): rng.capture()},
                 "optimizer": {"type": type(self.optimizer).__name__, "param_groups": groups} if groups else None}
 
@@ -361,7 +361,7 @@ class Checkpointer:
             self.root.set_latest(snap.step)
             self.root.prune(self.keep)
             for tier in self.tiers:
-                _promote(path, tier, snap.step, self.keep)
+                promote(path, tier, snap.step, self.keep)
             self.trace.add("promote", t1, time.perf_counter(), step=snap.step)
         if self._world() > 1:
             self._dist.barrier(group=self._group)  # every rank's wait() returns after `latest` moved
@@ -486,62 +486,3 @@ class _nullcontext:
 
     def __exit__(self, *exc):
         return False
-
-
-def _jsonable(v):
-    if isinstance(v, (tuple, list)):
-        return [_jsonable(x) for x in v]
-    if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:
-        return v.item()
-    return v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)
-
-
-def _restore_hyperparameters(optimizer, saved) -> None:
-    groups = (saved or {}).get("param_groups") or []
-    if len(groups) != len(optimizer.param_groups):
-        return  # another optimizer setup: keep the new job's hyperparameters
-    for live, g in zip(optimizer.param_groups, groups):
-        for k, v in g.items():
-            if k in live and not isinstance(v, str):
-                live[k] = tuple(v) if isinstance(live[k], tuple) else v
-
-
-def _init_optimizer_state(optimizer) -> None:
-    """Create the optimizer's state tensors (so they can be filled) with one step of zero gradients
-    and a zero learning rate, leaving parameters unchanged."""
-    import torch
-    saved = [(g, g["lr"]) for g in optimizer.param_groups]
-    grads = {}
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
-        for p in g["params"]:
-            if p.requires_grad:
-                grads[p] = p.grad
-                p.grad = torch.zeros_like(p)
-    try:  # our step pre-hook fences nothing here: load() waited for every snapshot first
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        before = [p.detach().clone() for p in params]
-        optimizer.step()
-        with torch.no_grad():
-            for p, b in zip(params, before):
-                p.copy_(b)  # weight decay with lr 0 changes nothing, but be exact whatever the optimizer
-    finally:
-        for g, lr in saved:
-            g["lr"] = lr
-        for p, grad in grads.items():
-            p.grad = grad
-
-
-def _promote(path: str, tier: CheckpointRoot, step: int, keep: int) -> None:
-    """Copy a committed checkpoint to another directory tier, atomically, then move its ``latest``."""
-    os.makedirs(tier.root, exist_ok=True)
-    final = tier.path_for(step)
-    if os.path.exists(final):
-        return
-    tmp = os.path.join(tier.root, tmp_name(os.path.basename(final)))
-    shutil.copytree(path, tmp)
-    for name in os.listdir(tmp):
-        fsync_path(os.path.join(tmp, name))
-    publish_dir(tmp, final)
-    tier.set_latest(step)
-    tier.prune(keep)

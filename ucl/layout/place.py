@@ -1,0 +1,115 @@
+"""Placement: which coordinates of the placing axes (``on pp = last``, ``index i of N over pp``) hold
+a tensor, and its rank-local name (layer ``i`` renumbered per stage unless ``keep``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import Diagnostic
+from ..lang import ast
+from .algebra import DimSpec, LayoutError
+from .bind import Model
+from .dims import TensorFailure, evaluate_in, fail
+from .mesh import Mesh
+
+
+def placement(model: Model, tensor, env: dict, mesh: Mesh, notes: dict | None = None):
+    """-> (fixed coords: axis -> allowed coords list, local name). Empty stages go to ``notes``."""
+    allowed: dict[str, list[int]] = {}
+    local_name = tensor.name
+    replacements = []
+    transforms = [(t, tensor.rule) for t in tensor.rule.transforms]
+    if tensor.placement is not None:
+        transforms += [(t, tensor.placement) for t in tensor.placement.transforms]
+    for t, rule in transforms:
+        if isinstance(t, ast.Place):
+            size = mesh.axis_size(t.axis.name)
+            coords = []
+            for c in t.coords:
+                v = 0 if c == "first" else size - 1 if c == "last" else evaluate_in(model, tensor, c, env, mesh)
+                if not 0 <= v < size:
+                    fail(model, tensor, t.span, LayoutError("UCL207", f"{t.axis.name} = {v} is outside the axis (size {size})"), mesh)
+                coords.append(v)
+            allowed[t.axis.name] = sorted(set(coords))
+        elif isinstance(t, ast.Index):
+            rule_match = rule.pattern.match(tensor.name)
+            value = int(rule_match.group(t.capture.name))
+            span = rule_match.span(t.capture.name)
+            count = evaluate_in(model, tensor, t.count, env, mesh)
+            size = mesh.axis_size(t.axis.name)
+            if not 0 <= value < count:
+                fail(model, tensor, t.span, LayoutError("UCL207", f"{t.capture.name} = {value} is not below {count}"), mesh)
+            stage, local = stage_of(model, tensor, t, value, count, size, env, mesh, notes)
+            allowed[t.axis.name] = [stage]
+            if not t.keep:  # `keep`: the rank-local name keeps the global value
+                replacements.append((span, str(local)))
+    for (a, b), text in sorted(replacements, reverse=True):
+        local_name = local_name[:a] + text + local_name[b:]
+    return allowed, local_name
+
+
+@dataclass(frozen=True)
+class StageFailure:
+    """``index c of N over AX`` cannot spread ``count`` values over the ``size`` coordinates of
+    ``axis``: ``kind`` is "even" (N is not a multiple of size x virtual), "sizes" (the list has the
+    wrong length or sum) or "first_last" (the middle stages cannot share the rest evenly)."""
+
+    index: ast.Index
+    axis: str
+    size: int
+    count: int
+    virtual: int
+    kind: str
+    listed: int = 0  # how many stages `sizes [...]` lists
+
+
+def stage_fail(model, tensor, t: ast.Index, mesh, code, message, failure: StageFailure, hint=None):
+    raise TensorFailure(model, tensor, Diagnostic(code, message, t.span, hint), mesh, failure)
+
+
+def stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh, notes=None):
+    ev = (lambda e: evaluate_in(model, tensor, e, env, mesh))
+    axis = t.axis.name
+    if size > 1 and (t.sizes is not None or t.first is not None or t.last is not None):
+        if t.sizes is not None:
+            sizes = [ev(e) for e in t.sizes]
+        else:  # Megatron's --decoder-first/last-pipeline-num-layers: the middle stages share the rest
+            first = ev(t.first) if t.first is not None else None
+            last = ev(t.last) if t.last is not None else None
+            inner = size - (first is not None) - (last is not None)
+            rest = count - (first or 0) - (last or 0)
+            if (inner == 0 and rest != 0) or (inner > 0 and (rest < 0 or rest % inner)):
+                stage_fail(model, tensor, t, mesh, "UCL204",
+                            f"after first/last stages, {rest} {t.capture.name}-values cannot be spread evenly "
+                            f"over {inner} stages of {axis}={size}",
+                            StageFailure(t, axis, size, count, 1, "first_last"))
+            mid = [rest // inner] * inner if inner else []
+            sizes = ([first] if first is not None else []) + mid + ([last] if last is not None else [])
+        if len(sizes) != size or sum(sizes) != count or min(sizes) < 0:
+            stage_fail(model, tensor, t, mesh, "UCL207", f"stage sizes {sizes} must list {size} stages summing to {count}",
+                        StageFailure(t, axis, size, count, 1, "sizes", len(sizes)))
+        if notes is not None and 0 in sizes:
+            notes.setdefault(("stages", id(t)), []).append((tensor, (t, axis, tuple(sizes))))
+        bounds = np.cumsum(sizes)
+        stage = int(np.searchsorted(bounds, value, side="right"))
+        return stage, value - (int(bounds[stage - 1]) if stage else 0)
+    virtual = ev(t.virtual) if t.virtual is not None else 1
+    if virtual < 1:
+        fail(model, tensor, t.span, LayoutError("UCL207", f"virtual {virtual}: needs at least 1 chunk per stage"), mesh)
+    chunks = size * virtual
+    if count % chunks:
+        stage_fail(model, tensor, t, mesh, "UCL204",
+                    f"{count} {t.capture.name}-values cannot be spread evenly over {axis}={size}"
+                    + (f" x virtual {virtual}" if virtual > 1 else ""),
+                    StageFailure(t, axis, size, count, virtual, "even"), "give `first`/`last` stage sizes or `sizes [...]`")
+    per = count // chunks
+    chunk = value // per
+    return chunk % size, (chunk // size) * per + value % per
+
+
+def coords_key(fixed: dict, dims: tuple[DimSpec, ...], mesh: Mesh):
+    axes = set()
+    for d in dims:
+        axes |= d.node.axes()
+    return tuple((a, fixed[a], mesh.axis_size(a)) for a in sorted(axes))
