@@ -1,91 +1,64 @@
 """Checkpoint-save benchmark: what checkpointing costs a training loop, for ucl.Checkpointer against
 torch.save and torch.distributed.checkpoint (DCP), measured in one run on the same seeded GPT-like toy
-transformer (torch.nn embedding + N blocks of attention and MLP, AdamW, CPU).
+transformer (torch.nn: embedding, N blocks of attention + MLP, AdamW; CPU).
 
     python bench/save.py [--params-m 60] [--every 1 10] [--iters N] [--batch 2] [--seq 128] [--workdir DIR]
     python bench/save.py --quick        # tiny model, 6 timed iterations: checks that everything runs
 
-Variants: none; torch.save of {model, optimizer} state_dicts to one file, then fsync (training waits
-for both); DCP save (sync, FileSystemWriter fsyncs); DCP async_save in a thread (default stager: the
-copy is made inside the call); DCP async_save with AsyncCheckpointerType.PROCESS and a shared-memory
-(pinned where CUDA exists) DefaultStager staging in the background (the optimizer step waits for the
-staging); ucl.Checkpointer. Async variants finish the previous checkpoint before starting the next
-(DCP: future.result(); ucl: its pool back-pressure). Each (variant, interval) runs in its own process
-(`--variant X --interval K`, one JSON line on stdout), so peak RSS (getrusage maxrss) does not mix.
+Variants: none; torch.save of model + optimizer state_dicts, then fsync; DCP save (FileSystemWriter
+fsyncs); DCP async_save in a thread (default stager: copies inside the call); DCP async_save with
+AsyncCheckpointerType.PROCESS and a shared-memory DefaultStager staging in the background (the
+optimizer step waits for it); ucl.Checkpointer. Async variants finish one checkpoint before the next
+(DCP: future.result(); ucl: pool back-pressure). Each (variant, interval) runs in its own process
+(`--variant X --interval K`, JSON on stdout), so peak RSS (getrusage maxrss) does not mix.
 
-Per run: 2 warm-up iterations, the second saving once (one-time setup such as pools or DCP's writer
-process shows up as "1st save", untimed), all background work drained, then N timed iterations, saving
-at every K-th. Reported: stall = training-thread time inside the save call plus the wait in the next
-optimizer step's pre-hook (ucl's fence, DCP staging); call = the save call alone (torch.save: before
-fsync; DCP async: without waiting for the previous one); iteration time (median and mean) relative to
-no checkpointing; durable = save call -> checkpoint fsync'd (ucl: -> `latest` moved, from its trace);
-peak RSS; bytes on disk per checkpoint. Medians with min-max. Old checkpoints beyond 3 are deleted
-between iterations (untimed) for the baselines; ucl prunes itself (keep=3) in the background.
-A separate run checks that a ucl checkpoint loads bit-exactly (torch.equal against a deepcopy).
+Per run: 2 warm-up iterations (the second saves once: one-time setup shows as "1st durable"), drain,
+then N timed iterations saving at every K-th. Medians (min-max) of: stall = training-thread time in
+the save call plus the wait in the next optimizer step's pre-hook (ucl fence, DCP staging); call = the
+save call alone (torch.save: before fsync); iteration time over the no-checkpoint run's (median and
+mean); durable = save call -> fsync'd (ucl: -> `latest` moved, from its trace); peak RSS; bytes on disk
+per checkpoint; ratios to torch.save. Baselines delete checkpoints beyond 3 between iterations
+(untimed); ucl prunes itself (keep=3). A last run checks a ucl checkpoint loads bit-exactly.
 """
 from __future__ import annotations
 
-import argparse
-import copy
-import json
-import os
-import resource
-import shutil
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-import warnings
+import argparse, copy, json, os, resource, shutil, statistics, subprocess, sys, tempfile, time, warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 VARIANTS = ["torch.save", "dcp", "dcp-async", "dcp-async-proc", "ucl"]
 KEEP = 3
 
 
-# ---- model ------------------------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.heads = max(1, d // 64)
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
+# ---- model ---------------------------------------------------------------------------------------------
 class GPT(nn.Module):
     def __init__(self, vocab: int, d: int, layers: int, seq: int):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(d, max(1, d // 64), 4 * d, dropout=0.0, activation="gelu",
+                                                               batch_first=True, norm_first=True) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        for blk in self.blocks:
-            x = blk(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1])
+        for blk in self.blocks:  # pre-norm causal self-attention + GELU MLP
+            x = blk(x, src_mask=mask, is_causal=True)
         return self.head(self.ln(x))
 
 
 def shape(args) -> dict:
     if args.quick:
         return dict(vocab=512, d=64, layers=2, seq=32)
-    vocab, p = 8192, args.params_m * 1e6
-    d = 512 if args.params_m < 40 else 768 if args.params_m < 250 else 1024
-    return dict(vocab=vocab, d=d, layers=max(1, round((p - 2 * vocab * d) / (12 * d * d))), seq=args.seq)
+    vocab, d = 8192, 512 if args.params_m < 40 else 768 if args.params_m < 250 else 1024
+    return dict(vocab=vocab, d=d, layers=max(1, round((args.params_m * 1e6 - 2 * vocab * d) / (12 * d * d))), seq=args.seq)
 
 
 def build(cfg: dict, seed: int):
@@ -94,11 +67,7 @@ def build(cfg: dict, seed: int):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def disk_bytes(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-# ---- savers: save(step) on the training thread, pre_step() in the optimizer step pre-hook ----------------
+# ---- savers: save(step) runs on the training thread, pre_step() in the optimizer step pre-hook ----------
 class Saver:
     def __init__(self, root: Path, model, opt):
         self.root, self.model, self.opt = root, model, opt
@@ -110,10 +79,10 @@ class Saver:
     def pre_step(self):
         pass
 
-    def drain(self):
+    def drain(self):  # everything saved so far is durable
         pass
 
-    def housekeep(self):  # untimed: delete all but the newest KEEP durable checkpoints
+    def housekeep(self):  # untimed: delete all but the newest KEEP checkpoints
         while len(self.paths) > KEEP:
             p = self.paths.pop(0)
             shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -124,8 +93,7 @@ class Saver:
 
 class TorchSave(Saver):
     def save(self, step):
-        path = self.root / f"step_{step}.pt"
-        t0 = time.perf_counter()
+        path, t0 = self.root / f"step_{step}.pt", time.perf_counter()
         with open(path, "wb") as f:
             torch.save(self.state(), f)
             f.flush()
@@ -137,17 +105,9 @@ class TorchSave(Saver):
 
 class DCPSync(Saver):
     def save(self, step):
-        import torch.distributed.checkpoint as dcp
-        path = self.root / f"step_{step}"
-        t0 = time.perf_counter()
-        try:
-            dcp.save(self.state(), checkpoint_id=str(path))  # no process group: single-process save
-            self.note = self.note or "no process group needed"
-        except Exception as e:  # older torch: a 1-rank gloo group
-            self.note = f"needed a 1-rank gloo group ({type(e).__name__})"
-            init_gloo()
-            shutil.rmtree(path, ignore_errors=True)
-            dcp.save(self.state(), checkpoint_id=str(path))
+        path, t0 = self.root / f"step_{step}", time.perf_counter()
+        dcp.save(self.state(), checkpoint_id=str(path))  # no process group: torch 2.13 saves single-process
+        self.note = "ran without a process group"
         self.call[step] = self.durable[step] = time.perf_counter() - t0
         self.paths.append(path)
 
@@ -157,29 +117,28 @@ class DCPAsync(Saver):
 
     def __init__(self, root, model, opt):
         super().__init__(root, model, opt)
-        self.pending, self.stager, self.staging = None, None, None
+        self.pending = self.stager = self.staging = None
         if self.process:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            init_gloo()  # the writer process needs a process group to join
+            if not dist.is_initialized():  # the writer process needs a process group: a 1-rank gloo one
+                from torch.distributed.elastic.utils.distributed import get_free_port
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+                dist.init_process_group("gloo", rank=0, world_size=1)
             cuda = torch.cuda.is_available()
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
                                                        use_async_staging=True, use_non_blocking_copy=cuda))
-            self.note = "shared-memory stager, " + ("pinned" if cuda else "no pinning (no CUDA)")
+            self.note = "shared-memory stager, background staging, " + ("pinned" if cuda else "no pinning (no CUDA)")
 
     def save(self, step):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-        self.drain()  # the previous checkpoint must be done before its staging buffers are reused
-        path = self.root / f"step_{step}"
-        kind = AsyncCheckpointerType.PROCESS if self.process else AsyncCheckpointerType.THREAD
-        t0 = time.perf_counter()
-        out = dcp.async_save(self.state(), checkpoint_id=str(path), async_checkpointer_type=kind,
-                             async_stager=self.stager)
+        self.drain()  # the previous checkpoint must finish before its staging buffers are reused
+        path, t0 = self.root / f"step_{step}", time.perf_counter()
+        out = dcp.async_save(self.state(), checkpoint_id=str(path), async_stager=self.stager,
+                             async_checkpointer_type=AsyncCheckpointerType.PROCESS if self.process
+                             else AsyncCheckpointerType.THREAD)
         self.call[step] = time.perf_counter() - t0
-        fut, self.staging = (out.upload_completion, out.staging_completion) if hasattr(out, "upload_completion") \
-            else (out, None)
-        fut.add_done_callback(lambda f, s=step: self.durable.__setitem__(s, time.perf_counter() - t0))
-        self.pending = fut
+        self.pending, self.staging = (out.upload_completion, out.staging_completion) \
+            if hasattr(out, "upload_completion") else (out, None)
+        self.pending.add_done_callback(lambda f, s=step: self.durable.__setitem__(s, time.perf_counter() - t0))
         self.paths.append(path)
 
     def pre_step(self):
@@ -191,23 +150,18 @@ class DCPAsync(Saver):
         self.pre_step()
         if self.pending is not None:
             self.pending.result()
-            while len(self.durable) < len(self.call):  # done callbacks run just after result() wakes us
+            while len(self.durable) < len(self.call):  # the done callback runs just after result() wakes
                 time.sleep(0.001)
             self.pending = None
 
-    def writer_rss_mb(self):
+    def writer_rss_mb(self):  # DCP's writer process, read while it is alive
         from torch.distributed.checkpoint import _async_process_executor as ape
-        proc = getattr(getattr(ape, "_CHECKPOINT_PROCESS", None), "_save_process", None)
-        try:
-            with open(f"/proc/{proc.pid}/status") as f:
-                return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM"))
-        except Exception:
-            return None
+        with open(f"/proc/{ape._CHECKPOINT_PROCESS._save_process.pid}/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM"))
 
     def close(self):
         self.drain()
-        if self.stager is not None:
-            self.stager.close()
+        self.stager and self.stager.close()
 
 
 class DCPAsyncProc(DCPAsync):
@@ -219,40 +173,24 @@ class Ucl(Saver):
         super().__init__(root, model, opt)
         import ucl
         self.ck = ucl.Checkpointer(root, model, opt, keep=KEEP)  # registers its fence as a step pre-hook
-        self.t0 = {}
 
     def save(self, step):
-        self.t0[step] = time.perf_counter()
+        t0 = time.perf_counter()
         self.ck.save(step)
-        self.call[step] = time.perf_counter() - self.t0[step]
+        self.call[step] = time.perf_counter() - t0
 
     def drain(self):
         self.ck.wait()
-        for e in self.ck.trace.events():  # durable: save() called -> `latest` moved (trace: wall clock)
-            if e["phase"] == "promote" and e["step"] in self.t0 and e["step"] not in self.durable:
-                blocked = next(b for b in self.ck.trace.events() if b["phase"] == "blocked" and b["step"] == e["step"])
-                self.durable[e["step"]] = e["end"] - blocked["start"]
-
-    def housekeep(self):
-        pass
-
-    def close(self):
-        self.ck.close()
+        ev = self.ck.trace.events()  # durable: save() called -> `latest` moved (wall-clock seconds)
+        start = {e["step"]: e["start"] for e in ev if e["phase"] == "blocked"}
+        self.durable.update({e["step"]: e["end"] - start[e["step"]] for e in ev if e["phase"] == "promote"})
 
 
-SAVERS = {"torch.save": TorchSave, "dcp": DCPSync, "dcp-async": DCPAsync, "dcp-async-proc": DCPAsyncProc, "ucl": Ucl}
+SAVERS = {"none": Saver, "torch.save": TorchSave, "dcp": DCPSync, "dcp-async": DCPAsync,
+          "dcp-async-proc": DCPAsyncProc, "ucl": Ucl, "verify": Ucl}
 
 
-def init_gloo():
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        from torch.distributed.elastic.utils.distributed import get_free_port
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(get_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-
-
-# ---- one variant, in its own process ------------------------------------------------------------------------
+# ---- one variant, in its own process ---------------------------------------------------------------------
 def run_variant(args) -> dict:
     cfg = shape(args)
     model, opt = build(cfg, seed=0)
@@ -260,10 +198,9 @@ def run_variant(args) -> dict:
     root.mkdir(parents=True)
     mark = {"t": 0.0, "wait": 0.0}
     opt.register_step_pre_hook(lambda *a: mark.__setitem__("t", time.perf_counter()))
-    saver = SAVERS[args.variant](root, model, opt) if args.variant not in ("none", "verify") else \
-        (Ucl(root, model, opt) if args.variant == "verify" else Saver(root, model, opt))
+    saver = SAVERS[args.variant](root, model, opt)  # ucl's fence hook lands between ours
 
-    def after_fence(*a):  # registered after ucl's fence: times it, and DCP's staging wait
+    def after_fence(*a):  # times ucl's fence, and DCP's staging wait
         saver.pre_step()
         mark["wait"] = time.perf_counter() - mark["t"]
     opt.register_step_pre_hook(after_fence)
@@ -283,52 +220,52 @@ def run_variant(args) -> dict:
     iteration(0, False)
     first = iteration(1, args.variant != "none")[1]
     if args.variant == "verify":
-        return verify(args, cfg, saver, model, opt, iteration)
+        return verify(cfg, saver, model, opt, iteration)
+    t = time.perf_counter()
     saver.drain()
+    first += time.perf_counter() - t
     saver.housekeep()
-    n = args.iters
     iters, stalls, saved = [], [], []
-    for i in range(n + 1):  # the extra iteration's optimizer step fences the last save
-        save = i < n and i % args.interval == 0 and args.variant != "none"
-        it, sw, wait = iteration(2 + i, save)
-        if i < n:
+    for i in range(args.iters + 1):  # the extra iteration's optimizer step fences the last save
+        save = i < args.iters and i % args.interval == 0 and args.variant != "none"
+        it, save_wall, wait = iteration(2 + i, save)
+        if i < args.iters:
             iters.append(it)
-        if saved and saved[-1][0] == 2 + i - 1:
+        if saved and saved[-1][0] == 1 + i:
             stalls.append(saved[-1][1] + wait)
         if save:
-            saved.append((2 + i, sw))
+            saved.append((2 + i, save_wall))
         saver.housekeep()
     saver.drain()
     steps = [s for s, _ in saved]
-    out = dict(variant=args.variant, interval=args.interval, iters=iters, stall=stalls, first_save=first,
+    out = dict(variant=args.variant, interval=args.interval, iters=iters, stall=stalls, first_durable=first,
                call=[saver.call[s] for s in steps], durable=[saver.durable[s] for s in steps if s in saver.durable],
                note=saver.note, ckpts=len(steps))
-    latest = max((p for p in root.iterdir() if p.name.startswith("step_")), default=None,
+    newest = max((p for p in root.iterdir() if p.name.startswith("step_")), default=None,
                  key=lambda p: int("".join(c for c in p.name if c.isdigit())))
-    out["bytes_per_ckpt"] = disk_bytes(latest) if latest else 0
+    out["bytes_per_ckpt"] = sum(p.stat().st_size for p in [newest, *newest.rglob("*")] if p.is_file()) if newest else 0
     if args.variant == "ucl":
         ev = saver.ck.trace.events()
         pick = lambda ph: [e for e in ev if e["phase"] == ph and e["step"] in steps]
         fence = {e["step"]: e["end"] - e["start"] for e in pick("fence")}
         out["trace_stall"] = [b["end"] - b["start"] + fence.get(b["step"], 0.0) for b in pick("blocked")]
         out["trace"] = {ph: [e["end"] - e["start"] for e in pick(ph)] for ph in ("blocked", "fence", "snapshot", "flush")}
-        out["pool_high_water"] = max((e.get("pool_high_water") or 0 for e in ev), default=0)
-        out["pool_waits"] = sum(1 for b in pick("blocked") if b.get("waited_for_pool", 0) > 0.001)
-        out["trace_bytes"] = max((e.get("bytes") or 0 for e in pick("flush")), default=0)
+        out.update(pool_high_water=max(e.get("pool_high_water") or 0 for e in ev),
+                   pool_waits=sum(b.get("waited_for_pool", 0) > 0.001 for b in pick("blocked")))
     out["writer_rss_mb"] = saver.writer_rss_mb() if isinstance(saver, DCPAsync) and saver.process else None
-    saver.close()
+    saver.ck.close() if isinstance(saver, Ucl) else saver.close()
     out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
 
-def verify(args, cfg, saver, model, opt, iteration) -> dict:
+def verify(cfg, saver, model, opt, iteration) -> dict:
     """The warm-up save (step 1) against a deepcopy taken right after save() returned, loaded into a
     fresh model and optimizer after two more training steps changed the live ones."""
     import ucl
     expect = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
-    iteration(2, False)
-    iteration(3, False)
-    saver.close()
+    for i in (2, 3):
+        iteration(i, False)
+    saver.ck.close()
     fresh_model, fresh_opt = build(cfg, seed=1)
     with ucl.Checkpointer(saver.root, fresh_model, fresh_opt) as ck:
         step, _ = ck.load(1)
@@ -338,10 +275,10 @@ def verify(args, cfg, saver, model, opt, iteration) -> dict:
               for k, v in st.items() if torch.is_tensor(v)]
     bad = [k for k, a, b in pairs if not torch.equal(a, b)]
     return dict(variant="verify", step=step, tensors=len(pairs), mismatched=bad[:5], n_bad=len(bad),
-                live_changed=not torch.equal(next(model.parameters()), expect["model"]["tok.weight"]))
+                live_changed=not torch.equal(model.tok.weight, expect["model"]["tok.weight"]))
 
 
-# ---- driver -------------------------------------------------------------------------------------------------
+# ---- driver ------------------------------------------------------------------------------------------------
 def spawn(args, variant: str, interval: int, iters: int) -> dict:
     cmd = [sys.executable, __file__, "--variant", variant, "--interval", str(interval), "--iters", str(iters),
            "--workdir", args.workdir, "--params-m", str(args.params_m), "--batch", str(args.batch),
@@ -358,49 +295,47 @@ def spawn(args, variant: str, interval: int, iters: int) -> dict:
 
 
 def med(xs, scale=1.0, fmt="{:.0f}"):
-    if not xs:
-        return "-"
-    return f"{fmt.format(statistics.median(xs) * scale)} ({fmt.format(min(xs) * scale)}-{fmt.format(max(xs) * scale)})"
+    f = lambda v: fmt.format(v * scale)
+    return f"{f(statistics.median(xs))} ({f(min(xs))}-{f(max(xs))})" if xs else "-"
 
 
 def report(results: list[dict], base: dict):
     base_med, base_mean = statistics.median(base["iters"]), statistics.mean(base["iters"])
-    print(f"\nno checkpoint: iteration {base_med * 1e3:.0f} ms median ({min(base['iters']) * 1e3:.0f}-"
-          f"{max(base['iters']) * 1e3:.0f}), peak RSS {base['rss_mb']:.0f} MiB")
+    print(f"\nno checkpoint: iteration {med(base['iters'], 1e3)} ms, peak RSS {base['rss_mb']:.0f} MiB")
     for interval in sorted({r["interval"] for r in results}):
         rows = [r for r in results if r["interval"] == interval]
         ts = next((r for r in rows if r["variant"] == "torch.save" and "error" not in r), None)
-        print(f"\ncheckpoint every {interval} iteration(s); ms = milliseconds, medians (min-max)")
+        print(f"\ncheckpoint every {interval} iteration(s): medians (min-max); t.s = torch.save")
         print(f"{'variant':<15} {'stall ms':>18} {'call ms':>16} {'iter x none':>11} {'mean x none':>11} "
-              f"{'durable s':>17} {'1st save s':>10} {'RSS MiB':>8} {'MiB/ckpt':>8} {'n':>3} {'stall/t.s':>9} {'dur/t.s':>7}")
-        for r in rows:
-            if "error" in r:
-                print(f"{r['variant']:<15} unsupported or failed: {r['error']}")
-                continue
+              f"{'durable s':>17} {'1st durable s':>13} {'RSS MiB':>8} {'MiB/ckpt':>8} {'n':>3} {'stall/t.s':>9} "
+              f"{'durable/t.s':>11}")
+        for r in (r for r in rows if "error" not in r):
             ratio = lambda k: (f"{statistics.median(r[k]) / statistics.median(ts[k]):.2f}"
                                if ts and r[k] and ts[k] and statistics.median(ts[k]) else "-")
             print(f"{r['variant']:<15} {med(r['stall'], 1e3):>18} {med(r['call'], 1e3):>16} "
                   f"{statistics.median(r['iters']) / base_med:11.2f} {statistics.mean(r['iters']) / base_mean:11.2f} "
-                  f"{med(r['durable'], 1, '{:.2f}'):>17} {r['first_save']:10.2f} {r['rss_mb']:8.0f} "
-                  f"{r['bytes_per_ckpt'] / 2**20:8.0f} {r['ckpts']:3d} {ratio('stall'):>9} {ratio('durable'):>7}")
+                  f"{med(r['durable'], 1, '{:.2f}'):>17} {r['first_durable']:13.2f} {r['rss_mb']:8.0f} "
+                  f"{r['bytes_per_ckpt'] / 2**20:8.0f} {r['ckpts']:3d} {ratio('stall'):>9} {ratio('durable'):>11}")
         for r in rows:
+            if "error" in r:
+                print(f"  {r['variant']}: unsupported or failed: {r['error']}")
             if r.get("writer_rss_mb"):
                 print(f"  {r['variant']}: + writer process peak RSS {r['writer_rss_mb']:.0f} MiB")
             if r.get("note"):
                 print(f"  {r['variant']}: {r['note']}")
-            if r["variant"] == "ucl" and "error" not in r:
+            if r["variant"] == "ucl" and "trace" in r:
                 t = r["trace"]
-                print(f"  ucl trace: stall (blocked+fence) {med(r['trace_stall'], 1e3)} ms; blocked {med(t['blocked'], 1e3)}, "
-                      f"fence {med(t['fence'], 1e3)}, snapshot {med(t['snapshot'], 1e3)} ms; flush {med(t['flush'], 1, '{:.2f}')} s; "
-                      f"pool high water {r['pool_high_water'] / 2**20:.0f} MiB; {r['pool_waits']} saves waited for pool "
-                      f"space; {r['trace_bytes'] / 2**20:.0f} MiB payload")
+                print(f"  ucl trace: stall (blocked+fence) {med(r['trace_stall'], 1e3)} ms = blocked {med(t['blocked'], 1e3)}"
+                      f" + fence {med(t['fence'], 1e3)} ms; snapshot {med(t['snapshot'], 1e3)} ms; flush "
+                      f"{med(t['flush'], 1, '{:.2f}')} s; pool high water {r['pool_high_water'] / 2**20:.0f} MiB; "
+                      f"{r['pool_waits']} saves waited for pool space")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params-m", type=float, default=60.0, help="model size in millions of parameters")
     ap.add_argument("--every", type=int, nargs="+", default=[1, 10], help="checkpoint intervals to measure")
-    ap.add_argument("--iters", type=int, default=0, help="timed iterations per run (default: max(8, 2 * every))")
+    ap.add_argument("--iters", type=int, default=0, help="timed iterations per run (default: max(6, 2 * every))")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="tiny model, 6 timed iterations")
@@ -412,15 +347,14 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args)), flush=True)
         return
-    iters = {k: args.iters or (6 if args.quick else max(8, 2 * k)) for k in args.every}
-    work = tempfile.mkdtemp(prefix="ucl-bench-save-", dir=args.workdir)
-    args.workdir = work
+    iters = {k: args.iters or (6 if args.quick else max(6, 2 * k)) for k in args.every}
+    args.workdir = work = tempfile.mkdtemp(prefix="ucl-bench-save-", dir=args.workdir)
     try:
         cfg = shape(args)
         n_params = sum(p.numel() for p in build(cfg, 0)[0].parameters())
         fs = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", work], capture_output=True, text=True).stdout.strip()
-        print(f"model: {n_params / 1e6:.1f} M parameters {cfg}, batch {args.batch}; AdamW (checkpoint ~"
-              f"{n_params * 12 / 2**20:.0f} MiB payload); torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        print(f"model: {n_params / 1e6:.1f} M parameters {cfg}, batch {args.batch}, AdamW (checkpoint ~"
+              f"{n_params * 12 / 2**20:.0f} MiB); torch {torch.__version__}, {torch.get_num_threads()} threads, "
               f"{os.cpu_count()} CPUs; checkpoints in {work} ({fs or '?'}); timed iterations {iters}")
         print("page cache: warm (nothing dropped; every variant fsyncs what it writes, so durable = on disk); "
               f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
@@ -428,14 +362,12 @@ def main() -> None:
         results = [spawn(args, v, k, iters[k]) for k in args.every for v in VARIANTS]
         check = spawn(args, "verify", 1, 2)
         report(results, base)
-        print(f"\nload average at end {os.getloadavg()[0]:.2f} (above ~0.5 means something else shared the CPUs)")
-        if "error" in check:
-            print(f"\nucl bit-exact check: FAILED to run ({check['error']})")
-        else:
-            ok = "OK" if check["n_bad"] == 0 and check["step"] == 1 else f"MISMATCH {check['mismatched']}"
-            print(f"\nucl bit-exact check: Checkpointer.load(step {check['step']}) into a fresh model+AdamW, "
-                  f"{check['tensors']} parameter/optimizer tensors torch.equal to a deepcopy taken after save() "
-                  f"returned (live model changed since: {check['live_changed']}): {ok}")
+        print(f"\nload average at end {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
+        ok = f"FAILED to run: {check['error']}" if "error" in check else \
+            f"{check['tensors']} tensors, {check['n_bad']} differ {check['mismatched']}, step {check['step']}, live " \
+            f"model changed since: {check['live_changed']} -> {'OK' if check['n_bad'] == 0 else 'MISMATCH'}"
+        print("ucl bit-exact check: Checkpointer.load(1) into a fresh model + AdamW, every parameter and optimizer "
+              f"state tensor torch.equal to a deepcopy taken after save() returned: {ok}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -124,6 +124,55 @@ class CheckpointRoot:
             fsync_dir(self.root)
         return removed
 
+    def adopt_newest(self) -> int | None:
+        """Point ``latest`` at the newest committed step when it points at an older one, at nothing,
+        or at a checkpoint that is gone: a writer killed between its commit and moving ``latest``
+        leaves a complete checkpoint that ``latest`` does not name yet. Returns the latest step."""
+        steps = self.steps()
+        if not steps:
+            return None
+        try:
+            current = self.latest_step() if self.latest() is not None else None
+        except StoreError:  # dangling or corrupt pointer
+            current = None
+        if current is None or current < steps[-1]:
+            self.set_latest(steps[-1])
+        return steps[-1]
+
+    def set_aside(self, step: int) -> str | None:
+        """Hide committed checkpoint ``step`` (one rename to a temp name) so it can be written anew;
+        ``latest`` is first moved to the newest older step if it named it. Returns the hidden path
+        (delete it once the new checkpoint is published), or None if there was none."""
+        path = self.path_for(step)
+        if not os.path.lexists(path):
+            return None
+        if self.latest_name() == self.dir_name(step):
+            older = [s for s in self.steps() if s < step]
+            if older:
+                self.set_latest(older[-1])
+            else:
+                os.unlink(os.path.join(self.root, LATEST_NAME))
+        hidden = os.path.join(self.root, tmp_name(self.dir_name(step), "del-"))
+        os.rename(path, hidden)
+        fsync_dir(self.root)
+        return hidden
+
+    def discard_after(self, step: int) -> list[str]:
+        """Delete committed steps newer than ``step`` (a run resumed from an older checkpoint has
+        abandoned them); never the one ``latest`` names."""
+        protected = self.latest_name()
+        removed = []
+        for s in self.steps():
+            name = self.dir_name(s)
+            if s > step and name != protected:
+                doomed = os.path.join(self.root, tmp_name(name, "del-"))
+                os.rename(os.path.join(self.root, name), doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+                removed.append(os.path.join(self.root, name))
+        if removed:
+            fsync_dir(self.root)
+        return removed
+
     def cleanup_stale(self, min_age_s: float = 0.0) -> list[str]:
         return cleanup_stale(self.root, min_age_s)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -83,11 +84,18 @@ class Checkpointer:
         self._cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self._dist = _dist()
         self._group = self._dist.new_group(backend="gloo") if self._dist else None  # never the training group
+        if self._process_rank() == 0 and os.path.isdir(self.root.root):
+            # a killed job may have left temp directories, or a commit that `latest` does not name yet
+            self.root.cleanup_stale()
+            self.root.adopt_newest()
+        if self._dist:
+            self._dist.barrier(group=self._group)
         self._pool: HostPool | None = None
         self._models: dict[tuple, Model] = {}
         self._error: BaseException | None = None
         self._closed = False
         self._memory: Snapshot | None = None  # tier 0: the newest snapshot, in host memory
+        self._hidden: str | None = None  # a checkpoint of the step being rewritten, hidden until replaced
         self._last: Snapshot | None = None  # the snapshot the next fence waits for
         self._lock = threading.Lock()
         self._pending = 0  # snapshots queued for flushing, not yet done
@@ -333,6 +341,7 @@ class Checkpointer:
                 if self._error is None:
                     self._persist(snap)
             except BaseException as e:
+                self._unhide(snap.step)
                 self._fail(e if isinstance(e, UclError) else
                            StoreError(f"rank {self._process_rank()} step {snap.step}: writing failed: {e}", code="UCL410"))
             finally:
@@ -349,6 +358,7 @@ class Checkpointer:
                       state=snap.state)
         path = self.root.path_for(snap.step)
         if self._world() == 1:
+            self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
             with CheckpointWriter(path, layout.mesh.size, **fields) as w:
                 self._write(w, snap)
                 w.commit()
@@ -359,6 +369,10 @@ class Checkpointer:
                        pool_high_water=self._pool.high_water)
         if self._process_rank() == 0:
             self.root.set_latest(snap.step)
+            self.root.discard_after(snap.step)  # after load(step=k), later steps belong to an abandoned run
+            if self._hidden is not None:
+                shutil.rmtree(self._hidden, ignore_errors=True)
+                self._hidden = None
             self.root.prune(self.keep)
             for tier in self.tiers:
                 promote(path, tier, snap.step, self.keep)
@@ -366,6 +380,14 @@ class Checkpointer:
         if self._world() > 1:
             self._dist.barrier(group=self._group)  # every rank's wait() returns after `latest` moved
         self.trace.flush()
+
+    def _unhide(self, step: int) -> None:
+        """A failed rewrite of ``step`` puts the checkpoint it was to replace back."""
+        hidden, self._hidden = self._hidden, None
+        path = self.root.path_for(step)
+        if hidden is not None and not os.path.lexists(path):
+            os.rename(hidden, path)
+            self.root.adopt_newest()
 
     def _write(self, writer: CheckpointWriter, snap: Snapshot) -> None:
         for e, off in zip(snap.layout.entries, snap.offsets):
@@ -382,6 +404,7 @@ class Checkpointer:
         owner = tmp = error = None
         if me == 0:
             try:
+                self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
                 owner = CheckpointWriter(path, layout.mesh.size, **fields)
                 tmp = owner.tmp_path
             except UclError as e:
