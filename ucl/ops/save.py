@@ -9,7 +9,8 @@ from ..errors import StoreError, UclError
 from ..layout.bind import Model
 from ..layout.mesh import Mesh, as_mesh
 from ..store.writer import CheckpointWriter
-from .dist import allgather_json, broadcast_json, initialized_dist
+from .collective import commit_collectively
+from .dist import allgather_json, initialized_dist
 from .prepare import expected_datasets, manifest_fields, normalise
 
 
@@ -54,42 +55,10 @@ def save_rank(path: str | os.PathLike, tensors: Mapping[str, Any], *, model: Mod
     if problems:
         raise StoreError("checkpoint not written: " + "\n".join(problems), code="UCL421")
     want = expected_datasets(model, mesh, rank)
-    writer = None
-    tmp = ""
-    error = ""
-    if rank == 0:
-        try:
-            writer = CheckpointWriter(path, mesh.size, **manifest_fields(model, mesh, state))
-            tmp = writer.tmp_path
-        except UclError as e:
-            error = str(e)
-    tmp, error = broadcast_json([tmp, error])
-    if error:
-        raise StoreError(error, code="UCL405")
-    entries, problem = {}, ""
-    try:
-        part = writer if rank == 0 else CheckpointWriter.join(tmp, mesh.size)
+
+    def write(writer: CheckpointWriter) -> list[int]:
         for key, arr in arrays.items():
-            part.write(rank, key, arr, dtype=want[key][1])
-        if rank != 0:
-            entries = part.finish([rank])
-    except UclError as e:
-        problem = f"rank {rank}: {e}"
-    gathered = allgather_json({"entries": {str(k): v for k, v in entries.items()}, "problem": problem})
-    problems = [g["problem"] for g in gathered if g["problem"]]
-    result = ""
-    if rank == 0:
-        try:
-            if problems:
-                raise StoreError("; ".join(problems), code="UCL410")
-            for g in gathered:
-                for r, e in g["entries"].items():
-                    writer.adopt(int(r), e)
-            result = writer.commit()
-        except UclError as e:
-            writer.abort()
-            problems.append(str(e))
-    result, err = broadcast_json([result, "; ".join(problems)])
-    if err:
-        raise StoreError(f"checkpoint not written: {err}", code="UCL410")
-    return result
+            writer.write(rank, key, arr, dtype=want[key][1])
+        return [rank]
+
+    return commit_collectively(os.fspath(path), mesh.size, manifest_fields(model, mesh, state), write)

@@ -25,7 +25,7 @@ from ..errors import StoreError, UclError
 from ..lang.spec import Spec, load_spec
 from ..layout.bind import Model
 from ..layout.mesh import as_mesh
-from ..ops.dist import allgather_json, broadcast_json
+from ..ops.collective import commit_collectively
 from ..ops.load import load_rank
 from ..ops.prepare import expected_datasets, open_checkpoint
 from ..store.root import CheckpointRoot
@@ -398,48 +398,27 @@ class Checkpointer:
                          dtype=logical)
 
     def _persist_collective(self, snap: Snapshot, path: str, fields: dict) -> None:
-        """Every process writes its rank file into rank 0's temp directory; rank 0 commits once all
-        are durable; a failure anywhere publishes nothing."""
-        me, layout, group = self._process_rank(), snap.layout, self._group
-        owner = tmp = error = None
-        if me == 0:
-            try:
-                self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
-                owner = CheckpointWriter(path, layout.mesh.size, **fields)
-                tmp = owner.tmp_path
-            except UclError as e:
-                error = str(e)
-        tmp, error = broadcast_json([tmp, error], group=group)
-        if error:
-            raise StoreError(f"step {snap.step}: {error}", code="UCL410")
-        entries, problem = {}, ""
+        """Every process writes its rank file; rank 0 commits once all are durable (ops.collective)."""
+        layout = snap.layout
+
+        def write(writer: CheckpointWriter) -> list[int]:
+            if layout.rank < 0:
+                return []
+            self._write(writer, snap)
+            return [layout.rank]
+
+        def before_commit(writer: CheckpointWriter, shares: list) -> None:
+            for rng_states in shares:  # every process's generators, by process rank
+                writer.manifest.state["rng"].update(rng_states)
+
+        def prepare() -> None:
+            self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
+
         try:
-            if layout.rank >= 0:
-                w = owner if me == 0 else CheckpointWriter.join(tmp, layout.mesh.size)
-                self._write(w, snap)
-                if me != 0:
-                    entries = w.finish([layout.rank])
-        except BaseException as e:
-            problem = f"rank {me}: {e}"
-        gathered = allgather_json({"entries": {str(k): v for k, v in entries.items()}, "problem": problem,
-                                   "rng": snap.state["rng"]}, group=group)
-        problems = [g["problem"] for g in gathered if g["problem"]]
-        result = ""
-        if me == 0:
-            try:
-                if problems:
-                    raise StoreError("; ".join(problems), code="UCL410")
-                for g in gathered:
-                    owner.manifest.state["rng"].update(g["rng"])
-                    for r, e in g["entries"].items():
-                        owner.adopt(int(r), e)
-                result = owner.commit()
-            except BaseException as e:
-                owner.abort()
-                problems.append(str(e))
-        result, err = broadcast_json([result, "; ".join(problems)], group=group)
-        if err:
-            raise StoreError(f"step {snap.step}: checkpoint not written: {err}", code="UCL410")
+            commit_collectively(path, layout.mesh.size, fields, write, group=self._group,
+                                share=snap.state["rng"], before_commit=before_commit, prepare=prepare)
+        except StoreError as e:
+            raise StoreError(f"step {snap.step}: {e}", code=e.code) from None
 
     # ---- reading ---------------------------------------------------------------------------------------
     def _read(self, path: str, manifest, layout: TrainLayout) -> dict[str, np.ndarray]:
