@@ -2,7 +2,7 @@
 torch.save and torch.distributed.checkpoint (DCP), measured in one run on the same seeded GPT-like toy
 transformer (torch.nn: embedding, N blocks of attention + MLP, AdamW; CPU).
 
-    python bench/save.py [--params-m 60] [--every 1 10] [--iters N] [--batch 2] [--seq 128] [--workdir DIR]
+    python bench/save.py [--params-m 50] [--every 1 10] [--iters N] [--batch 2] [--seq 128] [--workdir DIR]
     python bench/save.py --quick        # tiny model, 6 timed iterations: checks that everything runs
 
 Variants: none; torch.save of model + optimizer state_dicts, then fsync; DCP save (FileSystemWriter
@@ -13,12 +13,13 @@ optimizer step waits for it); ucl.Checkpointer. Async variants finish one checkp
 (`--variant X --interval K`, JSON on stdout), so peak RSS (getrusage maxrss) does not mix.
 
 Per run: 2 warm-up iterations (the second saves once: one-time setup shows as "1st durable"), drain,
-then N timed iterations saving at every K-th. Medians (min-max) of: stall = training-thread time in
-the save call plus the wait in the next optimizer step's pre-hook (ucl fence, DCP staging); call = the
-save call alone (torch.save: before fsync); iteration time over the no-checkpoint run's (median and
-mean); durable = save call -> fsync'd (ucl: -> `latest` moved, from its trace); peak RSS; bytes on disk
-per checkpoint; ratios to torch.save. Baselines delete checkpoints beyond 3 between iterations
-(untimed); ucl prunes itself (keep=3). A last run checks a ucl checkpoint loads bit-exactly.
+5 timed iterations without saving, then N timed iterations saving at every K-th. Medians (min-max) of:
+stall = training-thread time in the save call plus the wait in the next optimizer step's pre-hook
+(ucl fence, DCP staging); call = the save call alone (torch.save: before fsync); iteration time over
+the same process's no-saving ones (median and mean: other load on the machine moves both); durable =
+save call -> fsync'd (ucl: -> `latest` moved, from its trace); peak RSS; bytes on disk per checkpoint;
+ratios to torch.save. Baselines delete checkpoints beyond 3 between iterations (untimed); ucl prunes
+itself (keep=3). A last run checks that a ucl checkpoint loads bit-exactly.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 VARIANTS = ["torch.save", "dcp", "dcp-async", "dcp-async-proc", "ucl"]
-KEEP = 3
+KEEP = 3  # checkpoints kept on disk
+BASE = 5  # iterations without checkpointing timed in every run, right before the checkpointing ones
 
 
 # ---- model ---------------------------------------------------------------------------------------------
@@ -225,20 +227,21 @@ def run_variant(args) -> dict:
     saver.drain()
     first += time.perf_counter() - t
     saver.housekeep()
+    base = [iteration(2 + i, False)[0] for i in range(BASE)]  # this process's no-checkpoint iteration time
     iters, stalls, saved = [], [], []
     for i in range(args.iters + 1):  # the extra iteration's optimizer step fences the last save
-        save = i < args.iters and i % args.interval == 0 and args.variant != "none"
-        it, save_wall, wait = iteration(2 + i, save)
+        step, save = 2 + BASE + i, i < args.iters and i % args.interval == 0 and args.variant != "none"
+        it, save_wall, wait = iteration(step, save)
         if i < args.iters:
             iters.append(it)
-        if saved and saved[-1][0] == 1 + i:
+        if saved and saved[-1][0] == step - 1:
             stalls.append(saved[-1][1] + wait)
         if save:
-            saved.append((2 + i, save_wall))
+            saved.append((step, save_wall))
         saver.housekeep()
     saver.drain()
     steps = [s for s, _ in saved]
-    out = dict(variant=args.variant, interval=args.interval, iters=iters, stall=stalls, first_durable=first,
+    out = dict(variant=args.variant, interval=args.interval, iters=iters, base=base, stall=stalls, first_durable=first,
                call=[saver.call[s] for s in steps], durable=[saver.durable[s] for s in steps if s in saver.durable],
                note=saver.note, ckpts=len(steps))
     newest = max((p for p in root.iterdir() if p.name.startswith("step_")), default=None,
@@ -299,9 +302,11 @@ def med(xs, scale=1.0, fmt="{:.0f}"):
     return f"{f(statistics.median(xs))} ({f(min(xs))}-{f(max(xs))})" if xs else "-"
 
 
-def report(results: list[dict], base: dict):
-    base_med, base_mean = statistics.median(base["iters"]), statistics.mean(base["iters"])
-    print(f"\nno checkpoint: iteration {med(base['iters'], 1e3)} ms, peak RSS {base['rss_mb']:.0f} MiB")
+def report(results: list[dict], none: dict):
+    x = lambda r, f: f(r["iters"]) / f(r["base"])
+    print(f"\nno checkpoint (own process): iteration {med(none['iters'], 1e3)} ms, x its first {BASE}: median "
+          f"{x(none, statistics.median):.2f}, mean {x(none, statistics.mean):.2f} (the noise floor); peak RSS "
+          f"{none['rss_mb']:.0f} MiB")
     for interval in sorted({r["interval"] for r in results}):
         rows = [r for r in results if r["interval"] == interval]
         ts = next((r for r in rows if r["variant"] == "torch.save" and "error" not in r), None)
@@ -313,7 +318,7 @@ def report(results: list[dict], base: dict):
             ratio = lambda k: (f"{statistics.median(r[k]) / statistics.median(ts[k]):.2f}"
                                if ts and r[k] and ts[k] and statistics.median(ts[k]) else "-")
             print(f"{r['variant']:<15} {med(r['stall'], 1e3):>18} {med(r['call'], 1e3):>16} "
-                  f"{statistics.median(r['iters']) / base_med:11.2f} {statistics.mean(r['iters']) / base_mean:11.2f} "
+                  f"{x(r, statistics.median):11.2f} {x(r, statistics.mean):11.2f} "
                   f"{med(r['durable'], 1, '{:.2f}'):>17} {r['first_durable']:13.2f} {r['rss_mb']:8.0f} "
                   f"{r['bytes_per_ckpt'] / 2**20:8.0f} {r['ckpts']:3d} {ratio('stall'):>9} {ratio('durable'):>11}")
         for r in rows:
@@ -333,7 +338,7 @@ def report(results: list[dict], base: dict):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params-m", type=float, default=60.0, help="model size in millions of parameters")
+    ap.add_argument("--params-m", type=float, default=50.0, help="model size in millions of parameters")
     ap.add_argument("--every", type=int, nargs="+", default=[1, 10], help="checkpoint intervals to measure")
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per run (default: max(6, 2 * every))")
     ap.add_argument("--batch", type=int, default=2)
@@ -358,10 +363,10 @@ def main() -> None:
               f"{os.cpu_count()} CPUs; checkpoints in {work} ({fs or '?'}); timed iterations {iters}")
         print("page cache: warm (nothing dropped; every variant fsyncs what it writes, so durable = on disk); "
               f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
-        base = spawn(args, "none", 1, max(iters.values()))
+        none = spawn(args, "none", 1, max(iters.values()))
         results = [spawn(args, v, k, iters[k]) for k in args.every for v in VARIANTS]
         check = spawn(args, "verify", 1, 2)
-        report(results, base)
+        report(results, none)
         print(f"\nload average at end {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
         ok = f"FAILED to run: {check['error']}" if "error" in check else \
             f"{check['tensors']} tensors, {check['n_bad']} differ {check['mismatched']}, step {check['step']}, live " \
