@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-VARIANTS = ["torch.save", "dcp", "dcp-async", "dcp-async-proc", "ucl"]
+VARIANTS = ["torch.save", "dcp", "dcp-async", "dcp-async-proc", "ucl", "ucl-host"]
 KEEP = 3  # checkpoints kept on disk
 BASE = 5  # iterations without checkpointing timed in every run, right before the checkpointing ones
 
@@ -165,10 +165,12 @@ class DCPAsync(Saver):
 
 
 class Ucl(Saver):
-    def __init__(self, root, model, opt):
+    def __init__(self, root, model, opt, persist_every=1):
         super().__init__(root, model, opt)
         import ucl
-        self.ck = ucl.Checkpointer(root, model, opt, keep=KEEP)  # registers its fence as a step pre-hook
+        self.ck = ucl.Checkpointer(root, model, opt, keep=KEEP, persist_every=persist_every)  # + step pre-hook fence
+        if persist_every > 1:
+            self.note = f"host-memory snapshot at every save, every {persist_every}th written to disk"
 
     def save(self, step):
         t0 = time.perf_counter()
@@ -183,7 +185,8 @@ class Ucl(Saver):
 
 
 SAVERS = {"none": Saver, "torch.save": TorchSave, "dcp": DCPSync, "dcp-async": DCPAsync,
-          "dcp-async-proc": lambda *a: DCPAsync(*a, process=True), "ucl": Ucl, "verify": Ucl}
+          "dcp-async-proc": lambda *a: DCPAsync(*a, process=True), "ucl": Ucl, "verify": Ucl,
+          "ucl-host": lambda *a: Ucl(*a, persist_every=10)}
 
 
 # ---- one variant, in its own process ---------------------------------------------------------------------
@@ -241,7 +244,7 @@ def run_variant(args) -> dict:
     newest = max((p for p in root.iterdir() if p.name.startswith("step_")), default=None,
                  key=lambda p: int("".join(c for c in p.name if c.isdigit())))
     out["bytes_per_ckpt"] = sum(p.stat().st_size for p in [newest, *newest.rglob("*")] if p.is_file()) if newest else 0
-    if args.variant == "ucl":
+    if args.variant.startswith("ucl"):
         ev = saver.ck.trace.events()
         pick = lambda ph: [e for e in ev if e["phase"] == ph and e["step"] in steps]
         fence = {e["step"]: e["end"] - e["start"] for e in pick("fence")}
@@ -322,9 +325,9 @@ def report(results: list[dict], none: dict):
                 print(f"  {r['variant']}: + writer process peak RSS {r['writer_rss_mb']:.0f} MiB")
             if r.get("note"):
                 print(f"  {r['variant']}: {r['note']}")
-            if r["variant"] == "ucl" and "trace" in r:
+            if r["variant"].startswith("ucl") and "trace" in r:
                 t = r["trace"]
-                print(f"  ucl trace: stall (blocked+fence) {med(r['trace_stall'], 1e3)} ms = blocked {med(t['blocked'], 1e3)}"
+                print(f"  {r['variant']} trace: stall (blocked+fence) {med(r['trace_stall'], 1e3)} ms = blocked {med(t['blocked'], 1e3)}"
                       f" + fence {med(t['fence'], 1e3)} ms; snapshot {med(t['snapshot'], 1e3)} ms; flush "
                       f"{med(t['flush'], 1, '{:.2f}')} s; pool high water {r['pool_high_water'] / 2**20:.0f} MiB; "
                       f"{r['pool_waits']} saves waited for pool space")
@@ -339,6 +342,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="tiny model, 6 timed iterations")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
+    ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="which to measure")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--interval", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -358,7 +362,8 @@ def main() -> None:
         print("page cache: warm (nothing dropped; every variant fsyncs what it writes, so durable = on disk); "
               f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
         none = spawn(args, "none", 1, max(iters.values()))
-        results = [spawn(args, v, k, iters[k]) for k in args.every for v in VARIANTS]
+        results = [spawn(args, v, k, iters[k]) for k in args.every for v in args.variants
+                   if not (v == "ucl-host" and k != 1)]  # host snapshots matter when saving every iteration
         check = spawn(args, "verify", 1, 2)
         report(results, none)
         print(f"\nload average at end {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
