@@ -16,7 +16,7 @@ What is checked, and against what (never against ucl itself):
   to 128 * tp, local layer numbers incl. virtual stages, EP renumbering, distributed optimizer;
 * bit-exact round trips through three meshes and the universal layout for every spec, with Adam
   states (exp_avg, exp_avg_sq: distinct random values) and step scalars;
-* ucl.hf: read_tensor_names, check_against (saved per-expert MoE names), draft_spec_from_hf.
+* ucl.interop.hf: read_tensor_names, check_against (saved per-expert MoE names), draft_spec_from_hf.
 """
 from __future__ import annotations
 
@@ -689,7 +689,7 @@ def test_megatron_round_trips_bf16_with_moe():
         assert "param/decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight" not in b[r]
 
 
-# ---- 7. ucl.hf --------------------------------------------------------------------------------------------
+# ---- 7. ucl.interop.hf-----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", H.ARCHS)
 def test_check_against_saved_and_in_memory(arch, tmp_path):
     m, params, bufs = real(arch)
