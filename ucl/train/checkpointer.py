@@ -10,6 +10,7 @@ surface on the next ``save``/``wait``/``close``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -20,14 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import logical_of_torch_dtype, storage_dtype, to_torch
+from ..dtypes import logical_of_torch_dtype, storage_dtype, to_numpy, to_torch
 from ..errors import StoreError, UclError
 from ..lang.spec import Spec, load_spec
 from ..layout.bind import Model
 from ..layout.mesh import as_mesh
 from ..ops.collective import commit_collectively
+from ..ops.dist import initialized_dist
 from ..ops.load import load_rank
 from ..ops.prepare import expected_datasets, open_checkpoint
+from ..store.checksum import checksum_of
 from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 from . import rng
@@ -82,7 +85,7 @@ class Checkpointer:
         self._bound = self._manual(spec, mesh)
         self._mesh = as_mesh(mesh) if mesh is not None else None
         self._cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
-        self._dist = _dist()
+        self._dist = initialized_dist()
         self._group = self._dist.new_group(backend="gloo") if self._dist else None  # never the training group
         if self._process_rank() == 0 and os.path.isdir(self.root.root):
             # a killed job may have left temp directories, or a commit that `latest` does not name yet
@@ -319,7 +322,7 @@ class Checkpointer:
 
     def _copy(self, snap: Snapshot) -> None:
         import torch
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext()
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with ctx, torch.no_grad():
             for e, off in zip(snap.layout.entries, snap.offsets):
                 if not e.eager:
@@ -435,13 +438,9 @@ class Checkpointer:
         return load_rank(path, mesh=layout.mesh, rank=rank, model=model)  # only this rank's hyperslabs
 
     # ---- helpers -----------------------------------------------------------------------------------------
-    def _checksums(self, layout: TrainLayout) -> dict[str, str]:
-        import xxhash
-        out = {}
-        for e in layout.entries:
-            t = e.tensor.detach().cpu().contiguous()
-            out[e.key] = xxhash.xxh3_64_hexdigest(t.view(-1).view(__import__("torch").uint8).numpy()) if t.numel() else ""
-        return out
+    @staticmethod
+    def _checksums(layout: TrainLayout) -> dict[str, str]:
+        return {e.key: checksum_of(to_numpy(e.tensor)[0]) for e in layout.entries}
 
     def _drop(self, snap: Snapshot, *holders: str) -> None:
         with self._lock:
@@ -472,19 +471,3 @@ class Checkpointer:
 
     def _world(self) -> int:
         return self._dist.get_world_size() if self._dist else 1
-
-
-def _dist():
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        return None
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

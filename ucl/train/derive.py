@@ -16,6 +16,7 @@ from typing import Any
 from ..dtypes import logical_of_torch_dtype
 from ..errors import UclError
 from ..layout.mesh import UNIVERSAL, Mesh
+from ..ops.dist import initialized_dist
 
 PARAM = "param"
 
@@ -129,7 +130,7 @@ def derive(model, optimizer, *, bound=None, mesh: Mesh | None = None) -> TrainLa
     kinds = [PARAM] + sorted({k for s in states.values() for k in s})
     frozen = tuple(n for n in list(params) + list(buffers) if n not in states)
     tensors: dict[str, Any] = {**params, **buffers}
-    dist = _dist()
+    dist = initialized_dist()
     world = dist.get_world_size() if dist else 1
     my_rank = dist.get_rank() if dist else 0
     if bound is not None:  # a manual layout: the module holds rank-local tensors named by the spec
@@ -170,14 +171,6 @@ def clean_name(name: str) -> str:
     """An FQN without the segments wrappers insert (``torch.compile``, activation checkpointing),
     so checkpoints of wrapped and plain modules share names, as torch's own state-dict FQNs do."""
     return ".".join(p for p in name.split(".") if p not in ("_orig_mod", "_checkpoint_wrapped_module"))
-
-
-def _dist():
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        return None
-    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _local(t):
