@@ -260,6 +260,60 @@ def cmd_verify(args) -> int:
     return _report(con, problems, f"in {args.ckpt}", f"{args.ckpt}: every file present and every checksum matches")
 
 
+def cmd_gc(args) -> int:
+    from .store.atomic import collect_garbage
+    con = _console()
+    found = [e for root in args.roots for e in collect_garbage(root, dry_run=args.dry_run, max_age_s=args.max_age,
+                                                               force=args.force)]
+    why = {"dead": "its writer{} is gone", "stale": f"no lock file, untouched for {_age(args.max_age)}",
+           "recent": "no lock file" + ("" if args.force else f", changed within {_age(args.max_age)}; --force removes it"),
+           "in use": "a live writer{} holds it", "link": "a symlink, never followed", "unknown": "cannot be examined"}
+
+    def owner(e) -> str:  # the lock file's "pid host"
+        pid, _, host = e.owner.partition(" ")
+        return f" (pid {pid} on {host})" if pid.isdigit() and host else ""
+
+    def goes(e) -> bool:  # removed, or would be without --dry-run
+        return e.removed or (args.dry_run and (e.removable or (args.force and e.state == "recent")))
+
+    for e in found:
+        if e.error:
+            con.print(f"[red]error[/]: cannot remove {_e(e.path)}: {_e(e.error)}")
+            continue
+        verb = ("[green]would remove[/]" if args.dry_run else "[green]removed[/]") if goes(e) else "[yellow]kept[/]"
+        con.print(f"{verb} {_e(e.path)}  {_e(_size(e.nbytes))}  ({_e(why[e.state].format(owner(e)))})")
+    gone = [e for e in found if goes(e)]
+    failed = sum(1 for e in found if e.error)
+    nbytes = sum(e.nbytes for e in gone)
+    con.print(_e(f"{'would free' if args.dry_run else 'freed'} {nbytes:,} B ({_size(nbytes)}) in {len(gone)} temp "
+                 f"entr{'y' if len(gone) == 1 else 'ies'}; {len(found) - len(gone) - failed} kept"
+                 + (f"; {failed} could not be removed" if failed else "")))
+    return 1 if failed else 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds:g} s"
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a non-negative number of seconds."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return x
+
+
 def cmd_trace(args) -> int:
     from .train.timeline import draw_timeline, load_trace, summarize, write_chrome
     con = _console()
@@ -357,6 +411,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every file and checksum of a checkpoint")
     p.add_argument("ckpt", metavar="CKPT")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gc", help="remove temp directories that killed writers left (never a live writer's)",
+                       description="Remove the temp entries (.NAME.tmp-*) directly in each ROOT that writers killed "
+                       "mid-write left behind: a directory whose writer's lock is free (the writer is gone), or one "
+                       "without a lock file (older ucl, a copy) untouched for --max-age. A directory a live writer "
+                       "holds is never removed, nor anything through a symlink.")
+    p.add_argument("roots", nargs="+", metavar="ROOT", help="a checkpoint root, or the folder a reshard writes into")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    p.add_argument("--max-age", type=_seconds, default=3600.0, metavar="SECONDS",
+                   help="age after which a temp entry without a lock file counts as abandoned (default 3600)")
+    p.add_argument("--force", action="store_true", help="also remove temp entries without a lock file changed within "
+                   "--max-age: only when no older ucl (or other copy) is writing there")
+    p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser("trace", help="summarise a training checkpointer's trace (ROOT/trace-rank*.jsonl); draw it")
     p.add_argument("root", metavar="ROOT", help="the Checkpointer's root folder")

@@ -10,6 +10,7 @@ one truth that docs/errors.md and the tests check against.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Sequence
@@ -36,7 +37,7 @@ class Diagnostic:
         where = f"{filename}:{self.span.line}:{self.span.col}" if self.span else filename
         out = [f"{where}: error[{self.code}]: {self.message}"]
         if self.span and source is not None:
-            lines = source.splitlines()
+            lines = _source_lines(source)
             if 0 < self.span.line <= len(lines):
                 text = lines[self.span.line - 1].expandtabs(1)
                 width = (self.span.end_col - self.span.col) if self.span.end_line == self.span.line else len(text) - self.span.col + 1
@@ -45,6 +46,12 @@ class Diagnostic:
         if self.hint:
             out.append(f"    hint: {self.hint}")
         return "\n".join(out)
+
+
+@functools.lru_cache(maxsize=4)
+def _source_lines(source: str) -> list[str]:
+    # split once per source, not once per diagnostic: a spec with many errors renders in linear time
+    return source.splitlines()
 
 
 class UclError(Exception):
@@ -148,19 +155,21 @@ ERROR_CODES: dict[str, tuple[type[UclError], ...]] = {
     "UCL101": _SPEC_AND_BIND, "UCL102": (SpecError,), "UCL103": (SpecError,), "UCL104": _SPEC_AND_BIND,
     "UCL105": _SPEC_AND_BIND, "UCL106": (SpecError,), "UCL107": (SpecError,), "UCL108": _SPEC_AND_BIND,
     "UCL109": _SPEC_AND_BIND, "UCL110": (SpecError,), "UCL111": (SpecError,), "UCL112": (SpecError,),
-    "UCL113": _SPEC_AND_BIND, "UCL212": (SpecError,),
+    "UCL113": _SPEC_AND_BIND, "UCL114": _SPEC_AND_BIND, "UCL115": (SpecError,), "UCL116": _SPEC_AND_BIND,
+    "UCL212": (SpecError,),
     # binding a spec to a model and a mesh
     "UCL200": (BindError,), "UCL201": (BindError,), "UCL202": (BindError,), "UCL203": (BindError,),
     "UCL204": (BindError,), "UCL205": (BindError,), "UCL206": (BindError,), "UCL207": (BindError,),
     "UCL208": (BindError,), "UCL209": (BindError,), "UCL210": (BindError,), "UCL211": (BindError,),
+    "UCL213": (BindError,),
     # meshes and plans
     "UCL300": (MeshError,), "UCL301": (MeshError,), "UCL302": (MeshError,), "UCL303": (MeshError,),
-    "UCL304": (MeshError,),
+    "UCL304": (MeshError,), "UCL305": (MeshError,),
     "UCL310": (PlanError,), "UCL311": (PlanError,), "UCL312": (PlanError,), "UCL313": (PlanError,),
     "UCL314": (PlanError,), "UCL315": (PlanError,), "UCL316": (PlanError,),
     # checkpoints
     **{f"UCL{n}": (StoreError,) for n in (400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412,
-                                          413, 420, 421, 422, 423)},
+                                          413, 416, 417, 420, 421, 422, 423)},
 }
 
 

@@ -14,7 +14,7 @@ from ..layout.bind import Model
 from ..plan.compile import compile_between
 from ..plan.execute import rank_datasets, rank_rows, run_copies
 from ..store.source import StoreSource
-from .prepare import mesh_of, model_of, open_checkpoint, plan_for
+from .prepare import check_stored, mesh_of, model_of, open_checkpoint, plan_for
 from .stats import IOStats
 
 
@@ -36,6 +36,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
             plan = plan_for(source_model, mesh_of(ckpt), mesh, ranks=[rank])  # this rank's part only
         else:
             plan = compile_between(source_model, mesh_of(ckpt), model, mesh, ranks=[rank])
+        check_stored(ckpt, source_model, np.unique(plan.copies["src_rank"]))
         t1 = time.perf_counter()
         source = StoreSource(ckpt, verify=verify)
         out = {d["key"]: np.zeros(d["shape"], dtype=storage_dtype(d["dtype"])) for d in rank_datasets(plan, rank)}

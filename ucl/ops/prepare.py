@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import xxhash
@@ -85,6 +85,52 @@ def expected_datasets(model: Model, mesh: Mesh, rank: int) -> dict[str, tuple[tu
         return lower(model, mesh).rank_datasets(rank)
     except UclError as e:  # lowering translates internal exceptions: show the UclError alone
         raise detach(e) from None
+
+
+def check_stored(ckpt: Checkpoint, model: Model, ranks: Iterable[int] | None = None) -> None:
+    """Before a byte of ``ranks`` (default: all) is read or anything is allocated for them: the
+    datasets the manifest lists are exactly those the checkpoint's own spec and parameters put on
+    each rank, with the same shapes and dtypes (an embedded spec edited to contradict the stored
+    shapes, a parameter missing from ``params`` or a frozen one with optimizer state would
+    otherwise be resharded into scrambled data or dropped), and each rank file really holds at
+    least the bytes the manifest claims. Raises UCL417 naming every inconsistency, repeats grouped."""
+    mesh = mesh_of(ckpt)
+    ranks = range(ckpt.nranks) if ranks is None else sorted({int(r) for r in ranks})
+    problems: list[Diagnostic] = []
+    unaccounted: set[str] = set()
+    for rank in ranks:
+        want, have = expected_datasets(model, mesh, rank), ckpt.manifest.datasets[rank]
+        for key in sorted(set(have) - set(want)):
+            problems.append(Diagnostic("UCL417", f"rank {rank} stores {key!r}, which the spec and parameter list "
+                                                 "do not put there"))
+            unaccounted.add(key)
+        for key in sorted(set(want) - set(have)):
+            problems.append(Diagnostic("UCL417", f"rank {rank} lacks {key!r} {list(want[key][0])} {want[key][1]} "
+                                                 f"({_rule_of(model, key)})"))
+        for key in sorted(set(want) & set(have)):
+            shape, dtype = want[key]
+            got = ckpt.info(rank, key)
+            if got.shape != tuple(shape) or got.dtype != dtype:
+                problems.append(Diagnostic("UCL417", f"rank {rank} stores {key!r} as {list(got.shape)} {got.dtype}, "
+                                                     f"but the spec makes it {list(shape)} {dtype} "
+                                                     f"({_rule_of(model, key)})"))
+    if problems:
+        lines = []
+        for g in group_diagnostics(problems, limit=2):
+            lines += [d.message for d in g.shown] + (["  " + g.more_line()] if g.more else [])
+        frozen_with_state = sorted({k for k in unaccounted if k.partition("/")[0] != "param"
+                                    and k.partition("/")[2] in model.frozen})
+        if frozen_with_state:
+            lines.append(f"hint: {frozen_with_state[0]!r} is optimizer state of a parameter the manifest marks "
+                         "frozen; the manifest's 'frozen' list is wrong")
+        elif unaccounted:
+            lines.append("hint: a parameter missing from the manifest's 'params', or marked 'frozen' while it has "
+                         "optimizer state, leaves stored datasets unaccounted for")
+        n = len(problems)
+        raise StoreError(f"{ckpt.path}: the stored datasets disagree with the checkpoint's own spec and parameter "
+                         f"list ({n} problem{'s' * (n != 1)}); nothing was read:\n  " + "\n  ".join(lines),
+                         code="UCL417")
+    ckpt.check_files(ranks)
 
 
 def _tensor_of(model: Model, key: str):

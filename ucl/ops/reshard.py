@@ -2,9 +2,13 @@
 through worker processes, committed atomically."""
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +23,7 @@ from ..plan.execute import run_copies
 from ..plan.ir import Plan
 from ..store.source import StoreSource
 from ..store.writer import CheckpointWriter
-from .prepare import manifest_fields, mesh_of, model_of, open_checkpoint, plan_for
+from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for
 from .stats import IOStats
 
 
@@ -90,6 +94,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     with open_checkpoint(src) as ckpt:
         model = model_of(ckpt)
         plan = plan_for(model, mesh_of(ckpt), to)
+        check_stored(ckpt, model)  # every source rank: a reshard reads them all
         state = ckpt.manifest.state
     t1 = time.perf_counter()
     workers = max(1, min(workers or min(2, os.cpu_count() or 1), to.size))
@@ -104,7 +109,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
         if workers == 1:
             results = [_run_worker(tasks[0], progress)]
         else:
-            with ctx.Pool(workers) as pool:
+            with ctx.Pool(workers, initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
                 pending = [pool.apply_async(_run_worker, (t,)) for t in tasks]
                 while progress and not all(p.ready() for p in pending):
                     _drain(channel, progress, timeout=0.1)
@@ -125,6 +130,34 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
             channel.close()
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+_PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.25  # how often a worker checks that the reshard that forked it is still there
+
+
+def _die_with_parent(parent: int) -> None:
+    """Pool initializer: a worker must not outlive the reshard that forked it. A parent killed with
+    SIGKILL cannot stop its pool, and the workers would go on writing into a temp directory that no
+    one will ever commit (and, holding its lock, that ``ucl gc`` must leave alone)."""
+    if sys.platform.startswith("linux"):
+        # the kernel sends SIGKILL when the forking thread exits: reshard() forks from the thread that
+        # calls it and waits for the pool there, so that thread outlives the workers
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it died before the line above took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    # everywhere (and where prctl is missing): re-parenting shows the parent is gone
+    threading.Thread(target=_watch_parent, args=(parent,), name="ucl-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _drain(channel, progress: Callable[[int], None], timeout: float) -> None:

@@ -2,7 +2,7 @@
 
 See docs/format.md for the normative on-disk format. Only ``h5`` imports h5py.
 """
-from .atomic import cleanup_stale
+from .atomic import Leftover, cleanup_stale, collect_garbage
 from .manifest import FORMAT_VERSION, DatasetInfo, Manifest, file_name
 from .reader import Checkpoint
 from .root import CheckpointRoot
@@ -11,5 +11,5 @@ from .writer import CheckpointWriter
 
 __all__ = [
     "Checkpoint", "CheckpointWriter", "CheckpointRoot", "DatasetInfo", "Manifest", "FORMAT_VERSION", "StoreSource",
-    "file_name", "cleanup_stale",
+    "file_name", "cleanup_stale", "collect_garbage", "Leftover",
 ]

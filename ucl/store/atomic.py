@@ -1,5 +1,11 @@
 """Atomic publication: a checkpoint is written under a hidden temp name ``.<name>.tmp-<random>``
-and becomes visible only through one ``rename`` after every byte is fsynced."""
+and becomes visible only through one ``rename`` after every byte is fsynced.
+
+A writer's temp directory holds a lock file (:data:`LOCK_NAME`) on which the writer keeps an
+exclusive ``flock`` for as long as it lives; the kernel drops the lock when the process dies, even
+under ``kill -9``. So a temp directory whose lock can be taken is a dead writer's leftovers, and one
+whose lock cannot is in use: :func:`collect_garbage` (``ucl gc``) removes the first kind only.
+"""
 from __future__ import annotations
 
 import errno
@@ -7,12 +13,22 @@ import os
 import re
 import secrets
 import shutil
+import socket
+import stat
 import time
+from dataclasses import dataclass
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): every temp directory counts as one without a lock
+    fcntl = None  # type: ignore[assignment]
 
 from ..errors import StoreError
 from .manifest import MANIFEST_NAME
 
 _TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-z-]+$")
+LOCK_NAME = ".ucl-writer.lock"
+STALE_AGE_S = 3600.0  # a temp entry without a lock file counts as abandoned after this long untouched
 
 
 def tmp_name(final_name: str, tag: str = "") -> str:
@@ -22,6 +38,11 @@ def tmp_name(final_name: str, tag: str = "") -> str:
 
 def is_tmp_name(name: str) -> bool:
     return bool(_TMP_RE.match(name))
+
+
+def final_name_of(tmp: str) -> str:
+    """``NAME`` of a temp name ``.NAME.tmp-...``."""
+    return tmp[1:tmp.rindex(".tmp-")]
 
 
 def fsync_path(path: str) -> None:
@@ -62,7 +83,13 @@ def write_atomic(path: str, data: bytes) -> None:
 
 
 def publish_dir(tmp: str, final: str) -> None:
-    """Make a fully written temp directory visible as ``final`` (must not exist yet)."""
+    """Make a fully written temp directory visible as ``final`` (must not exist yet). Its lock file
+    goes first: the writer still holds the lock on the unlinked file until after the rename, and the
+    unlink makes the directory look freshly modified to anyone checking it without a lock."""
+    try:
+        os.unlink(os.path.join(tmp, LOCK_NAME))
+    except FileNotFoundError:
+        pass
     fsync_dir(tmp)
     if os.path.lexists(final):  # rename() would silently replace an empty directory
         raise StoreError(f"cannot commit: {final} already exists", code="UCL405")
@@ -70,32 +97,266 @@ def publish_dir(tmp: str, final: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(final)))
 
 
+# ---- the writer's side: a locked temp directory ----------------------------------------------------
+
+class TempDir:
+    """A writer's hidden temp directory beside ``final``, locked for as long as this object (and the
+    process) lives. Creating one first removes dead writers' leftovers of the same name."""
+
+    def __init__(self, final: str):
+        final = os.path.abspath(final)
+        parent, name = os.path.split(final)
+        os.makedirs(parent, exist_ok=True)
+        _remove_dead(parent, name)
+        self.path = os.path.join(parent, tmp_name(name))
+        self._fd: int | None = None
+        os.mkdir(self.path)
+        try:
+            self._fd = _hold_lock(self.path)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+
+    def discard(self) -> None:
+        """Remove the directory and everything in it, then let the lock go."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.release()
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:  # a writer dropped without commit or abort: do not leak the descriptor
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+def _hold_lock(folder: str) -> int | None:
+    """Create ``folder/LOCK_NAME`` already locked: it is made and locked under another name and renamed
+    into place, so a lock file that can be seen is never one its writer has not locked yet. The
+    descriptor is inherited by forked children (reshard workers), which keep the directory in use."""
+    if fcntl is None:
+        return None
+    init = os.path.join(folder, LOCK_NAME + ".init")
+    fd = os.open(init, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF):
+                raise
+            # no locks on this filesystem: gc cannot take the lock either and falls back to the age rule
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        os.rename(init, os.path.join(folder, LOCK_NAME))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# ---- the collector's side: which temp entries are dead ---------------------------------------------
+
+@dataclass(frozen=True)
+class Leftover:
+    """A temp entry found by :func:`collect_garbage`.
+
+    ``state`` is ``dead`` (its writer's lock is free: the writer is gone), ``in use`` (a live writer
+    holds the lock), ``stale`` (no lock file, untouched for ``max_age_s``), ``recent`` (no lock file,
+    touched more recently), ``link`` (a symlink: never followed, never removed) or ``unknown`` (it
+    could not be examined). ``nbytes`` is the disk space it takes, ``owner`` the ``pid host`` its
+    writer recorded, ``removed`` whether it was removed, ``error`` why examining or removing it failed."""
+
+    path: str
+    state: str
+    nbytes: int
+    owner: str = ""
+    removed: bool = False
+    error: str = ""
+
+    @property
+    def removable(self) -> bool:
+        return self.state in ("dead", "stale")
+
+
+def _usage(path: str) -> tuple[int, float]:
+    """(bytes on disk, newest mtime) of ``path`` and everything under it, links not followed. A writer
+    without a lock file touches a file's mtime as it writes it, not its folder's."""
+    st = os.lstat(path)
+    total, newest = _blocks(st), st.st_mtime
+    if stat.S_ISDIR(st.st_mode):
+        for top, dirs, files in os.walk(path, followlinks=False):
+            for n in dirs + files:
+                try:
+                    s = os.lstat(os.path.join(top, n))
+                except FileNotFoundError:
+                    continue
+                total += _blocks(s)
+                newest = max(newest, s.st_mtime)
+    return total, newest
+
+
+def _blocks(st: os.stat_result) -> int:
+    return st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+
+
+def _try_lock(folder: str) -> tuple[str, int | None, str]:
+    """("dead", fd holding the lock, owner) | ("in use", None, owner) | ("none", None, "") when there is
+    no usable lock file (none at all, a link, unreadable, or a filesystem without locks)."""
+    if fcntl is None:
+        return "none", None, ""
+    path = os.path.join(folder, LOCK_NAME)
+    flags = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | flags)  # NFS's flock emulation needs write access
+        except PermissionError:  # another user's lock file: a local flock works read-only
+            fd = os.open(path, os.O_RDONLY | flags)
+    except OSError:
+        return "none", None, ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device planted under the name
+            os.close(fd)
+            return "none", None, ""
+        owner = os.read(fd, 200).decode("utf-8", "replace").strip()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return "in use", None, owner
+            return "none", None, owner
+        # the writer unlinks its lock file just before publishing: the file we locked must still be there
+        if os.fstat(fd).st_ino != os.lstat(path).st_ino:
+            os.close(fd)
+            return "in use", None, owner
+        return "dead", fd, owner
+    except BaseException:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        raise
+
+
+def _check(path: str, now: float, max_age_s: float) -> tuple[Leftover, int | None, float]:
+    """What ``path`` is, (for a dead writer's directory) the descriptor holding its lock, to be closed
+    only after the directory is gone, and when anything in it last changed."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return Leftover(path, "link", 0), None, now
+    nbytes, newest = _usage(path)
+    state, fd, owner = _try_lock(path) if stat.S_ISDIR(st.st_mode) else ("none", None, "")
+    if state == "none":
+        state = "stale" if now - newest >= max_age_s else "recent"
+    return Leftover(path, state, nbytes, owner), fd, newest
+
+
+def _remove(path: str) -> None:
+    """Remove a temp entry without following links: ``rmtree`` refuses a link and does not descend into
+    the links inside (it works on directory descriptors where the platform allows)."""
+    if stat.S_ISDIR(os.lstat(path).st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _scan(folder: str, name: str | None, max_age_s: float, force: bool, dry_run: bool,
+          skip_tags: tuple[str, ...] = ()) -> list[Leftover]:
+    out = []
+    now = time.time()
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return out
+    for n in names:
+        if not is_tmp_name(n) or (name is not None and final_name_of(n) != name):
+            continue
+        if any(n[len(final_name_of(n)) + 6:].startswith(t) for t in skip_tags):
+            continue
+        p = os.path.join(folder, n)
+        fd = None
+        try:
+            entry, fd, _ = _check(p, now, max_age_s)
+            go = entry.removable or (force and entry.state == "recent")
+            if go and not dry_run:
+                try:
+                    _remove(p)
+                    entry = Leftover(p, entry.state, entry.nbytes, entry.owner, removed=True)
+                except FileNotFoundError:
+                    continue  # removed (or published) meanwhile
+                except OSError as e:
+                    entry = Leftover(p, entry.state, entry.nbytes, entry.owner, error=str(e))
+            out.append(entry)
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # e.g. a folder inside it we may not read: report it, go on with the rest
+            out.append(Leftover(p, "unknown", 0, error=str(e)))
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return out
+
+
+def collect_garbage(folder: str | os.PathLike[str], *, dry_run: bool = False, max_age_s: float = STALE_AGE_S,
+                    force: bool = False) -> list[Leftover]:
+    """Remove the temp entries (``.NAME.tmp-*``) directly in ``folder`` that killed writers left:
+    directories whose writer's lock is free, and entries without a lock file (written by ucl before
+    lock files, or by a plain copy) untouched for ``max_age_s`` seconds, or whatever their age with
+    ``force``. A directory a live writer holds is never removed, nor anything through a symlink.
+    ``dry_run`` removes nothing. Returns every temp entry found, with what happened to it."""
+    folder = os.path.abspath(os.fspath(folder))
+    if not os.path.exists(folder):
+        raise StoreError(f"{folder} does not exist", code="UCL404")
+    if not os.path.isdir(folder):
+        raise StoreError(f"{folder} is a file: pass the folder holding checkpoints (or a reshard's target)",
+                         code="UCL401")
+    if not isinstance(max_age_s, (int, float)) or isinstance(max_age_s, bool) or max_age_s < 0:
+        raise StoreError(f"max_age_s must be a non-negative number, got {max_age_s!r}", code="UCL413")
+    return _scan(folder, None, float(max_age_s), force, dry_run)
+
+
+def _remove_dead(parent: str, name: str) -> None:
+    """Before writing ``parent/name``: remove dead writers' temp directories of that name (never a
+    ``del-`` one: a checkpoint set aside while it is written anew). Best effort; a failure here must
+    not stop the write."""
+    try:
+        _scan(parent, name, STALE_AGE_S, False, False, skip_tags=("del-",))
+    except OSError:
+        pass
+
+
 def cleanup_stale(root: str, min_age_s: float = 0.0) -> list[str]:
     """Remove temp directories/files left in ``root`` by killed writers.
 
-    Only entries matching the temp pattern and unmodified for ``min_age_s`` seconds
-    are removed; pass a margin if other writers may be running. Returns removed paths.
+    Only entries matching the temp pattern and untouched for ``min_age_s`` seconds are removed, and
+    never a directory whose writer is alive (it holds its lock). Returns removed paths.
     """
+    now = time.time()
     removed = []
     try:
-        names = os.listdir(root)
+        names = sorted(os.listdir(root))
     except FileNotFoundError:
         return removed
-    now = time.time()
-    for name in sorted(names):
-        if not is_tmp_name(name):
+    for n in names:
+        if not is_tmp_name(n):
             continue
-        p = os.path.join(root, name)
+        p = os.path.join(root, n)
+        fd = None
         try:
-            if now - os.lstat(p).st_mtime < min_age_s:
+            entry, fd, newest = _check(p, now, min_age_s)
+            if entry.state == "dead" and now - newest < min_age_s:
                 continue
-            if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p)
-            else:
-                os.unlink(p)
-            removed.append(p)
+            if entry.state in ("dead", "stale"):
+                _remove(p)
+                removed.append(p)
         except FileNotFoundError:
             continue
+        finally:
+            if fd is not None:
+                os.close(fd)
     return removed
 
 

@@ -98,3 +98,26 @@ class IncrementalChecksum:
         chunks = self.chunks + ([self.chunk.intdigest()] if self.chunk_fill else [])
         return format_checksum(self.hasher.hexdigest()), \
             ((self.size, np.array(chunks, dtype=np.uint64)) if self.size else None)
+
+
+def chunk_count(nbytes: int) -> int:
+    """How many chunk digests a dataset of ``nbytes`` carries (0 when it is verified whole)."""
+    size = chunk_size(nbytes)
+    return 0 if size is None else -(-nbytes // size)
+
+
+def chunk_table_digest(whole: str, chunk_bytes: int, digests: np.ndarray) -> str:
+    """``xxh3_64:<hex>`` binding a dataset's whole checksum to its chunk table (chunk size, then each
+    digest, little-endian). The manifest records it per dataset, so the digests inside a rank file
+    are trusted only when they agree with the manifest: a rank file swapped in from another rank or
+    checkpoint, or an edited manifest checksum, fails before any byte is used."""
+    h = xxhash.xxh3_64(whole.encode("ascii"))
+    h.update(np.int64(chunk_bytes).astype("<i8").tobytes())
+    h.update(np.ascontiguousarray(digests, dtype="<u8").tobytes())
+    return format_checksum(h.hexdigest())
+
+
+def checksum_fields(whole: str, chunks: tuple[int, np.ndarray] | None) -> dict[str, str]:
+    """A manifest entry's checksum keys: ``checksum`` (the whole dataset) and, for chunked
+    datasets, ``chunks`` (:func:`chunk_table_digest`)."""
+    return {"checksum": whole} if chunks is None else {"checksum": whole, "chunks": chunk_table_digest(whole, *chunks)}

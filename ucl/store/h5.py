@@ -7,7 +7,10 @@ dataset ``name``; contiguous, uncompressed, little-endian storage dtype.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
+import os
+import re
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -17,7 +20,7 @@ import xxhash
 
 from ..errors import StoreError
 from ..layout.boxes import flat_boxes
-from .checksum import IncrementalChecksum, format_checksum
+from .checksum import IncrementalChecksum, chunk_count, chunk_size, format_checksum
 
 
 def box_sel(starts: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
@@ -73,8 +76,50 @@ def checksum_dataset(dset: Any, shape: tuple[int, ...], dtype: np.dtype) -> tupl
     return h.result(total)
 
 
+# Files written without HDF5's sieve buffer: raw data reaches the file inside the write call, so a full
+# disk fails that call (an OSError, UCL410) rather than a later dataset close in a destructor, where
+# h5py can only print "Exception ignored" and HDF5 is left in a state that may crash the next call.
+_UNBUFFERED = "ucl-unbuffered"
+h5py.register_driver(_UNBUFFERED, lambda plist: plist.set_sieve_buf_size(0))
+
+
 def open_h5(path: str, mode: str) -> Any:
-    return h5py.File(path, mode, locking=False)
+    if mode == "r":
+        return h5py.File(path, mode, locking=False)
+    return h5py.File(path, mode, locking=False, driver=_UNBUFFERED)
+
+
+def _as_oserror(e: Exception, what: str) -> OSError:
+    """h5py reports a failed flush or close as RuntimeError; the writer's I/O errors are OSErrors."""
+    m = re.search(r"errno = (\d+)", str(e))
+    code = int(m.group(1)) if m else errno.EIO
+    return OSError(code, f"{os.strerror(code)}: {what}: {e}")
+
+
+def close_file(f: Any) -> None:
+    """Flush and close a file written to. HDF5 writes its metadata now, so a full disk shows up here,
+    as an OSError; the file is then still open, for ``Handles.discard``."""
+    name = "a rank file"
+    try:
+        if f.id.valid:
+            name = f.filename
+            f.flush()
+            f.close()
+    except RuntimeError as e:
+        raise _as_oserror(e, f"closing {name}") from e
+
+
+# HDF5 objects of files whose close failed even after ``Handles.discard`` truncated them. HDF5 keeps
+# such an object open, and h5py would retry the close -- and print "Exception ignored" -- whenever its
+# last Python handle dies; an extra, locked handle kept here means that never happens.
+_ABANDONED: list[Any] = []
+
+
+def _abandon(f: Any) -> None:
+    with contextlib.suppress(Exception):
+        for oid in h5py.h5f.get_obj_ids(f.id, h5py.h5f.OBJ_ALL):  # each holds a reference of its own
+            oid.locked = True
+            _ABANDONED.append(oid)
 
 
 def create_dataset(group: Any, name: str, shape: tuple[int, ...], dtype: np.dtype,
@@ -119,21 +164,118 @@ class Handles:
             self._open.move_to_end(rank)
             return self._open[rank]
         while len(self._open) >= self._max:
-            self._open.popitem(last=False)[1][0].close()
+            close_file(next(iter(self._open.values()))[0])  # a failure keeps it here for discard()
+            self._open.popitem(last=False)
         entry = (self._opener(rank), {})
         self._open[rank] = entry
         return entry
 
-    def close(self) -> None:
+    def close(self, strict: bool = False) -> None:
+        """Close every file; ``strict`` (a writer committing) raises the first failure as an OSError and
+        keeps the files not yet closed for ``discard()``."""
         while self._open:
+            rank = next(reversed(self._open))
+            if strict:
+                close_file(self._open[rank][0])
+            else:
+                with contextlib.suppress(Exception):
+                    self._open[rank][0].close()
+            del self._open[rank]
+
+    def discard(self) -> None:
+        """Close files being thrown away (a failed write), without a word on stderr. Each is first
+        truncated: that gives its blocks back even if the close fails, and on a full disk leaves room
+        for the metadata HDF5 writes while closing. A file that still cannot be closed is abandoned."""
+        files = [f for f, _ in self._open.values()]
+        self._open.clear()
+        for f in files:
             with contextlib.suppress(Exception):
-                self._open.popitem()[1][0].close()
+                if f.id.valid:
+                    os.truncate(f.filename, 0)
+        for f in files:
+            try:
+                if f.id.valid:
+                    f.close()
+            except Exception:
+                _abandon(f)
 
 
-def get_dataset(f: Any, key: str) -> Any | None:
-    """The plain dataset ``key`` of an open file, or None when there is none."""
-    d = f.get(key)
-    return d if isinstance(d, h5py.Dataset) else None
+def _link_kind(link: Any) -> str:
+    if isinstance(link, h5py.ExternalLink):
+        return f"an external link to {link.filename}:{link.path}"
+    if isinstance(link, h5py.SoftLink):
+        return f"a soft link to {link.path}"
+    return f"a {type(link).__name__}"
+
+
+def plain_dataset(f: Any, key: str, where: str) -> Any | None:
+    """The dataset ``kind/name`` of an open rank file, or None when there is none. Anything but a
+    plain dataset stored in this very file is refused with UCL416 naming ``where``: soft, external
+    or extra hard links (on the dataset or its group), virtual datasets, external raw storage,
+    chunked or filtered layouts (compression is a decompression bomb waiting to happen), and
+    storage that lies beyond the end of the file. The checks read metadata only."""
+    kind, _, name = key.partition("/")
+
+    def refuse(why: str) -> StoreError:
+        return StoreError(f"{where} is {why}; ucl reads only plain datasets stored in the rank file itself",
+                          code="UCL416")
+
+    parent = f
+    for part in (kind, name):
+        link = parent.get(part, getlink=True)
+        if link is None:
+            return None
+        if not isinstance(link, h5py.HardLink):
+            raise refuse(_link_kind(link))
+        obj = parent[part]
+        if h5py.h5o.get_info(obj.id).rc != 1:  # another name aliases the same object
+            raise refuse(f"reached through one of {h5py.h5o.get_info(obj.id).rc} hard links to one object")
+        parent = obj
+    d = parent
+    if not isinstance(d, h5py.Dataset):
+        return None
+    if d.is_virtual:
+        raise refuse("a virtual dataset (its bytes live in other files)")
+    if d.external:
+        raise refuse(f"stored in external files {[e[0] for e in d.external]}")
+    plist = d.id.get_create_plist()
+    layout = plist.get_layout()
+    if layout not in (h5py.h5d.CONTIGUOUS, h5py.h5d.COMPACT) or plist.get_nfilters():
+        raise refuse("a chunked or filtered dataset")
+    nbytes = d.id.get_storage_size()
+    if layout == h5py.h5d.CONTIGUOUS and nbytes:
+        offset = d.id.get_offset()
+        if offset is None or offset + nbytes > f.id.get_filesize():
+            raise refuse("a dataset whose storage lies beyond the end of the file (truncated)")
+    return d
+
+
+def storage_bytes(d: Any) -> int:
+    """Bytes of data storage the dataset really has in its file."""
+    return int(d.id.get_storage_size())
+
+
+def chunk_table(d: Any, nbytes: int, where: str) -> tuple[int, np.ndarray] | None:
+    """The validated (chunk bytes, chunk digests) stored beside a dataset of ``nbytes``; None when
+    it has none. Sizes are checked before anything is read: the chunk size must be the one the
+    writer uses for ``nbytes`` and the table must have one uint64 per chunk (UCL406 otherwise)."""
+    if "ucl_chunks" not in d.attrs and "ucl_chunk_bytes" not in d.attrs:
+        return None
+    want = chunk_size(nbytes)
+    try:
+        size_attr = d.attrs.get("ucl_chunk_bytes")
+        table_space = h5py.h5a.open(d.id, b"ucl_chunks").shape
+    except (KeyError, OSError, RuntimeError, ValueError, TypeError):
+        size_attr, table_space = None, None
+    size = int(size_attr) if isinstance(size_attr, (int, np.integer)) and not isinstance(size_attr, bool) else None
+    if want is None or size != want or table_space != (chunk_count(nbytes),):
+        raise StoreError(f"{where} has chunk checksum attributes that do not fit a dataset of {nbytes} bytes "
+                         f"(chunk size {size_attr!r}, table {table_space}; expected {want}, "
+                         f"({chunk_count(nbytes)},))", code="UCL406")
+    digests = np.asarray(d.attrs["ucl_chunks"])
+    if digests.dtype.kind not in "ui" or digests.dtype.itemsize != 8:
+        raise StoreError(f"{where} has chunk checksums of dtype {digests.dtype}, not uint64", code="UCL406")
+    return size, digests.astype(np.uint64, copy=False)
 
 
 def read_runs_into(d: Any, runs: Sequence[tuple[int, int, int, int]], out: np.ndarray) -> None:
@@ -161,10 +303,13 @@ def set_chunk_checksums(d: Any, chunks: tuple[int, np.ndarray] | None) -> None:
         d.attrs["ucl_chunks"] = chunks[1]
 
 
-def chunk_checksums(d: Any) -> tuple[Any, Any]:
-    """(chunk bytes, chunk digests) stored beside a dataset, or (None, None)."""
-    return d.attrs.get("ucl_chunk_bytes"), d.attrs.get("ucl_chunks")
-
-
-def list_datasets(f: Any) -> set[str]:
-    return {f"{k}/{n}" for k, g in f.items() if isinstance(g, h5py.Group) for n in g}
+def list_entries(f: Any) -> set[str]:
+    """Every ``kind/name`` (and bare top-level name) in a rank file, links listed, not followed."""
+    out = set()
+    for k in f.keys():
+        link = f.get(k, getlink=True)
+        if isinstance(link, h5py.HardLink) and isinstance(f[k], h5py.Group):
+            out.update(f"{k}/{n}" for n in f[k].keys())
+        else:
+            out.add(k)
+    return out

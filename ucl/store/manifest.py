@@ -16,6 +16,7 @@ import numpy as np
 
 from ..dtypes import LOGICAL_DTYPES, itemsize, storage_dtype
 from ..errors import StoreError
+from ..files import parse_json
 from .checksum import is_checksum
 
 FORMAT_NAME = "ucl-checkpoint"
@@ -48,6 +49,7 @@ class DatasetInfo:
     dtype: str  # logical dtype
     shape: tuple[int, ...]
     checksum: str
+    chunks: str | None = None  # digest of the rank file's chunk-digest table (checksum.chunk_table_digest)
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -139,10 +141,7 @@ class Manifest:
         if isinstance(text, dict):
             d = text
         else:
-            try:
-                d = json.loads(text)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise StoreError(f"manifest is not valid JSON: {e}", code="UCL401") from e
+            d = parse_json(text, "manifest", lambda msg: StoreError(msg, code="UCL401"))
         if not isinstance(d, dict):
             raise StoreError("manifest is not a JSON object", code="UCL401")
         if d.get("format") != FORMAT_NAME:
@@ -228,3 +227,5 @@ def check_entry(rank: int, key: str, e: Any) -> None:
         raise _bad(f"{where}: 'shape' must be a list of non-negative integers")
     if not is_checksum(e["checksum"]):
         raise _bad(f"{where}: 'checksum' must look like 'xxh3_64:<16 hex digits>'")
+    if "chunks" in e and not is_checksum(e["chunks"]):
+        raise _bad(f"{where}: 'chunks' must look like 'xxh3_64:<16 hex digits>'")

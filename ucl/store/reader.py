@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 from typing import Any, Iterator, Sequence
 
@@ -12,11 +13,15 @@ import xxhash
 
 from .. import dtypes as _dt
 from ..errors import StoreError
+from ..files import check_inside, read_bounded
 from ..plan.buffers import Arena
 from . import h5
 from .atomic import is_tmp_name
-from .checksum import checksum_of, raw_bytes
+from .checksum import checksum_of, chunk_count, chunk_table_digest, raw_bytes
 from .manifest import MANIFEST_NAME, DatasetInfo, Manifest
+
+MAX_MANIFEST_BYTES = 1 << 30  # ~16k ranks of a large model's datasets; a bigger manifest is hostile
+
 
 class Checkpoint:
     """Read access to a committed checkpoint directory. Thread-safe; files open lazily."""
@@ -28,20 +33,22 @@ class Checkpoint:
         self._verified = h5.ChunkCache(64 << 20)  # chunks already checked, for verified partial reads
         self.bytes_last_read = 0  # bytes the last read_runs took from disk
         self._scratch = Arena()  # warm memory for verified partial reads
+        self._bound: dict[tuple[int, str], str] = {}  # chunk tables bound by a whole-dataset hash
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, max_open_files: int = 128) -> "Checkpoint":
         path = os.path.abspath(os.fspath(path))
         if not os.path.isdir(path):
-            raise StoreError(f"checkpoint {path} does not exist (or is not a directory)", code="UCL404")
+            what = "is not a folder (give the checkpoint folder, the one holding manifest.json)" \
+                if os.path.lexists(path) else "does not exist"
+            raise StoreError(f"checkpoint {path} {what}", code="UCL404")
         if is_tmp_name(os.path.basename(path)):
             raise StoreError(f"{path} is an uncommitted temp directory, not a checkpoint", code="UCL404")
         mpath = os.path.join(path, MANIFEST_NAME)
-        try:
-            with open(mpath, "rb") as f:
-                text = f.read()
-        except FileNotFoundError:
-            raise StoreError(f"{path} is not a ucl checkpoint: no {MANIFEST_NAME}", code="UCL401") from None
+        if not os.path.lexists(mpath):
+            raise StoreError(f"{path} is not a ucl checkpoint: no {MANIFEST_NAME}", code="UCL401")
+        text = read_bounded(mpath, limit=MAX_MANIFEST_BYTES, what="manifest", inside=path,
+                            error=lambda msg: StoreError(msg, code="UCL401"))
         return cls(path, Manifest.from_json(text), max_open_files)
 
     def __enter__(self) -> "Checkpoint":
@@ -72,7 +79,7 @@ class Checkpoint:
         e = self._entries(rank).get(key)
         if e is None:
             raise StoreError(f"rank {rank} has no dataset {key!r} in {self.path}", code="UCL408")
-        return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"])
+        return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"))
 
     def _entries(self, rank: int) -> dict[str, Any]:
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.nranks:
@@ -83,10 +90,29 @@ class Checkpoint:
         s = f"rank {rank} file {os.path.join(self.path, self.manifest.files[rank])}"
         return s + (f" dataset {key!r}" if key else "")
 
-    def _open_rank(self, rank: int) -> Any:
+    def _rank_file(self, rank: int) -> tuple[str, int]:
+        """(path, size in bytes) of a rank's file: a regular file resolving inside the checkpoint."""
         p = os.path.join(self.path, self.manifest.files[rank])
-        if not os.path.isfile(p):
+        if not os.path.lexists(p):
             raise StoreError(f"{self._where(rank)} is missing", code="UCL404")
+        check_inside(p, self.path, f"rank {rank} file", lambda msg: StoreError(msg, code="UCL416"))
+        st = os.stat(p)
+        if not stat.S_ISREG(st.st_mode):
+            raise StoreError(f"{self._where(rank)} is not a regular file", code="UCL416")
+        return p, st.st_size
+
+    def check_files(self, ranks: Sequence[int]) -> None:
+        """Before anything is allocated for them: each rank's file is a regular file inside the
+        checkpoint and at least as large as the bytes the manifest says it holds (UCL406)."""
+        for rank in ranks:
+            _, size = self._rank_file(rank)
+            claimed = sum(self.info(rank, k).nbytes for k in self._entries(rank))
+            if claimed > size:
+                raise StoreError(f"{self._where(rank)} is {size:,} bytes but the manifest says it holds "
+                                 f"{claimed:,} bytes of data (truncated, or a manifest that lies)", code="UCL406")
+
+    def _open_rank(self, rank: int) -> Any:
+        p, _ = self._rank_file(rank)
         try:
             return h5.open_h5(p, "r")
         except (OSError, RuntimeError, ValueError) as e:
@@ -108,13 +134,17 @@ class Checkpoint:
         f, cache = self._handles.get(rank)
         d = cache.get(key)
         if d is None:
-            d = h5.get_dataset(f, key)
+            d = h5.plain_dataset(f, key, self._where(rank, key))
             if d is None:
                 raise StoreError(f"{self._where(rank, key)} is listed in the manifest but missing "
                                  "from the file", code="UCL406")
-            if d.shape != info.shape or d.dtype.newbyteorder("<") != info.storage_dtype.newbyteorder("<"):
+            if d.shape != info.shape or d.dtype != info.storage_dtype:
                 raise StoreError(f"{self._where(rank, key)} has shape {d.shape} dtype {d.dtype} but the "
-                                 f"manifest says {info.shape} {info.dtype}", code="UCL406")
+                                 f"manifest says {info.shape} {info.dtype} (stored as {info.storage_dtype})",
+                                 code="UCL406")
+            if h5.storage_bytes(d) < info.nbytes and info.nbytes:
+                raise StoreError(f"{self._where(rank, key)} stores {h5.storage_bytes(d):,} bytes, not the "
+                                 f"{info.nbytes:,} its shape needs", code="UCL406")
             cache[key] = d
         return d, info
 
@@ -189,8 +219,8 @@ class Checkpoint:
         same dataset do not read them again. Returns the bytes read from disk."""
         item = info.storage_dtype.itemsize
         size = info.size
-        chunk_bytes, digests = h5.chunk_checksums(d)
-        per = int(chunk_bytes) // item if digests is not None else max(size, 1)
+        chunk_bytes, digests = self._bound_chunk_table(rank, key, d, info) or (None, None)
+        per = chunk_bytes // item if digests is not None else max(size, 1)
         n = -(-size // per) if size else 0
         touched = np.zeros(n + 1, dtype=np.int64)
         for start, count, stride, block in runs:
@@ -248,6 +278,34 @@ class Checkpoint:
                     pos, b, left = pos + take, b + take, left - take
         return read
 
+    def _bound_chunk_table(self, rank: int, key: str, d: Any, info: DatasetInfo) -> tuple[int, Any] | None:
+        """The chunk table of a dataset, trusted only once bound to the manifest: its digest must
+        equal the entry's ``chunks`` (a file swapped in from another rank or checkpoint fails
+        here, UCL407). Entries written before ``chunks`` existed are bound by hashing the whole
+        dataset once against the manifest's checksum."""
+        where = self._where(rank, key)
+        table = h5.chunk_table(d, info.nbytes, where)
+        if table is None:
+            if chunk_count(info.nbytes):  # the writer always stores a table for such a dataset
+                raise StoreError(f"{where} lacks the chunk checksums a dataset of {info.nbytes:,} bytes "
+                                 "carries", code="UCL406")
+            return None
+        if info.chunks is not None:
+            if chunk_table_digest(info.checksum, *table) != info.chunks:
+                raise StoreError(f"{where}: its chunk checksums do not match the manifest (the file "
+                                 "belongs to another rank or checkpoint, or was altered)", code="UCL407")
+            return table
+        bound = self._bound.get((rank, key))
+        if bound is None:
+            got, chunks = h5.checksum_dataset(d, info.shape, info.storage_dtype)
+            if got != info.checksum or chunks is None or not np.array_equal(chunks[1], table[1]):
+                raise StoreError(f"checksum mismatch in {where}: manifest has {info.checksum}, data hashes "
+                                 f"to {got}", code="UCL407")
+            bound = self._bound[(rank, key)] = chunk_table_digest(info.checksum, *table)
+        if bound != chunk_table_digest(info.checksum, *table):
+            raise StoreError(f"{where}: its chunk checksums changed while it was read", code="UCL407")
+        return table
+
     def verify(self, ranks: Sequence[int] | None = None) -> list[str]:
         """Check files and every dataset checksum; returns a list of problems (empty = sound)."""
         problems: list[str] = []
@@ -256,7 +314,7 @@ class Checkpoint:
             try:
                 with self._lock:
                     f, _ = self._handles.get(rank)
-                    present = h5.list_datasets(f)
+                    present = h5.list_entries(f)
             except StoreError as e:
                 problems.append(str(e))
                 continue
@@ -270,13 +328,25 @@ class Checkpoint:
                     with self._lock, self._guard(rank, key):
                         d, info = self._dataset(rank, key)
                         got, chunks = h5.checksum_dataset(d, info.shape, info.storage_dtype)
-                    stored = h5.chunk_checksums(d)[1]
-                    if got == info.checksum and stored is not None and (
-                            chunks is None or not np.array_equal(np.asarray(stored, dtype=np.uint64), chunks[1])):
-                        got = "chunk checksums that differ"
+                        stored = h5.chunk_table(d, info.nbytes, self._where(rank, key))
+                    if got == info.checksum:
+                        got = _chunk_problem(stored, chunks, info) or got
                     if got != info.checksum:
                         problems.append(f"checksum mismatch in {self._where(rank, key)}: manifest has "
                                         f"{info.checksum}, data hashes to {got}")
                 except StoreError as e:
                     problems.append(str(e))
         return problems
+
+
+def _chunk_problem(stored, computed, info: DatasetInfo) -> str | None:
+    """What is wrong with a dataset's stored chunk table, given the one its bytes hash to and the
+    manifest's digest of it; None when nothing is."""
+    same = (stored is None and computed is None) or (
+        stored is not None and computed is not None and stored[0] == computed[0]
+        and np.array_equal(stored[1], computed[1]))
+    if not same:
+        return "chunk checksums that differ"
+    if stored is not None and info.chunks is not None and chunk_table_digest(info.checksum, *stored) != info.chunks:
+        return "chunk checksums that the manifest does not record"
+    return None

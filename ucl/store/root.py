@@ -8,7 +8,9 @@ import shutil
 from typing import Any
 
 from ..errors import StoreError
-from .atomic import cleanup_stale, fsync_dir, is_committed, is_tmp_name, tmp_name, write_atomic
+from ..files import read_bounded
+from .atomic import (STALE_AGE_S, Leftover, cleanup_stale, collect_garbage, fsync_dir, is_committed, is_tmp_name,
+                     tmp_name, write_atomic)
 from .reader import Checkpoint
 from .writer import CheckpointWriter
 
@@ -63,11 +65,11 @@ class CheckpointRoot:
 
     def latest_name(self) -> str | None:
         """Directory name ``latest`` points at, or None when there is no ``latest``."""
-        try:
-            with open(os.path.join(self.root, LATEST_NAME), "rb") as f:
-                raw = f.read(4096)
-        except FileNotFoundError:
+        path = os.path.join(self.root, LATEST_NAME)
+        if not os.path.lexists(path):
             return None
+        raw = read_bounded(path, limit=4096, what="latest pointer", inside=self.root,
+                           error=lambda msg: StoreError(msg, code="UCL413"))
         try:
             name = raw.decode("utf-8").strip()
             return self._resolve(name)
@@ -154,6 +156,7 @@ class CheckpointRoot:
                 os.unlink(os.path.join(self.root, LATEST_NAME))
         hidden = os.path.join(self.root, tmp_name(self.dir_name(step), "del-"))
         os.rename(path, hidden)
+        os.utime(hidden)  # freshly set aside, not an abandoned temp entry: gc goes by mtime
         fsync_dir(self.root)
         return hidden
 
@@ -175,6 +178,10 @@ class CheckpointRoot:
 
     def cleanup_stale(self, min_age_s: float = 0.0) -> list[str]:
         return cleanup_stale(self.root, min_age_s)
+
+    def gc(self, *, dry_run: bool = False, max_age_s: float = STALE_AGE_S, force: bool = False) -> list[Leftover]:
+        """``collect_garbage`` on this root: remove dead writers' temp directories, never a live one's."""
+        return collect_garbage(self.root, dry_run=dry_run, max_age_s=max_age_s, force=force)
 
     def writer(self, step: int, nranks: int, **fields: Any) -> CheckpointWriter:
         """A CheckpointWriter for ``path_for(step)``; call ``set_latest(step)`` after its commit."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import threading
 from typing import Any, Iterator, Sequence
 
@@ -15,8 +14,8 @@ from .. import dtypes as _dt
 from ..errors import StoreError
 from ..layout.boxes import flat_boxes
 from . import h5
-from .atomic import fsync_path, publish_dir, tmp_name, write_atomic
-from .checksum import IncrementalChecksum, checksums
+from .atomic import TempDir, fsync_path, publish_dir, write_atomic
+from .checksum import IncrementalChecksum, checksum_fields, checksums
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, check_entry, file_name, split_key
 
 
@@ -42,13 +41,11 @@ class CheckpointWriter:
         except TypeError as e:
             raise StoreError(f"unknown manifest field: {e}", code="UCL403") from None
         self.manifest.to_json()  # fail early on a bad mesh or non-JSON state
-        parent = os.path.dirname(self.path)
-        self.tmp_path = os.path.join(parent, tmp_name(os.path.basename(self.path)))
-        try:
-            os.makedirs(parent, exist_ok=True)
-            os.mkdir(self.tmp_path)
+        try:  # locked while this writer lives; dead writers' leftovers of this name go first
+            self._tmp: TempDir | None = TempDir(self.path)
         except OSError as e:
-            raise StoreError(f"cannot create {self.tmp_path}: {e}", code="UCL410") from e
+            raise StoreError(f"cannot create a temp directory beside {self.path}: {e}", code="UCL410") from e
+        self.tmp_path = self._tmp.path
         self._setup(nranks, True, max_open_files, durable)
 
     @classmethod
@@ -57,7 +54,7 @@ class CheckpointWriter:
         """A participant (another process) writing some ranks' files into an owner's ``tmp_path``.
         It calls ``finish()`` and hands the result to the owner's ``adopt()``; it cannot commit."""
         self = cls.__new__(cls)
-        self.path, self.manifest = None, None  # type: ignore[assignment]
+        self.path, self.manifest, self._tmp = None, None, None  # type: ignore[assignment]
         self.tmp_path = os.path.abspath(os.fspath(tmp_path))
         if not os.path.isdir(self.tmp_path):
             raise StoreError(f"temp directory {self.tmp_path} does not exist", code="UCL404")
@@ -132,7 +129,7 @@ class CheckpointWriter:
                 d.attrs["ucl_dtype"] = logical
                 whole, chunks = checksums(arr)
                 h5.set_chunk_checksums(d, chunks)
-            self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), "checksum": whole}
+            self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), **checksum_fields(whole, chunks)}
 
     def create(self, rank: int, key: str, shape: Sequence[int], dtype: str) -> None:
         """Preallocate a dataset to fill with ``write_flat``/``write_box``; unwritten elements read as 0."""
@@ -215,13 +212,13 @@ class CheckpointWriter:
                 shape = tuple(e["shape"])
                 d = self._handles.get(rank)[0][key]
                 whole, chunks = p.result(math.prod(shape)) or h5.checksum_dataset(d, shape, _dt.storage_dtype(e["dtype"]))
-                e["checksum"] = whole
+                e.update(checksum_fields(whole, chunks))
                 h5.set_chunk_checksums(d, chunks)
             self._pending.clear()
             for rank in ranks:
                 if rank not in self._created:
                     self._handles.get(rank)
-            self._handles.close()
+            self._handles.close(strict=True)  # HDF5 writes metadata here: a full disk must fail the commit
             for rank in ranks if self.durable else ():
                 fsync_path(os.path.join(self.tmp_path, file_name(rank)))
 
@@ -266,6 +263,7 @@ class CheckpointWriter:
                 self.abort()
                 raise
             self._state = "committed"
+            self._tmp.release()
             return self.path
 
     def abort(self) -> None:
@@ -274,9 +272,9 @@ class CheckpointWriter:
             if self._state in ("committed", "aborted", "finished"):  # finished files belong to the owner
                 return
             self._state = "aborted"
-            self._handles.close()
+            self._handles.discard()
             if self._owner:
-                shutil.rmtree(self.tmp_path, ignore_errors=True)
+                self._tmp.discard()
             else:
                 for rank in self._created:
                     with contextlib.suppress(OSError):
