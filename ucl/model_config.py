@@ -9,12 +9,12 @@ installed, ``AutoConfig.for_model(model_type, **fields)`` supplies class default
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import StoreError
+from .files import parse_json, read_bounded
 
 CONFIG_NAME = "config.json"
 MAX_CONFIG_BYTES = 16 << 20  # a config is a few KB; refuse anything that is not plausibly one
@@ -39,14 +39,12 @@ def read_raw_config(config: Any) -> dict:
     if hasattr(config, "to_dict"):
         return config.to_dict()
     path = config_path(config)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ValueError(f"larger than {MAX_CONFIG_BYTES >> 20} MiB")
-        out = json.loads(data)
-    except (OSError, ValueError) as e:
-        raise StoreError(f"cannot read config {path}: {e}", code="UCL401") from None
+
+    def error(message: str) -> StoreError:
+        return StoreError(f"cannot read config {path}: {message}", code="UCL401")
+
+    # the one reader of files from strangers: no FIFO or device, a size cap, no RecursionError
+    out = parse_json(read_bounded(path, limit=MAX_CONFIG_BYTES, what="config", error=error), "the config", error)
     if not isinstance(out, dict):
         raise StoreError(f"config {path} is not a JSON object", code="UCL401")
     return out

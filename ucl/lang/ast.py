@@ -29,17 +29,32 @@ class Var:
 
 
 @dataclass(frozen=True)
-class BinOp:
+class Step:
+    """One operator of a Chain and its right operand; ``span`` covers the chain up to here."""
+
     op: str  # + - * / // %
-    left: "Expr"
-    right: "Expr"
+    operand: "Expr"
+    span: Span
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Left-associative operators of one precedence level as one node: ``a - b + c`` is
+    ``Chain(a, (Step("-", b), Step("+", c)))``. A sum of any length is one level deep, so checking
+    and evaluating it is a loop, never a recursion as deep as the sum is long."""
+
+    first: "Expr"
+    steps: tuple[Step, ...]
     span: Span
 
 
 @dataclass(frozen=True)
 class Neg:
+    """``count`` unary minuses in a row (``- - a``: 2), one node for the same reason as Chain."""
+
     operand: "Expr"
     span: Span
+    count: int = 1
 
 
 @dataclass(frozen=True)
@@ -49,7 +64,7 @@ class Call:
     span: Span
 
 
-Expr = Union[Int, Var, BinOp, Neg, Call]
+Expr = Union[Int, Var, Chain, Neg, Call]
 
 
 # ---- names ---------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """Static checks of a parsed spec. Collects every diagnostic before raising, never just the first."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from . import ast
 from ..dtypes import LOGICAL_DTYPES
 from ..errors import Diagnostic, SpecError, did_you_mean
-from .expr import FUNCTIONS, calls_in, names_in
+from .expr import FUNCTIONS, LIMIT, ExprError, calls_in, check_extent, fold, names_in
 
 PARAM = "param"  # the kind naming the model weights themselves
 PLACEMENT = (ast.Place, ast.Index)
@@ -32,24 +33,30 @@ class _Checker:
         self.m = module
         self.out = Checked()
         self.diags: list[Diagnostic] = []
+        self.values: set[str] = set()  # dims and lets declared so far (sets, not lists: 20,000 lets stay linear)
+        self.axis_names: set[str] = set()
+        self.constants: dict[str, int] = {}  # lets whose value needs no dim: folded now, so errors show at check
 
     def error(self, code, message, span, hint=None):
         self.diags.append(Diagnostic(code, message, span, hint))
 
     # -- names ------------------------------------------------------------------------------
-    def declared(self) -> set[str]:
-        return set(self.out.dims) | {n for n, _ in self.out.lets} | set(self.out.axes)
+    def declared(self, name: str) -> bool:
+        return name in self.values or name in self.axis_names
 
     def check_expr(self, expr: ast.Expr, *, allow_axes: bool = True,
-                   why: str = "shapes are global and must not depend on the mesh"):
-        known = set(self.out.dims) | {n for n, _ in self.out.lets}
-        if allow_axes:
-            known |= set(self.out.axes)
+                   why: str = "shapes are global and must not depend on the mesh",
+                   extent: str | None = None, count: bool = False) -> int | None:
+        """Report unknown names and functions in ``expr``, then what its constant parts already
+        show (a division by zero, a value beyond the limit; for an ``extent``, a negative size or,
+        for a ``count``, too many values). Returns its value where it needs no dim, else None."""
+        before = len(self.diags)
         for var in names_in(expr):
-            if var.name not in known:
-                if not allow_axes and var.name in self.out.axes:
+            if var.name not in self.values and not (allow_axes and var.name in self.axis_names):
+                if not allow_axes and var.name in self.axis_names:
                     self.error("UCL106", f"mesh axis {var.name!r} cannot be used here: {why}", var.span)
                 else:
+                    known = self.values | self.axis_names if allow_axes else self.values
                     self.error("UCL101", f"unknown name {var.name!r}", var.span, did_you_mean(var.name, known))
         for call in calls_in(expr):
             if call.func not in FUNCTIONS:
@@ -59,6 +66,14 @@ class _Checker:
                 arity = FUNCTIONS[call.func][0]
                 if arity is not None and len(call.args) != arity:
                     self.error("UCL107", f"{call.func} takes {arity} arguments, got {len(call.args)}", call.span)
+        if len(self.diags) > before:
+            return None
+        try:
+            value = fold(expr, self.constants)
+            return check_extent(value, expr, extent, count) if extent is not None else value
+        except ExprError as e:
+            self.diags.append(e.diagnostic)
+            return None
 
     def check_axis(self, ident: ast.Ident):
         if ident.name not in self.out.axes:
@@ -68,7 +83,7 @@ class _Checker:
             self.error("UCL103", f"unknown mesh axis {ident.name!r}", ident.span, hint)
 
     def declare(self, ident: ast.Ident, what: str):
-        if ident.name in self.declared():
+        if self.declared(ident.name):
             self.error("UCL102", f"{what} {ident.name!r} is already declared", ident.span)
             return False
         if ident.name in FUNCTIONS:
@@ -86,17 +101,22 @@ class _Checker:
         for item in st.items:
             if self.declare(item.name, "dim"):
                 self.out.dims.append(item.name.name)
+                self.values.add(item.name.name)
                 self.out.config_keys[item.name.name] = item.config_keys or (item.name.name,)
 
     def on_LetDecl(self, st: ast.LetDecl):
-        self.check_expr(st.value)
+        value = self.check_expr(st.value)
         if self.declare(st.name, "name"):
             self.out.lets.append((st.name.name, st.value))
+            self.values.add(st.name.name)
+            if value is not None:
+                self.constants[st.name.name] = value
 
     def on_MeshDecl(self, st: ast.MeshDecl):
         for ident in st.axes:
             if self.declare(ident, "mesh axis"):
                 self.out.axes.append(ident.name)
+                self.axis_names.add(ident.name)
 
     def on_IgnoreDecl(self, st: ast.IgnoreDecl):
         for p in st.patterns:
@@ -135,8 +155,9 @@ class _Checker:
     def on_Rule(self, st: ast.Rule):
         self.check_pattern(st.pattern)
         if st.shape is not None:
-            for e in st.shape:
-                self.check_expr(e, allow_axes=False)
+            sizes = [self.check_expr(e, allow_axes=False, extent=f"dim {d} of the shape") for d, e in enumerate(st.shape)]
+            if None not in sizes and math.prod(sizes) > LIMIT:  # more elements than bytes may be addressed
+                self.error("UCL113", f"shape {sizes} has {math.prod(sizes):,} elements, beyond 2**62", st.pattern.span)
         placement_only = st.shape is None and all(isinstance(t, PLACEMENT) for t in st.transforms)
         self.check_transforms(st)
         (self.out.placements if placement_only else self.out.rules).append(st)
@@ -188,8 +209,12 @@ class _Checker:
                 if len(set(names)) != len(names):
                     self.error("UCL109", "concat parts must have distinct names", t.span)
                 scope.structure[path] = ("concat", names)
-        for e in (t.factors if isinstance(t, ast.View) else [p.size for p in t.parts]):
-            self.check_expr(e)
+        if isinstance(t, ast.View):
+            for k, e in enumerate(t.factors):
+                self.check_expr(e, extent=f"view factor {k}")
+        else:
+            for p in t.parts:
+                self.check_expr(p.size, extent=f"concat part {p.name.name!r}")
 
     transform_Concat = transform_View
 
@@ -212,7 +237,7 @@ class _Checker:
             if t.dim.path in scope.structure or t.dim.path in scope.split_paths:
                 self.error("UCL109", f"pad dim {t.dim} before viewing or splitting it", t.span)
             scope.padded.add(t.dim.root)
-        self.check_expr(t.target)
+        self.check_expr(t.target, extent="the pad target")
 
     def transform_Replicate(self, scope: "_RuleScope", t: ast.Replicate):
         for axis in t.axes:
@@ -231,9 +256,13 @@ class _Checker:
         if t.capture.name not in captures:
             self.error("UCL112", f"the pattern has no capture {{{t.capture.name}}}", t.capture.span,
                        did_you_mean(t.capture.name, captures) or f"captures: {', '.join(sorted(captures)) or 'none'}")
-        self.check_expr(t.count)
-        for e in [x for x in (t.virtual, t.first, t.last) if x is not None] + list(t.sizes or ()):
-            self.check_expr(e)
+        self.check_expr(t.count, extent=f"the count of {t.capture.name}", count=True)
+        if t.virtual is not None:
+            self.check_expr(t.virtual)
+        for what, e in [("first", t.first), ("last", t.last)] + [(f"stage size {k}", e) for k, e in
+                                                                  enumerate(t.sizes or ())]:
+            if e is not None:
+                self.check_expr(e, extent=what)
         if t.sizes is not None and (t.virtual or t.first or t.last) is not None:
             self.error("UCL110", "`sizes` cannot be combined with virtual, first or last", t.span)
         self.placed(scope, t.axis, t)

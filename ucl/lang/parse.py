@@ -4,11 +4,12 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark import Lark, Token, Tree
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from . import ast
 from ..errors import Diagnostic, Span, SpecError, did_you_mean
+from .expr import LIMIT, MAX_DEPTH
 from .resources import data_dir
 
 KEYWORDS = ("dims", "from", "let", "mesh", "ignore", "state", "for", "split", "over", "uneven", "shared",
@@ -42,16 +43,33 @@ def _ident(tok: Token) -> ast.Ident:
     return ast.Ident(str(tok), _span_of(tok))
 
 
+_MAX_DIGITS = 30  # an integer literal longer than this is beyond the 2**62 limit anyway
+
+
 def _dimref(tok: Token) -> ast.DimRef:
-    path = tuple(int(p) if p.isdigit() else p for p in str(tok).split("."))
+    # a huge index stays a (huge) number that names no dim, without converting thousands of digits
+    path = tuple((int(p) if len(p) <= _MAX_DIGITS else 10 ** _MAX_DIGITS) if p.isdigit() else p
+                 for p in str(tok).split("."))
     return ast.DimRef(path, _span_of(tok))
 
 
-@v_args(meta=True)
-class _ToAst(Transformer):
+class _ToAst:
+    """One method per grammar rule: (meta, converted children) -> AST node. Called by
+    :func:`_convert`, which walks the parse tree without recursion."""
+
+    def __init__(self):
+        self.diagnostics: list[Diagnostic] = []
+
     # expressions
     def int(self, meta, c):
-        return ast.Int(int(c[0]), _span_of(c[0]))
+        text = str(c[0])
+        value = int(text) if len(text) <= _MAX_DIGITS else LIMIT + 1
+        if value > LIMIT:
+            shown = text if len(text) <= 40 else f"{text[:20]}...{text[-10:]} ({len(text)} digits)"
+            self.diagnostics.append(Diagnostic("UCL113", f"integer {shown} is too large (the limit is 2**62)",
+                                               _span_of(c[0])))
+            value = 0
+        return ast.Int(value, _span_of(c[0]))
 
     def var(self, meta, c):
         return ast.Var(str(c[0]), _span_of(c[0]))
@@ -59,29 +77,6 @@ class _ToAst(Transformer):
     def call(self, meta, c):
         return ast.Call(str(c[0]), tuple(c[1:]), _span_of(meta))
 
-    def neg(self, meta, c):
-        return ast.Neg(c[0], _span_of(meta))
-
-    def _bin(self, op, meta, c):
-        return ast.BinOp(op, c[0], c[1], _span_of(meta))
-
-    def add(self, meta, c):
-        return self._bin("+", meta, c)
-
-    def sub(self, meta, c):
-        return self._bin("-", meta, c)
-
-    def mul(self, meta, c):
-        return self._bin("*", meta, c)
-
-    def div(self, meta, c):
-        return self._bin("/", meta, c)
-
-    def floordiv(self, meta, c):
-        return self._bin("//", meta, c)
-
-    def mod(self, meta, c):
-        return self._bin("%", meta, c)
 
     # statements
     def start(self, meta, c):
@@ -216,6 +211,81 @@ class _ToAst(Transformer):
         return ("bucket", c[0])
 
 
+# Left-associative operators, by precedence level: a chain of one level becomes one ast.Chain.
+_CHAINS = ({"add": "+", "sub": "-"}, {"mul": "*", "div": "/", "floordiv": "//", "mod": "%"})
+_EXPRESSIONS = (ast.Int, ast.Var, ast.Chain, ast.Neg, ast.Call)
+
+
+class _Build:
+    """A pending node of :func:`_convert`: made from the last ``n`` converted values."""
+
+    __slots__ = ("n", "make")
+
+    def __init__(self, n, make):
+        self.n, self.make = n, make
+
+
+def _convert(tree, to_ast: _ToAst):
+    """The parse tree as an AST, walked with an explicit stack: a 200,000-term sum or 100,000
+    minuses in a row are one level each (ast.Chain, ast.Neg), and no Python recursion follows the
+    parse tree's depth. An expression nested deeper than MAX_DEPTH (parentheses, calls, mixed
+    operators) is a diagnostic at the level where it crosses the limit, reported once."""
+    values: list = []
+    depths: list = []  # per value: its expression depth, or None once reported as too deep
+    stack: list = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _Build):
+            args = values[len(values) - item.n:]
+            inner = depths[len(depths) - item.n:]
+            del values[len(values) - item.n:], depths[len(depths) - item.n:]
+            node = item.make(args)
+            depth = 0
+            if isinstance(node, _EXPRESSIONS):
+                depth = None if None in inner else 1 + max(inner, default=0)
+                if depth is not None and depth > MAX_DEPTH:
+                    to_ast.diagnostics.append(Diagnostic(
+                        "UCL115", f"expression nested too deeply (more than {MAX_DEPTH} levels of parentheses, "
+                        "calls and operators)", node.span, "name parts of it with `let`"))
+                    depth = None
+            values.append(node)
+            depths.append(depth)
+        elif isinstance(item, Tree):
+            children, make = _plan(item, to_ast)
+            stack.append(_Build(len(children), make))
+            stack.extend(reversed(children))
+        else:  # a token, or None for an absent optional part
+            values.append(item)
+            depths.append(0)
+    return values[0]
+
+
+def _plan(tree: Tree, to_ast: _ToAst):
+    """(children to convert first, how to make the node from them) for one parse-tree node."""
+    data = str(tree.data)
+    meta = tree.meta
+    for level in _CHAINS:
+        if data in level:  # walk down the left spine: `a + b - c` is sub(add(a, b), c)
+            steps, node = [], tree
+            while isinstance(node, Tree) and str(node.data) in level:
+                steps.append((level[str(node.data)], node.children[1], node.meta))
+                node = node.children[0]
+            steps.reverse()
+
+            def make_chain(c, steps=steps, meta=meta):
+                return ast.Chain(c[0], tuple(ast.Step(op, x, _span_of(m)) for (op, _, m), x in zip(steps, c[1:])),
+                                 _span_of(meta))
+
+            return [node] + [right for _, right, _ in steps], make_chain
+    if data == "neg":
+        count, node = 0, tree
+        while isinstance(node, Tree) and str(node.data) == "neg":
+            count, node = count + 1, node.children[0]
+        return [node], lambda c: ast.Neg(c[0], _span_of(meta), count)
+    method = getattr(to_ast, data)
+    return list(tree.children), lambda c: method(meta, c)
+
+
 def _describe_expected(expected) -> str:
     parser = _parser()
     words = []
@@ -335,8 +405,8 @@ def parse(text: str, filename: str = "<spec>") -> ast.Module:
     tree, diagnostics = _parse_recovering(source)
     if diagnostics:
         raise SpecError(diagnostics, source, filename)
-    try:
-        statements = _ToAst().transform(tree)
-    except VisitError as err:  # only on a grammar/transformer mismatch: a bug, but still a UclError
-        raise SpecError([Diagnostic("UCL001", f"internal parse error: {err.orig_exc}")], source, filename) from None
+    to_ast = _ToAst()
+    statements = _convert(tree, to_ast)
+    if to_ast.diagnostics:
+        raise SpecError(to_ast.diagnostics, source, filename)
     return ast.Module(tuple(statements), source, filename)

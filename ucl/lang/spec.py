@@ -7,8 +7,12 @@ from typing import Iterable, Mapping
 from . import ast
 from .check import Checked, check
 from ..errors import BindError, Diagnostic, SpecError
+from ..files import read_bounded
 from .parse import parse
 from .stdlib import PREFIX, stdlib_path
+
+
+MAX_SPEC_BYTES = 16 << 20  # the largest specs are a few KB; anything near this is not a spec
 
 
 class Spec:
@@ -30,10 +34,18 @@ class Spec:
         if path.is_dir():
             raise SpecError([Diagnostic("UCL000", "is a folder, not a spec file", None,
                                         "give a .ucl file, stdlib:NAME or spec text")], None, str(path))
+        def error(message: str) -> SpecError:
+            return SpecError([Diagnostic("UCL000", f"cannot read spec: {message}")], None, str(path))
+
+        # a FIFO, a device or a huge file is refused before a byte is read
+        data = read_bounded(path, limit=MAX_SPEC_BYTES, what="spec", error=error)
         try:
-            text = path.read_text()
-        except OSError as e:
-            raise SpecError([Diagnostic("UCL000", f"cannot read spec: {e.strerror}")], None, str(path)) from None
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise SpecError([Diagnostic("UCL000", f"not UTF-8 text: byte {e.start} (line {line}) is "
+                                        f"0x{data[e.start]:02x}", None, "a spec is UTF-8 text")],
+                            None, str(path)) from None
         return cls.from_text(text, str(path))
 
     # -- views -------------------------------------------------------------------------------
@@ -64,15 +76,26 @@ class Spec:
         ``head_dim`` are filled in, so real Llama-2 and Mixtral configs work."""
         from ..model_config import load_config
         fields = load_config(config)
-        out, missing = {}, []
+        out, missing, bad = {}, [], []
         for dim, keys in self.checked.config_keys.items():
             for k in keys:
                 v = fields.get(k)
-                if isinstance(v, int):  # bools (tie_word_embeddings) count as 0 / 1
+                if v is None:  # absent, or null (Mixtral's head_dim): the next field may have it
+                    continue
+                # bools (tie_word_embeddings) count as 0 / 1; anything else that is not an integer
+                # (1000.5, 1000.0, "1000") is an error naming the field, never truncated
+                if isinstance(v, int):
                     out[dim] = int(v)
-                    break
+                else:
+                    bad.append(f"{dim} from {k} = {v!r} is not an integer")
+                break
             else:
                 missing.append(f"{dim} (from {' | '.join(keys)})")
+        if bad:
+            where = config if not isinstance(config, Mapping) else "the config"
+            raise BindError([Diagnostic("UCL211", f"{where}: {'; '.join(bad)}", None,
+                                        "dims are whole numbers; fix the config or give those dims by hand "
+                                        "(--dims name=value,...)")], None, self.filename)
         if missing:
             where = config if not isinstance(config, Mapping) else "the config"
             raise BindError([Diagnostic("UCL211", f"{where} has no value for: {', '.join(missing)}", None,
@@ -114,6 +137,8 @@ def load_spec(source: "str | Path | Spec") -> Spec:
         return source
     if isinstance(source, Path):
         return Spec.from_file(source)
+    if not isinstance(source, str):
+        raise SpecError([Diagnostic("UCL000", f"a spec is text, a path or stdlib:NAME, not {type(source).__name__}")])
     if source.startswith(PREFIX):
         spec = Spec.from_file(stdlib_path(source))
         spec.name = source

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from ..dtypes import itemsize
 from ..errors import BindError, Diagnostic, SpecError, did_you_mean
 from ..lang import ast
 from ..lang.check import PARAM
-from ..lang.expr import ExprError, evaluate, evaluate_lets, names_in
+from ..lang.expr import (LIMIT, ExprError, check_extent, evaluate, evaluate_extent, evaluate_lets,
+                         reportable, root_causes)
 from .dims import build_dims
 from .mesh import Mesh
 
@@ -55,14 +58,75 @@ class FlatGroup:
     members: list[Tensor] = field(default_factory=list)
 
 
+class PatternIndex:
+    """Items keyed by patterns, looked up by name: a name tries only the patterns whose literal
+    prefix (the text before the first capture or glob) it starts with, so matching n names against
+    n rules is near-linear, not n x n regex matches. Every pattern that matches is found, in order."""
+
+    def __init__(self, items: Iterable[tuple[ast.Pattern, object]]):
+        self._by_prefix: dict[str, list[tuple[int, ast.Pattern, object]]] = {}
+        for order, (pattern, item) in enumerate(items):
+            prefix = re.split(r"[*{]", pattern.text, maxsplit=1)[0]
+            self._by_prefix.setdefault(prefix, []).append((order, pattern, item))
+        self._lengths = sorted({len(p) for p in self._by_prefix})
+
+    def matches(self, name: str) -> list:
+        """The items whose pattern matches ``name``, in the order they were given."""
+        found = []
+        for n in self._lengths:
+            if n > len(name):
+                break
+            found += self._by_prefix.get(name[:n], ())
+        found.sort(key=lambda x: x[0])
+        return [item for _, pattern, item in found if pattern.match(name)]
+
+
+def _shape_problem(shape) -> str | None:
+    """Why ``shape`` (from a model, or a checkpoint written by anyone) is not a list of
+    non-negative integers, or None."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+        return f"is {shape!r}, not a list of sizes"
+    for x in shape:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            return f"has the size {x!r}, not an integer"
+        if x < 0:
+            return f"has the size {int(x)}: a size cannot be negative"
+        if x > LIMIT:
+            return f"has the size {int(x)}, beyond 2**62"
+    return None
+
+
+def _read_params(params, problems: list[Diagnostic]) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` from a mapping or (name, shape) pairs; malformed entries are problems."""
+    out: dict[str, tuple[int, ...]] = {}
+    try:
+        items = list(params.items() if isinstance(params, Mapping) else params)
+    except (TypeError, ValueError) as e:
+        problems.append(Diagnostic("UCL213", f"the parameters must be a mapping of names to shapes: {e}"))
+        return out
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            problems.append(Diagnostic("UCL213", f"parameter entry {item!r} is not a (name, shape) pair"))
+            continue
+        name, shape = item
+        if not isinstance(name, str):
+            problems.append(Diagnostic("UCL213", f"parameter name {name!r} is not a string"))
+            continue
+        why = _shape_problem(shape)
+        if why is not None:
+            problems.append(Diagnostic("UCL213", f"parameter {name!r} {why}"))
+            continue
+        out[name] = tuple(int(x) for x in shape)
+    return out
+
+
 class Model:
     def __init__(self, spec, dims: Mapping[str, int], params, frozen: Iterable[str] = ()):
         self.spec = spec
         ck = spec.checked
-        params = list(params.items() if isinstance(params, Mapping) else params)
-        self.params: dict[str, tuple[int, ...]] = {str(n): tuple(int(x) for x in s) for n, s in params}
-        self.frozen = frozenset(frozen)
         problems: list[Diagnostic] = []
+        self.params: dict[str, tuple[int, ...]] = _read_params(params, problems)
+        self.frozen = frozenset(frozen)
 
         missing = [d for d in ck.dims if d not in dims]
         extra = [d for d in dims if d not in ck.dims]
@@ -72,21 +136,28 @@ class Model:
         for d in extra:
             problems.append(Diagnostic("UCL209", f"unknown dim {d!r}", None, did_you_mean(d, ck.dims)))
         for d, v in dims.items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                problems.append(Diagnostic("UCL209", f"dim {d}={v!r} must be a non-negative integer"))
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= LIMIT:
+                problems.append(Diagnostic("UCL209", f"dim {d}={v!r} must be a non-negative integer "
+                                           "(at most 2**62)"))
         for f in self.frozen - set(self.params):
             problems.append(Diagnostic("UCL201", f"frozen parameter {f!r} is not a parameter of the model"))
         if problems:
             self._fail(problems)
         self.dims = {d: int(dims[d]) for d in ck.dims}
         # lets that need mesh sizes are evaluated per mesh (env); the others are errors now
-        self.static_env, broken = evaluate_lets(ck.lets, self.dims)
-        self._broken_lets: set[str] = set(broken)
-        for name, expr in ck.lets:
-            e = broken.get(name)
-            if e is not None and (e.diagnostic.code != "UCL101" or not self._mentions_axis(expr)):
-                problems.append(e.diagnostic)
+        self.static_env, self._broken = evaluate_lets(ck.lets, self.dims)
+        problems += root_causes(self._broken, ck.axes)  # lets naming a mesh axis wait for a mesh
+        self._rules = PatternIndex((r.pattern, r) for r in ck.rules)
+        self._placements = PatternIndex((r.pattern, r) for r in ck.placements)
+        self._ignores = PatternIndex((p, p) for p in ck.ignores)
+        self._states: dict[str, tuple[list, PatternIndex]] = {}  # kind -> (general decls, `for PATTERN` decls)
+        for d in ck.states:
+            for k in dict.fromkeys(k.name for k in d.kinds):
+                general, specific = self._states.setdefault(k, ([], []))
+                (general if d.pattern is None else specific).append(d)
+        self._states = {k: (g, PatternIndex((d.pattern, d) for d in sp)) for k, (g, sp) in self._states.items()}
 
+        self._reported: set[Diagnostic] = set()
         self.tensors: list[Tensor] = []
         self.flat_groups: list[FlatGroup] = []
         groups: dict[tuple[int, str], FlatGroup] = {}
@@ -109,6 +180,10 @@ class Model:
                         t.flat = tr
                     elif isinstance(tr, ast.Scalar):
                         t.scalar, t.shape = True, ()
+                if t.numel * itemsize(t.dtype) > LIMIT:
+                    problems.append(Diagnostic("UCL113", f"{t.kind} {name!r} {list(shape)} ({t.dtype}) holds "
+                                               f"{t.numel * itemsize(t.dtype):,} bytes, beyond 2**62", rule.pattern.span))
+                    continue
                 if t.flat is not None:
                     g = groups.get((id(decl), kind))
                     if g is None:
@@ -133,10 +208,9 @@ class Model:
         raise BindError(problems, self.spec.text, self.spec.filename)
 
     def _match(self, name, problems):
-        ck = self.spec.checked
-        hits = [r for r in ck.rules if r.pattern.match(name)]
-        ignored = any(p.match(name) for p in ck.ignores)
-        places = [r for r in ck.placements if r.pattern.match(name)]
+        hits = self._rules.matches(name)
+        ignored = bool(self._ignores.matches(name))
+        places = self._placements.matches(name)
         if len(places) > 1:
             problems.append(Diagnostic("UCL202", f"parameter {name!r} is placed by {len(places)} rules (lines "
                                        f"{', '.join(str(r.span.line) for r in places)})", places[1].pattern.span))
@@ -154,10 +228,6 @@ class Model:
                                        "make the patterns disjoint"))
         return None, None
 
-    def _mentions_axis(self, expr) -> bool:
-        axes = set(self.spec.checked.axes)
-        return any(v.name in axes or v.name in self._broken_lets for v in names_in(expr))
-
     def _check_shape(self, name, shape, rule, problems):
         if rule.shape is not None:
             if len(rule.shape) != len(shape):
@@ -166,10 +236,12 @@ class Model:
                 return
             for d, (expr, actual) in enumerate(zip(rule.shape, shape)):
                 try:
-                    want = evaluate(expr, self.static_env)
+                    want = evaluate_extent(expr, self.static_env, f"dim {d} of the shape")
                 except ExprError as e:
-                    if not self._mentions_axis(expr) and e.diagnostic not in problems:
-                        problems.append(e.diagnostic)  # a broken let was reported once already
+                    # a broken let was reported once already; one rule's error is one problem
+                    if reportable(e, self._broken) and e.diagnostic not in self._reported:
+                        self._reported.add(e.diagnostic)
+                        problems.append(e.diagnostic)
                     continue
                 if want != actual:
                     problems.append(Diagnostic("UCL203", f"parameter {name!r} has shape {list(shape)}, but the rule "
@@ -181,10 +253,10 @@ class Model:
                                            "does not exist", ref.span))
 
     def _state_decl(self, name, kind, problems):
-        decls = [d for d in self.spec.checked.states if any(k.name == kind for k in d.kinds)
-                 and (d.pattern is None or d.pattern.match(name))]
-        if any(d.pattern is not None for d in decls):  # a `for PATTERN` statement overrides a general one
-            decls = [d for d in decls if d.pattern is not None]
+        general, specific = self._states.get(kind, ((), None))
+        decls = specific.matches(name) if specific is not None else []
+        if not decls:  # a `for PATTERN` statement overrides a general one
+            decls = list(general)
         if len(decls) > 1:
             problems.append(Diagnostic("UCL208", f"state {kind!r} of {name!r} is declared by {len(decls)} statements "
                                        f"(lines {', '.join(str(d.span.line) for d in decls)})", decls[1].span))
@@ -212,8 +284,8 @@ class Model:
     def env(self, mesh: Mesh) -> dict[str, int]:
         mesh.check_axes(self.spec.checked.axes)
         env, broken = evaluate_lets(self.spec.checked.lets, {**self.dims, **{a: mesh.axis_size(a) for a in self.spec.checked.axes}})
-        if broken:
-            self._fail([next(iter(broken.values())).diagnostic])
+        if broken:  # the first that is not just a consequence of another
+            self._fail(root_causes(broken)[:1] or [next(iter(broken.values())).diagnostic])
         return env
 
     def fingerprint(self) -> dict:
@@ -230,6 +302,9 @@ def _is_optional(rule: ast.Rule, env: Mapping[str, int]) -> bool:
     return False
 
 
+MAX_PARAMS = 1 << 22  # parameter names synthesize_params makes at most (MAX_COUNT bounds each index)
+
+
 def _rule_list(rules) -> str:
     return ", ".join(f"`{r.pattern.text}` (line {r.span.line})" for r in rules)
 
@@ -241,24 +316,36 @@ def synthesize_params(spec, dims: Mapping[str, int]) -> dict[str, tuple[int, ...
     ``e`` nonzero) are left out: the model may lack their parameters. Order: rules before the first
     rule with captures, then the captured rules index-major (layer 0's rules, then layer 1's...),
     then the remaining rules."""
-    env, _ = evaluate_lets(spec.checked.lets, dims)
-    problems = []
+    axes = spec.checked.axes
+    env, broken = evaluate_lets(spec.checked.lets, dims)
+    problems = root_causes(broken, axes)  # a let naming a mesh axis is fine until a shape needs it
+    seen = set(problems)
+
+    def report(e: ExprError):
+        if reportable(e, broken) and e.diagnostic not in seen:  # once, and not again through a broken let
+            seen.add(e.diagnostic)
+            problems.append(e.diagnostic)
+
     counts: dict[str, int] = {}
+    refused: set[str] = set()  # captures whose count is an error already: not also "uncounted"
     for rule in spec.checked.rules + spec.checked.placements:
         for t in rule.transforms:
             if isinstance(t, ast.Index):
-                try:
-                    counts[t.capture.name] = evaluate(t.count, env)
+                try:  # bounded before a single name is made: `index i of 10**12` is refused, not enumerated
+                    counts[t.capture.name] = check_extent(evaluate(t.count, env), t.count,
+                                                          f"the count of {t.capture.name}", count=True)
                 except ExprError as e:
-                    problems.append(e.diagnostic)
+                    refused.add(t.capture.name)
+                    report(e)
     head, body, tail = [], [], []
     globbed, shapeless, uncounted = [], [], {}
+    total = 0
     for order, rule in enumerate(spec.checked.rules):
         try:
             if _is_optional(rule, env):
                 continue
         except ExprError as e:
-            problems.append(e.diagnostic)
+            report(e)
             continue
         if "*" in rule.pattern.text:
             globbed.append(rule)
@@ -267,9 +354,9 @@ def synthesize_params(spec, dims: Mapping[str, int]) -> dict[str, tuple[int, ...
             shapeless.append(rule)
             continue
         try:
-            shape = tuple(evaluate(e, env) for e in rule.shape)
+            shape = tuple(evaluate_extent(e, env, f"dim {d} of the shape") for d, e in enumerate(rule.shape))
         except ExprError as e:
-            problems.append(e.diagnostic)
+            report(e)
             continue
         caps = rule.pattern.captures
         if not caps:
@@ -277,8 +364,18 @@ def synthesize_params(spec, dims: Mapping[str, int]) -> dict[str, tuple[int, ...
             continue
         missing = [c for c in caps if c not in counts]
         if missing:
-            uncounted.setdefault(missing[0], []).append(rule)
+            if not refused.intersection(missing):
+                uncounted.setdefault(missing[0], []).append(rule)
             continue
+        many = 1
+        for c in caps:
+            many *= counts[c]
+        total += many
+        if total > MAX_PARAMS:
+            problems.append(Diagnostic("UCL116", f"the spec makes more than {MAX_PARAMS:,} (2**22) parameter names "
+                                       f"(`{rule.pattern.text}` alone makes {many:,})", rule.pattern.span,
+                                       "check the dims the `index` counts are computed from"))
+            break
         for values in itertools.product(*(range(counts[c]) for c in caps)):
             name = rule.pattern.text
             for c, v in zip(caps, values):

@@ -2,11 +2,11 @@
 any mesh coordinate is chosen. Used by binding (structural checks) and by lowering."""
 from __future__ import annotations
 
-import numpy as np
+import math
 
 from ..errors import BindError, Diagnostic
 from ..lang import ast
-from ..lang.expr import ExprError, evaluate
+from ..lang.expr import ExprError, check_extent, evaluate
 from .algebra import DimSpec, LayoutError, Node
 from .mesh import Mesh
 
@@ -33,10 +33,12 @@ def fail(model, tensor, span, err: LayoutError | Diagnostic, mesh: Mesh):
     raise TensorFailure(model, tensor, Diagnostic(d.code, d.message, d.span or span, d.hint), mesh, cause)
 
 
-def evaluate_in(model, tensor, expr, env, mesh):
-    """An expression of a tensor's rule; a failure is reported against that tensor."""
+def evaluate_in(model, tensor, expr, env, mesh, extent: str | None = None, count: bool = False):
+    """An expression of a tensor's rule; a failure is reported against that tensor. An ``extent``
+    (a size: a view factor, a concat part, an index count) must not be negative."""
     try:
-        return evaluate(expr, env)
+        value = evaluate(expr, env)
+        return check_extent(value, expr, extent, count) if extent is not None else value
     except ExprError as e:
         fail(model, tensor, expr.span, e.diagnostic, mesh)
 
@@ -84,10 +86,10 @@ def build_dims(model, tensor, env: dict, mesh: Mesh) -> tuple[DimSpec, ...]:
             pre = tuple(inherited) + tuple(first)
             post = tuple(x for x in (x for _, x in mine[len(first):]))
         if isinstance(t, ast.View):
-            sizes = [evaluate_in(model, tensor, f, env, mesh) for f in t.factors]
-            if int(np.prod(sizes, dtype=np.int64)) != size:
+            sizes = [evaluate_in(model, tensor, f, env, mesh, f"view factor {k}") for k, f in enumerate(t.factors)]
+            if math.prod(sizes) != size:  # Python ints: an int64 product could wrap around to `size`
                 fail(model, tensor, t.span, LayoutError(
-                    "UCL206", f"view {t.dim} as {sizes}: the factors multiply to {int(np.prod(sizes))}, not {size}"), mesh)
+                    "UCL206", f"view {t.dim} as {sizes}: the factors multiply to {math.prod(sizes)}, not {size}"), mesh)
             if pre and cut == float("inf"):  # a split of the whole viewed dim: the view does not matter
                 return Node("leaf", size, (), pre, path=path)
             if pre:
@@ -96,7 +98,7 @@ def build_dims(model, tensor, env: dict, mesh: Mesh) -> tuple[DimSpec, ...]:
                     "first (a later split of the whole then cuts each rank's local part)"), mesh)
             kids = tuple(build(path + (k,), s) for k, s in enumerate(sizes))
             return Node("view", size, kids, (), post, path=path)
-        sizes = [evaluate_in(model, tensor, p.size, env, mesh) for p in t.parts]
+        sizes = [evaluate_in(model, tensor, p.size, env, mesh, f"concat part {p.name.name!r}") for p in t.parts]
         if sum(sizes) != size:
             fail(model, tensor, t.span, LayoutError(
                 "UCL206", f"concat {t.dim} parts {sizes} sum to {sum(sizes)}, not {size}"), mesh)

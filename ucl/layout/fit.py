@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 
-from ..errors import BindError, Diagnostic
+from ..errors import BindError, Diagnostic, MeshError
 from ..lang import ast
 from ..lang.check import PARAM
 from .algebra import LayoutError, SplitFailure, dim_layout, split_range
@@ -70,7 +70,10 @@ def _fitting_sizes(model, mesh: Mesh, axis: str, candidates, fits: dict) -> list
         if s == current:
             continue
         if (axis, s) not in fits:
-            fits[(axis, s)] = _fits(model, _resized(mesh, axis, s), axis)
+            try:
+                fits[(axis, s)] = _fits(model, _resized(mesh, axis, s), axis)
+            except MeshError:  # that size would make the mesh too large: not a suggestion
+                fits[(axis, s)] = False
         if fits[(axis, s)]:
             out.append(s)
     return out

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..dtypes import itemsize
 from ..lang import ast
 from ..lang.check import PARAM
+from ..lang.expr import LIMIT
 from .algebra import DimLayout, DimSpec, LayoutError, SplitFailure, dim_layout
 from .bind import Model
 from .boxes import Slot, flat_boxes
@@ -314,6 +316,9 @@ def _partition_buffer(model, mesh, flat, opts: FlatOptions, fixed, part_coords, 
         pos += int(np.prod([x.local for x in layouts], dtype=np.int64))
     unit = opts.multiple * (parts if flat.per_param and flat.pad_multiple is None else 1)
     total = -(-pos // unit) * unit if unit > 1 else pos
+    if total * itemsize(members[0][0].dtype) > LIMIT:  # each member is bounded, their sum is not
+        fail(model, members[0][0], flat.span, LayoutError(
+            "UCL113", f"a flat buffer of {total:,} elements is beyond 2**62 bytes"), mesh)
     if total % parts:
         fail(model, members[0][0], flat.span, LayoutError(
             "UCL210", f"a flat buffer of {total} elements cannot be split evenly over {'x'.join(opts.axes)}={parts}",

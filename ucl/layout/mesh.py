@@ -1,6 +1,7 @@
 """Mesh: named axes with sizes, slowest first; ranks are numbered row-major (like a torch DeviceMesh)."""
 from __future__ import annotations
 
+import math
 import re
 from functools import cached_property
 from typing import Iterable, Mapping
@@ -8,6 +9,8 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from ..errors import MeshError, did_you_mean
+
+MAX_RANKS = 1 << 24  # ranks a mesh may have: checked before anything is made per rank
 
 
 class Mesh:
@@ -29,6 +32,13 @@ class Mesh:
             if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
                 raise MeshError(f"mesh axis {name}={size!r}: a size must be a positive integer", code="UCL302")
             seen.add(name)
+        total = 1
+        for _, size in items:  # Python ints: an int64 product of huge sizes could wrap to a small one
+            total *= int(size)
+        if total > MAX_RANKS:
+            shown = ",".join(f"{n}={int(s)}" for n, s in items)
+            raise MeshError(f"mesh {shown if len(shown) <= 200 else shown[:200] + '...'} has {total:,} ranks, more "
+                            f"than the {MAX_RANKS:,} (2**24) a mesh may have", code="UCL305")
         self.axes: tuple[tuple[str, int], ...] = tuple((n, int(s)) for n, s in items)
 
     @classmethod
@@ -44,7 +54,11 @@ class Mesh:
         for part in text.split(","):
             m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*", part)
             if not m:
-                raise MeshError(f"cannot read mesh {text!r}: write it like pp=2,dp=2,tp=2", code="UCL301")
+                shown = text if len(text) <= 200 else text[:200] + "..."
+                raise MeshError(f"cannot read mesh {shown!r}: write it like pp=2,dp=2,tp=2", code="UCL301")
+            if len(m.group(2).lstrip("0")) > 18:  # beyond any mesh, and int() refuses 4,300+ digits
+                raise MeshError(f"mesh axis {m.group(1)}={m.group(2)[:20]}...: more than the {MAX_RANKS:,} "
+                                "(2**24) ranks a mesh may have", code="UCL305")
             items.append((m.group(1), int(m.group(2))))
         return cls(items)
 
@@ -59,7 +73,7 @@ class Mesh:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.axes else 1
+        return math.prod(self.shape)
 
     @property
     def is_universal(self) -> bool:

@@ -36,7 +36,7 @@ def placement(model: Model, tensor, env: dict, mesh: Mesh, notes: dict | None = 
             rule_match = rule.pattern.match(tensor.name)
             value = int(rule_match.group(t.capture.name))
             span = rule_match.span(t.capture.name)
-            count = evaluate_in(model, tensor, t.count, env, mesh)
+            count = evaluate_in(model, tensor, t.count, env, mesh, f"the count of {t.capture.name}", count=True)
             size = mesh.axis_size(t.axis.name)
             if not 0 <= value < count:
                 fail(model, tensor, t.span, LayoutError("UCL207", f"{t.capture.name} = {value} is not below {count}"), mesh)
@@ -69,14 +69,14 @@ def stage_fail(model, tensor, t: ast.Index, mesh, code, message, failure: StageF
 
 
 def stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh, notes=None):
-    ev = (lambda e: evaluate_in(model, tensor, e, env, mesh))
+    ev = (lambda e, extent=None: evaluate_in(model, tensor, e, env, mesh, extent))
     axis = t.axis.name
     if size > 1 and (t.sizes is not None or t.first is not None or t.last is not None):
         if t.sizes is not None:
-            sizes = [ev(e) for e in t.sizes]
+            sizes = [ev(e, f"stage size {k}") for k, e in enumerate(t.sizes)]
         else:  # Megatron's --decoder-first/last-pipeline-num-layers: the middle stages share the rest
-            first = ev(t.first) if t.first is not None else None
-            last = ev(t.last) if t.last is not None else None
+            first = ev(t.first, "first") if t.first is not None else None
+            last = ev(t.last, "last") if t.last is not None else None
             inner = size - (first is not None) - (last is not None)
             rest = count - (first or 0) - (last or 0)
             if (inner == 0 and rest != 0) or (inner > 0 and (rest < 0 or rest % inner)):

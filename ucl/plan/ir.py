@@ -3,12 +3,14 @@ source and a target layout (docs/ir.md), its statistics, explanation and JSON fo
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..dtypes import itemsize
 from ..errors import PlanError, did_you_mean
+from ..files import parse_json
 from ..layout.algebra import I64
 from ..layout.boxes import Slot
 from ..layout.mesh import Mesh
@@ -44,16 +46,19 @@ class Plan:
         return len(self.copies["tensor"]) + len(self.fills["dst_rank"])
 
     def _copy_bytes(self) -> np.ndarray:
+        """Bytes of each copy row: int64 is exact here, since binding bounds every tensor to 2**62
+        bytes; sums of rows are not, and are taken with :func:`_exact_sums`."""
         vol = np.prod(self.copies["size"], axis=1, dtype=I64)
         return vol * self.itemsize[self.copies["tensor"]]
 
     def bytes_read_per_rank(self) -> np.ndarray:
-        """Bytes each target rank reads from the source (index = target rank)."""
-        return np.bincount(self.copies["dst_rank"], weights=self._copy_bytes(), minlength=self.dst_mesh.size).astype(I64)
+        """Bytes each target rank reads from the source (index = target rank): int64, or Python
+        ints (an object array) where a rank reads 2**63 bytes or more."""
+        return _exact_sums(self.copies["dst_rank"], self._copy_bytes(), self.dst_mesh.size)
 
     @property
     def bytes_read(self) -> int:
-        return int(self._copy_bytes().sum())
+        return _exact_sum(self._copy_bytes())
 
     @property
     def bytes_unique(self) -> int:
@@ -63,7 +68,7 @@ class Plan:
         keys = np.concatenate([self.copies[c][:, None] for c in ("tensor", "src_rank", "src_slot")]
                               + [self.copies["src_start"], self.copies["size"]], axis=1)
         _, first = np.unique(keys, axis=0, return_index=True)
-        return int(self._copy_bytes()[first].sum())
+        return _exact_sum(self._copy_bytes()[first])
 
     @property
     def read_amplification(self) -> float:
@@ -75,7 +80,7 @@ class Plan:
         """Bytes the executors hold at once: one target dataset plus its largest source box."""
         if not self.datasets:
             return 0
-        ds_bytes = max(int(np.prod(d["shape"], dtype=I64)) * itemsize(d["dtype"]) for d in self.datasets)
+        ds_bytes = max(math.prod(int(x) for x in d["shape"]) * itemsize(d["dtype"]) for d in self.datasets)
         box = int(self._copy_bytes().max()) if len(self.copies["tensor"]) else 0
         return ds_bytes + box
 
@@ -134,9 +139,17 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        d = json.loads(text)
-        if d.get("format") != "ucl-plan" or d.get("version", 0) > PLAN_VERSION:
+        d = parse_json(text, "the plan", lambda m: PlanError(m, code="UCL312"))
+        if not isinstance(d, dict) or d.get("format") != "ucl-plan" or not isinstance(d.get("version", 0), int) \
+                or d.get("version", 0) > PLAN_VERSION:
             raise PlanError("not a ucl plan, or one from a newer ucl", code="UCL312")
+        try:
+            return cls._from_dict(d)
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
+            raise PlanError(f"malformed plan: {type(e).__name__}: {e}", code="UCL312") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> "Plan":
         K = d["ndim"]
 
         def arrays(table, cols2d):
@@ -148,6 +161,25 @@ class Plan:
                    arrays(d["copies"], BOX_COLUMNS), arrays(d["fills"], ("dst_start", "size")),
                    [dict(x, shape=tuple(x["shape"])) for x in d["datasets"]],
                    {k: np.asarray(v, dtype=I64) for k, v in d["dataset_ranks"].items()})
+
+
+_HALF = 31  # byte counts below 2**62 split into two halves of at most 31 bits, summed exactly in int64
+
+
+def _exact_sums(keys: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Per-key sums of non-negative int64 ``values`` (each below 2**62) without wrapping around or
+    rounding (``np.bincount`` sums in float64): the high and low halves are summed apart in int64,
+    which holds for up to 2**32 rows, and put together as Python ints."""
+    hi, lo = np.zeros(n, dtype=I64), np.zeros(n, dtype=I64)
+    np.add.at(hi, keys, values >> _HALF)
+    np.add.at(lo, keys, values & ((1 << _HALF) - 1))
+    total = hi.astype(object) * (1 << _HALF) + lo.astype(object)
+    return total.astype(I64) if not len(total) or max(total) < (1 << 63) else total
+
+
+def _exact_sum(values: np.ndarray) -> int:
+    """The sum of non-negative int64 ``values`` (each below 2**62), as an exact Python int."""
+    return (int((values >> _HALF).sum()) << _HALF) + int((values & ((1 << _HALF) - 1)).sum())
 
 
 def _box(start, size) -> str:
