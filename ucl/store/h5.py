@@ -200,12 +200,24 @@ class Handles:
                 _abandon(f)
 
 
-def _link_kind(link: Any) -> str:
-    if isinstance(link, h5py.ExternalLink):
-        return f"an external link to {link.filename}:{link.path}"
-    if isinstance(link, h5py.SoftLink):
-        return f"a soft link to {link.path}"
-    return f"a {type(link).__name__}"
+def _refusal(where: str, why: str) -> StoreError:
+    return StoreError(f"{where} is {why}; ucl reads only plain datasets stored in the rank file itself",
+                      code="UCL416")
+
+
+def _link_problem(gid: Any, name: bytes) -> str:
+    """What a link that is not a hard link is, for the error message."""
+    kind = gid.links.get_info(name).type
+    try:
+        target = gid.links.get_val(name)
+    except Exception:  # a dangling or malformed link: its kind is enough
+        target = None
+    if kind == h5py.h5l.TYPE_EXTERNAL:
+        return "an external link" + (f" to {target[0].decode(errors='replace')}:{target[1].decode(errors='replace')}"
+                                     if isinstance(target, tuple) else "")
+    if kind == h5py.h5l.TYPE_SOFT:
+        return "a soft link" + (f" to {target.decode(errors='replace')}" if isinstance(target, bytes) else "")
+    return f"a link of HDF5 type {kind}"
 
 
 def plain_dataset(f: Any, key: str, where: str) -> Any | None:
@@ -213,41 +225,37 @@ def plain_dataset(f: Any, key: str, where: str) -> Any | None:
     plain dataset stored in this very file is refused with UCL416 naming ``where``: soft, external
     or extra hard links (on the dataset or its group), virtual datasets, external raw storage,
     chunked or filtered layouts (compression is a decompression bomb waiting to happen), and
-    storage that lies beyond the end of the file. The checks read metadata only."""
+    storage that lies beyond the end of the file. Reads metadata only, through the low-level API
+    (no link is ever followed but hard ones)."""
     kind, _, name = key.partition("/")
-
-    def refuse(why: str) -> StoreError:
-        return StoreError(f"{where} is {why}; ucl reads only plain datasets stored in the rank file itself",
-                          code="UCL416")
-
-    parent = f
-    for part in (kind, name):
-        link = parent.get(part, getlink=True)
-        if link is None:
+    oid, info = f.id, None
+    for part in (kind.encode(), name.encode()):
+        if info is not None and info.type != h5py.h5o.TYPE_GROUP:
             return None
-        if not isinstance(link, h5py.HardLink):
-            raise refuse(_link_kind(link))
-        obj = parent[part]
-        if h5py.h5o.get_info(obj.id).rc != 1:  # another name aliases the same object
-            raise refuse(f"reached through one of {h5py.h5o.get_info(obj.id).rc} hard links to one object")
-        parent = obj
-    d = parent
-    if not isinstance(d, h5py.Dataset):
+        if not oid.links.exists(part):
+            return None
+        if oid.links.get_info(part).type != h5py.h5l.TYPE_HARD:
+            raise _refusal(where, _link_problem(oid, part))
+        oid = h5py.h5o.open(oid, part)
+        info = h5py.h5o.get_info(oid)
+        if info.rc != 1:  # another name aliases the same object
+            raise _refusal(where, f"reached through one of {info.rc} hard links to one object")
+    if info.type != h5py.h5o.TYPE_DATASET:
         return None
-    if d.is_virtual:
-        raise refuse("a virtual dataset (its bytes live in other files)")
-    if d.external:
-        raise refuse(f"stored in external files {[e[0] for e in d.external]}")
-    plist = d.id.get_create_plist()
+    plist = oid.get_create_plist()
     layout = plist.get_layout()
+    if layout == h5py.h5d.VIRTUAL:
+        raise _refusal(where, "a virtual dataset (its bytes live in other files)")
+    if plist.get_external_count():
+        raise _refusal(where, "stored in external files")
     if layout not in (h5py.h5d.CONTIGUOUS, h5py.h5d.COMPACT) or plist.get_nfilters():
-        raise refuse("a chunked or filtered dataset")
-    nbytes = d.id.get_storage_size()
+        raise _refusal(where, "a chunked or filtered dataset")
+    nbytes = oid.get_storage_size()
     if layout == h5py.h5d.CONTIGUOUS and nbytes:
-        offset = d.id.get_offset()
+        offset = oid.get_offset()
         if offset is None or offset + nbytes > f.id.get_filesize():
-            raise refuse("a dataset whose storage lies beyond the end of the file (truncated)")
-    return d
+            raise _refusal(where, "a dataset whose storage lies beyond the end of the file (truncated)")
+    return h5py.Dataset(oid)
 
 
 def storage_bytes(d: Any) -> int:
@@ -257,25 +265,30 @@ def storage_bytes(d: Any) -> int:
 
 def chunk_table(d: Any, nbytes: int, where: str) -> tuple[int, np.ndarray] | None:
     """The validated (chunk bytes, chunk digests) stored beside a dataset of ``nbytes``; None when
-    it has none. Sizes are checked before anything is read: the chunk size must be the one the
-    writer uses for ``nbytes`` and the table must have one uint64 per chunk (UCL406 otherwise)."""
-    if "ucl_chunks" not in d.attrs and "ucl_chunk_bytes" not in d.attrs:
+    it has none. Sizes and types are checked before anything is read: the chunk size must be the
+    one the writer uses for ``nbytes`` and the table one uint64 per chunk (UCL406 otherwise)."""
+    dsid = d.id
+    has_size, has_table = h5py.h5a.exists(dsid, b"ucl_chunk_bytes"), h5py.h5a.exists(dsid, b"ucl_chunks")
+    if not (has_size or has_table):
         return None
-    want = chunk_size(nbytes)
-    try:
-        size_attr = d.attrs.get("ucl_chunk_bytes")
-        table_space = h5py.h5a.open(d.id, b"ucl_chunks").shape
-    except (KeyError, OSError, RuntimeError, ValueError, TypeError):
-        size_attr, table_space = None, None
-    size = int(size_attr) if isinstance(size_attr, (int, np.integer)) and not isinstance(size_attr, bool) else None
-    if want is None or size != want or table_space != (chunk_count(nbytes),):
+    want, count = chunk_size(nbytes), chunk_count(nbytes)
+    size = table = None
+    if has_size:
+        a = h5py.h5a.open(dsid, b"ucl_chunk_bytes")
+        if a.shape == () and a.dtype.kind in "iu" and a.dtype.itemsize <= 8:
+            buf = np.empty((), a.dtype)
+            a.read(buf)
+            size = int(buf)
+    if has_table:
+        table = h5py.h5a.open(dsid, b"ucl_chunks")
+    if want is None or size != want or table is None or table.shape != (count,) \
+            or table.dtype.kind != "u" or table.dtype.itemsize != 8:
         raise StoreError(f"{where} has chunk checksum attributes that do not fit a dataset of {nbytes} bytes "
-                         f"(chunk size {size_attr!r}, table {table_space}; expected {want}, "
-                         f"({chunk_count(nbytes)},))", code="UCL406")
-    digests = np.asarray(d.attrs["ucl_chunks"])
-    if digests.dtype.kind not in "ui" or digests.dtype.itemsize != 8:
-        raise StoreError(f"{where} has chunk checksums of dtype {digests.dtype}, not uint64", code="UCL406")
-    return size, digests.astype(np.uint64, copy=False)
+                         f"(chunk size {size}, table {None if table is None else (table.shape, str(table.dtype))}; "
+                         f"expected {want} and ({count},) uint64)", code="UCL406")
+    digests = np.empty(count, np.uint64)
+    table.read(digests)
+    return size, digests
 
 
 def read_runs_into(d: Any, runs: Sequence[tuple[int, int, int, int]], out: np.ndarray) -> None:
