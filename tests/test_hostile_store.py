@@ -351,3 +351,36 @@ def test_cli_refuses_a_hostile_checkpoint_without_a_traceback(ckpt, tmp_path):
         if args[0] != "inspect":  # inspect reads the manifest only
             assert r.returncode == 1 and "external link" in r.stdout + r.stderr, (args, r.stdout, r.stderr)
     assert not os.path.exists(tmp_path / "dst")
+
+
+# ---------------------------------------------------------------- Hugging Face folders (ucl check --against)
+
+def _safetensors(path, header: bytes, data: bytes = b""):
+    import struct
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.mark.parametrize("how", ["index-outside", "index-absolute", "header-longer-than-file", "header-deep",
+                                 "header-nan", "shard-fifo"])
+def test_hostile_hugging_face_folders_are_ucl_errors(tmp_path, how):
+    from ucl.interop.hf import read_tensor_names
+    model = tmp_path / "model"
+    model.mkdir()
+    secret = tmp_path / "secret.safetensors"  # outside the folder: must never be read
+    _safetensors(secret, b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4)
+    good = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    if how.startswith("index"):
+        name = "../secret.safetensors" if how == "index-outside" else str(secret)
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": name}}))
+    elif how == "header-longer-than-file":
+        import struct
+        (model / "model.safetensors").write_bytes(struct.pack("<Q", 50 << 20) + good)
+    elif how == "header-deep":
+        _safetensors(model / "model.safetensors", b"[" * 100000 + b"]" * 100000)
+    elif how == "header-nan":
+        _safetensors(model / "model.safetensors", b'{"w":{"dtype":"F32","shape":[NaN],"data_offsets":[0,4]}}')
+    elif how == "shard-fifo":
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "fifo.safetensors"}}))
+        os.mkfifo(model / "fifo.safetensors")
+    msg = refused(lambda: read_tensor_names(model), "UCL401")
+    assert str(model) in msg or "model" in msg

@@ -8,10 +8,11 @@ outside that folder is refused; JSON that nests too deeply or holds NaN is an er
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .errors import UclError
 
@@ -32,15 +33,11 @@ def check_inside(path: str | os.PathLike[str], folder: str | os.PathLike[str], w
                     f"{os.path.realpath(folder)}; links out of a checkpoint are never followed")
 
 
-def read_bounded(path: str | os.PathLike[str], *, limit: int, what: str, error: ErrorFactory,
-                 inside: str | os.PathLike[str] | None = None) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them; anything else is
-    ``error(message)``: a missing file, a folder, a FIFO or device, a file over the cap, a path
-    resolving outside ``inside``. Opening never blocks (``O_NONBLOCK``) and the size is checked on
-    the open descriptor, so what is checked is what is read."""
-    path = os.fspath(path)
-    if inside is not None:
-        check_inside(path, inside, what, error)
+@contextlib.contextmanager
+def _regular_file(path: str, what: str, error: ErrorFactory) -> Iterator[tuple[int, os.stat_result]]:
+    """An open descriptor of the regular file ``path`` and its stat, taken on the descriptor (so
+    what is checked is what is read). Opening never blocks (``O_NONBLOCK``: a FIFO cannot hang it);
+    anything but a regular file, and every OSError, is ``error(message)``."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
@@ -55,22 +52,47 @@ def read_bounded(path: str | os.PathLike[str], *, limit: int, what: str, error: 
             raise error(f"{what} {path} is a folder, not a file")
         if not stat.S_ISREG(st.st_mode):
             raise error(f"{what} {path} is not a regular file (a pipe, socket or device); refusing to read it")
-        if st.st_size > limit:
-            raise error(f"{what} {path} is {st.st_size:,} bytes, more than the {limit:,} a {what} may have")
-        chunks, total = [], 0
-        while True:  # the file may grow after fstat: never read past the cap
-            piece = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not piece:
-                break
-            chunks.append(piece)
-            total += len(piece)
-            if total > limit:
-                raise error(f"{what} {path} is more than the {limit:,} bytes a {what} may have")
-        return b"".join(chunks)
+        yield fd, st
     except OSError as e:
         raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
     finally:
         os.close(fd)
+
+
+def _read_upto(fd: int, n: int) -> bytes:
+    chunks, total = [], 0
+    while total < n:
+        piece = os.read(fd, min(1 << 20, n - total))
+        if not piece:
+            break
+        chunks.append(piece)
+        total += len(piece)
+    return b"".join(chunks)
+
+
+def read_bounded(path: str | os.PathLike[str], *, limit: int, what: str, error: ErrorFactory,
+                 inside: str | os.PathLike[str] | None = None) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them; anything else is
+    ``error(message)``: a missing file, a folder, a FIFO or device, a file over the cap, a path
+    resolving outside ``inside``."""
+    path = os.fspath(path)
+    if inside is not None:
+        check_inside(path, inside, what, error)
+    with _regular_file(path, what, error) as (fd, st):
+        if st.st_size > limit:
+            raise error(f"{what} {path} is {st.st_size:,} bytes, more than the {limit:,} a {what} may have")
+        data = _read_upto(fd, limit + 1)  # the file may grow after fstat: never read past the cap
+        if len(data) > limit:
+            raise error(f"{what} {path} is more than the {limit:,} bytes a {what} may have")
+        return data
+
+
+def read_prefix(path: str | os.PathLike[str], n: int, what: str, error: ErrorFactory) -> bytes:
+    """The first ``n`` bytes (fewer if the file is shorter) of the regular file ``path``, with the
+    checks of :func:`read_bounded`."""
+    path = os.fspath(path)
+    with _regular_file(path, what, error) as (fd, _):
+        return _read_upto(fd, n)
 
 
 def parse_json(data: str | bytes, what: str, error: ErrorFactory) -> Any:

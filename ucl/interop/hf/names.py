@@ -2,7 +2,7 @@
 manifests), and saved per-expert MoE names mapped back onto the fused in-memory tensors."""
 from __future__ import annotations
 
-import json
+import os
 import re
 import struct
 from collections import defaultdict
@@ -10,26 +10,47 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from ...errors import StoreError
+from ...files import check_inside, parse_json, read_bounded, read_prefix
 
 Shapes = dict[str, tuple[int, ...]]
 
 
 # ---- reading tensor names ------------------------------------------------------------------------
-def _safetensors_header(path: Path) -> Shapes:
-    """Names and shapes from a .safetensors header (8-byte little-endian length + JSON), no data read."""
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) != 8:
-            raise StoreError(f"{path}: not a safetensors file (too short)", code="UCL401")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 * 1024 * 1024:
-            raise StoreError(f"{path}: not a safetensors file (header of {n} bytes)", code="UCL401")
-        meta = json.loads(fh.read(n))
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+MAX_JSON_BYTES = 1 << 30  # an index or a manifest
+
+
+def _error(msg: str) -> StoreError:
+    return StoreError(msg, code="UCL401")
+
+
+def _json_file(path: Path, what: str, inside: Path | None = None) -> dict:
+    data = parse_json(read_bounded(path, limit=MAX_JSON_BYTES, what=what, error=_error, inside=inside),
+                      f"{what} {path}", _error)
+    if not isinstance(data, dict):
+        raise _error(f"{what} {path} is not a JSON object")
+    return data
+
+
+def _safetensors_header(path: Path, inside: Path | None = None) -> Shapes:
+    """Names and shapes from a .safetensors header (8-byte little-endian length + JSON), no data
+    read; the length is checked against the file's size before the header is read."""
+    if inside is not None:
+        check_inside(path, inside, "safetensors file", _error)
+    head = read_prefix(path, 8, "safetensors file", _error)
+    if len(head) != 8:
+        raise _error(f"{path}: not a safetensors file (too short)")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > os.path.getsize(path):
+        raise _error(f"{path}: not a safetensors file (header of {n} bytes in a file of {os.path.getsize(path)})")
+    meta = parse_json(read_prefix(path, 8 + n, "safetensors file", _error)[8:], f"safetensors header of {path}", _error)
+    if not isinstance(meta, dict):
+        raise _error(f"{path}: safetensors header is not a JSON object")
     return {k: tuple(int(x) for x in v["shape"]) for k, v in meta.items() if k != "__metadata__"}
 
 
 def _ucl_checkpoint(path: Path) -> Shapes:
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = _json_file(path / "manifest.json", "manifest", inside=path)
     params = manifest.get("params")
     if params:
         return {k: tuple(int(x) for x in v) for k, v in params.items()}
@@ -60,8 +81,8 @@ def _read_tensor_names(path: Path) -> Shapes:
         if path.name == "manifest.json":
             return _ucl_checkpoint(path.parent)
         if path.name.endswith(".index.json"):
-            files = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-            return _merge(path.parent / f for f in files)
+            files = sorted(set(_json_file(path, "index")["weight_map"].values()))
+            return _merge(path.parent, files)
         return _safetensors_header(path)
     if not path.is_dir():
         raise StoreError(f"{path}: no such file or folder", code="UCL404")
@@ -69,18 +90,22 @@ def _read_tensor_names(path: Path) -> Shapes:
         return _ucl_checkpoint(path)
     index = sorted(path.glob("*.safetensors.index.json"))
     if index:
-        files = sorted(set(json.loads(index[0].read_text())["weight_map"].values()))
-        return _merge(path / f for f in files)
-    files = sorted(path.glob("*.safetensors"))
+        files = sorted(set(_json_file(index[0], "index", inside=path)["weight_map"].values()))
+        return _merge(path, files)
+    files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise StoreError(f"{path}: no .safetensors files, index or ucl manifest.json", code="UCL404")
-    return _merge(files)
+    return _merge(path, files)
 
 
-def _merge(files: Iterable[Path]) -> Shapes:
+def _merge(folder: Path, names: Iterable[str]) -> Shapes:
+    """Headers of the shard files ``names`` of ``folder``; a name (from an index) that leads outside
+    the folder is refused, never followed."""
     out: Shapes = {}
-    for f in files:
-        out.update(_safetensors_header(f))
+    for name in names:
+        if not isinstance(name, str):
+            raise _error(f"{folder}: the index names a shard that is not a string: {name!r}")
+        out.update(_safetensors_header(folder / name, inside=folder))
     return out
 
 
