@@ -181,6 +181,23 @@ def to_numpy(obj: Any, dtype: str | None = None) -> tuple[np.ndarray, str]:
     return contiguous(arr), logical
 
 
+def storage_view(obj: Any, logical: str) -> np.ndarray | None:
+    """A writable C-contiguous storage-typed numpy view sharing memory with ``obj`` (a CPU tensor
+    or an array of ``logical`` dtype), so writing it fills ``obj`` in place; None when there is no
+    such view (a GPU or non-contiguous tensor, another dtype)."""
+    if _is_tensor(obj):
+        t = obj.detach()
+        if t.device.type != "cpu" or not t.is_contiguous() or logical_of_torch_dtype(t.dtype) != logical:
+            return None
+        arr = to_numpy(t)[0]
+    else:
+        arr = obj
+    if not isinstance(arr, np.ndarray) or arr.dtype != storage_dtype(logical) or not arr.flags.c_contiguous \
+            or not arr.flags.writeable:
+        return None
+    return arr
+
+
 def to_torch(array: np.ndarray, logical: str) -> Any:
     """Build a CPU tensor of ``logical`` dtype from a storage array (bit-exact, owns a copy if needed)."""
     import torch

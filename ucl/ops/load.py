@@ -1,31 +1,40 @@
 """Loading one rank of any layout straight from a checkpoint of any other layout."""
 from __future__ import annotations
 
+import math
 import os
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
-from ..dtypes import storage_dtype, to_torch
-from ..errors import MeshError
+from ..dtypes import logical_of_torch_dtype, storage_dtype, storage_view, to_torch
+from ..errors import MeshError, StoreError, UclError
 from ..layout.mesh import Mesh, as_mesh
 from ..layout.bind import Model
 from ..plan.compile import compile_between
-from ..plan.execute import rank_datasets, rank_rows, run_copies
+from ..plan.buffers import Arena
+from ..plan.execute import covered_elements, rank_datasets, rank_rows, run_copies
 from ..store.source import StoreSource
 from .prepare import check_stored, mesh_of, model_of, open_checkpoint, plan_for
 from .stats import IOStats
 
 
 def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Model | None = None,
-              as_torch: bool = False, verify: bool = True, stats: IOStats | None = None) -> dict[str, Any]:
+              as_torch: bool = False, verify: bool = True, stats: IOStats | None = None,
+              out: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Rank ``rank``'s tensors for layout ``mesh`` (a Mesh or a string like ``"tp=4"``), resharded
     on the fly from whatever layout the checkpoint has: only the hyperslabs this rank needs are read
     (with ``verify``, rounded out to the checksum chunks around them, each verified). Keys are
     ``KIND/LOCAL_NAME``. ``model`` (a spec bound to the same tensors) describes the target layout
     when it is not the checkpoint's own spec, e.g. a TP job loading an FSDP2 checkpoint. The spec
-    is parsed, bound and this rank's plan compiled once per checkpoint layout and process (cached)."""
+    is parsed, bound and this rank's plan compiled once per checkpoint layout and process (cached).
+
+    ``out`` maps keys to tensors or arrays to fill in place (e.g. a model's parameters or DTensor
+    local shards, optimizer state): each must have the key's shape and dtype; a CPU contiguous one
+    is read into directly (whole datasets without a bounce buffer), others (GPU) are filled by one
+    copy at the end. They are returned as given, with new arrays for keys ``out`` lacks. If the
+    load fails (e.g. a checksum mismatch), tensors in ``out`` may be partly overwritten."""
     t0 = time.perf_counter()
     mesh = as_mesh(mesh)
     if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < mesh.size:
@@ -38,15 +47,60 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
             plan = compile_between(source_model, mesh_of(ckpt), model, mesh, ranks=[rank])
         check_stored(ckpt, source_model, np.unique(plan.copies["src_rank"]))
         t1 = time.perf_counter()
-        source = StoreSource(ckpt, verify=verify)
-        out = {d["key"]: np.zeros(d["shape"], dtype=storage_dtype(d["dtype"])) for d in rank_datasets(plan, rank)}
-        run_copies(plan, rank_rows(plan, rank), source, out)
+        rows = rank_rows(plan, rank)
+        datasets = {d["key"]: d for d in rank_datasets(plan, rank)}
+        targets, given, later = _targets(datasets, covered_elements(plan, rows), out or {}, mesh, rank)
+        source = StoreSource(ckpt, Arena(), verify=verify)
+        run_copies(plan, rows, source, targets)
         if stats is not None:
             stats.compile_seconds += t1 - t0
             stats.bytes_read += source.bytes_read
             stats.bytes_needed += int(plan.bytes_read_per_rank()[rank])
             stats.seconds += time.perf_counter() - t0
-    if as_torch:
-        dtypes = {d["key"]: d["dtype"] for d in plan.datasets}
-        return {k: to_torch(v, dtypes[k]) for k, v in out.items()}
-    return out
+    for key, tensor in later.items():  # GPU (or non-contiguous) destinations: one copy each
+        tensor.copy_(to_torch(targets[key], datasets[key]["dtype"]))
+    result: dict[str, Any] = {}
+    for key, arr in targets.items():
+        if key in given:
+            result[key] = given[key]
+        else:
+            result[key] = to_torch(arr, datasets[key]["dtype"]) if as_torch else arr
+    return result
+
+
+def _targets(datasets: dict[str, dict], covered: dict[str, int], out: Mapping[str, Any], mesh: Mesh, rank: int):
+    """(key -> storage array to fill, the caller's objects by key, key -> tensor filled at the end).
+    New arrays are zeroed only where the plan leaves elements unwritten (padding, flat gaps)."""
+    unknown = sorted(set(out) - set(datasets))
+    if unknown:
+        raise StoreError(f"out= names {len(unknown)} key(s) rank {rank} of {mesh} does not hold: "
+                         f"{', '.join(map(repr, unknown[:5]))}{', ...' if len(unknown) > 5 else ''}", code="UCL409")
+    targets, given, later = {}, {}, {}
+    for key, d in datasets.items():
+        shape, full = tuple(d["shape"]), covered.get(key, 0) == math.prod(d["shape"])
+        if key not in out:
+            targets[key] = (np.empty if full else np.zeros)(shape, dtype=storage_dtype(d["dtype"]))
+            continue
+        obj = given[key] = out[key]
+        got_shape = tuple(getattr(obj, "shape", ()))
+        if got_shape != shape or not _dtype_fits(obj, d["dtype"]):
+            raise StoreError(f"out[{key!r}] is {getattr(obj, 'dtype', type(obj).__name__)} {list(got_shape)}, but "
+                             f"rank {rank} of {mesh} holds it as {d['dtype']} {list(shape)} (numpy arrays hold "
+                             f"{storage_dtype(d['dtype'])} storage)", code="UCL409")
+        view = storage_view(obj, d["dtype"])
+        if view is None:  # filled through a host array, copied once at the end
+            view, later[key] = np.empty(shape, dtype=storage_dtype(d["dtype"])), obj
+        if not full:
+            view.fill(0)
+        targets[key] = view
+    return targets, given, later
+
+
+def _dtype_fits(obj: Any, logical: str) -> bool:
+    """A tensor of ``logical`` dtype, or an array of its storage dtype (bf16 as raw uint16 bits)."""
+    if isinstance(obj, np.ndarray):
+        return obj.dtype == storage_dtype(logical)
+    try:
+        return logical_of_torch_dtype(obj.dtype) == logical
+    except (UclError, AttributeError):
+        return False

@@ -15,16 +15,17 @@ from .prepare import expected_datasets, manifest_fields, normalise
 
 
 def save(path: str | os.PathLike, shards: Mapping[int, Mapping[str, Any]], *, model: Model, mesh: Mesh,
-         state: Any = None) -> str:
+         state: Any = None, durable: bool = True) -> str:
     """Write every rank of a layout from one process (``shards``: rank -> key -> array/tensor) and
-    commit atomically. Returns the checkpoint path."""
+    commit atomically. Returns the checkpoint path. ``durable=False`` skips fsync of the rank files:
+    the commit stays atomic against a killed process, not against a power loss."""
     mesh = as_mesh(mesh)
     nranks = mesh.size
     if set(shards) != set(range(nranks)):
         raise StoreError(f"shards must hold ranks 0..{nranks - 1} of {mesh}, got {sorted(shards)[:8]}...", code="UCL421")
     checked = {r: normalise(model, mesh, r, shards[r]) for r in range(nranks)}
     want = {r: expected_datasets(model, mesh, r) for r in range(nranks)}
-    with CheckpointWriter(path, nranks, **manifest_fields(model, mesh, state)) as w:
+    with CheckpointWriter(path, nranks, durable=durable, **manifest_fields(model, mesh, state)) as w:
         for r in range(nranks):
             for key, arr in checked[r].items():
                 w.write(r, key, arr, dtype=want[r][key][1])

@@ -13,7 +13,9 @@ from .ir import Plan
 
 
 class Source(Protocol):
-    """Where a plan's source boxes come from."""
+    """Where a plan's source boxes come from. A source may also have ``read_into(rank, slot,
+    start, size, out) -> bool``: read the box straight into the destination view ``out`` when it
+    can (no bounce buffer), returning False to fall back to ``read``."""
 
     def read(self, rank: int, slot: Slot, start, size) -> np.ndarray:
         """Box ``start:start+size`` of the tensor in ``slot`` on source rank ``rank`` (storage dtype;
@@ -44,15 +46,33 @@ def run_copies(plan: Plan, rows, source: Source, targets: Mapping[str, np.ndarra
     (target dataset key -> array; rows whose key is absent are skipped). Returns bytes copied."""
     c = plan.copies
     moved = 0
+    read_into = getattr(source, "read_into", None)
     for i in rows:
         dslot = plan.slots[c["dst_slot"][i]]
         out = targets.get(dslot.key)
         if out is None:
             continue
-        values = source.read(int(c["src_rank"][i]), plan.slots[c["src_slot"][i]], c["src_start"][i], c["size"][i])
-        box_view(out, dslot, c["dst_start"][i], c["size"][i])[...] = values
-        moved += values.nbytes
+        dst = box_view(out, dslot, c["dst_start"][i], c["size"][i])
+        src = (int(c["src_rank"][i]), plan.slots[c["src_slot"][i]], c["src_start"][i], c["size"][i])
+        if read_into is None or not read_into(*src, dst):
+            dst[...] = source.read(*src)
+        moved += dst.nbytes
     return moved
+
+
+def covered_elements(plan: Plan, rows) -> dict[str, int]:
+    """Target dataset key -> how many of its elements ``rows`` write (a dataset written whole needs
+    no zero-fill first; padding and flat-buffer gaps are what rows leave out)."""
+    c = plan.copies
+    rows = np.asarray(rows, dtype=np.int64)
+    out: dict[str, int] = {}
+    if not len(rows):
+        return out
+    keys = np.array([s.key for s in plan.slots], dtype=object)[c["dst_slot"][rows]]
+    sizes = np.prod(c["size"][rows].astype(object), axis=1)  # Python ints: no int64 wrap
+    for key, n in zip(keys, sizes):
+        out[key] = out.get(key, 0) + int(n)
+    return out
 
 
 def rank_datasets(plan: Plan, rank: int) -> list[dict]:

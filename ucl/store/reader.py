@@ -6,6 +6,7 @@ import contextlib
 import os
 import stat
 import threading
+from collections import OrderedDict
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -21,6 +22,30 @@ from .checksum import checksum_of, chunk_count, chunk_table_digest, raw_bytes
 from .manifest import MANIFEST_NAME, DatasetInfo, Manifest
 
 MAX_MANIFEST_BYTES = 1 << 30  # ~16k ranks of a large model's datasets; a bigger manifest is hostile
+_MANIFESTS: OrderedDict[tuple, Manifest] = OrderedDict()  # parsed manifests by file identity
+_MAX_MANIFESTS = 8
+
+
+def _manifest_of(path: str, mpath: str) -> Manifest:
+    """The parsed manifest of checkpoint ``path``. A committed checkpoint never changes, so a
+    manifest file with the same identity (device, inode, size, mtime) as one parsed before is not
+    parsed again: repeated ``load_rank`` calls skip the JSON. Readers must not modify it."""
+    error = lambda msg: StoreError(msg, code="UCL401")  # noqa: E731
+    check_inside(mpath, path, "manifest", error)
+    try:
+        st = os.stat(mpath)
+    except OSError as e:
+        raise error(f"cannot read manifest {mpath}: {e.strerror or e}") from None
+    key = (os.path.realpath(mpath), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    manifest = _MANIFESTS.get(key) if stat.S_ISREG(st.st_mode) else None
+    if manifest is None:
+        manifest = Manifest.from_json(read_bounded(mpath, limit=MAX_MANIFEST_BYTES, what="manifest", inside=path,
+                                                   error=error))
+        _MANIFESTS[key] = manifest
+        while len(_MANIFESTS) > _MAX_MANIFESTS:
+            _MANIFESTS.popitem(last=False)
+    _MANIFESTS.move_to_end(key)
+    return manifest
 
 
 class Checkpoint:
@@ -47,9 +72,7 @@ class Checkpoint:
         mpath = os.path.join(path, MANIFEST_NAME)
         if not os.path.lexists(mpath):
             raise StoreError(f"{path} is not a ucl checkpoint: no {MANIFEST_NAME}", code="UCL401")
-        text = read_bounded(mpath, limit=MAX_MANIFEST_BYTES, what="manifest", inside=path,
-                            error=lambda msg: StoreError(msg, code="UCL401"))
-        return cls(path, Manifest.from_json(text), max_open_files)
+        return cls(path, _manifest_of(path, mpath), max_open_files)
 
     def __enter__(self) -> "Checkpoint":
         return self

@@ -10,8 +10,8 @@ from .reader import Checkpoint
 
 
 class StoreSource:
-    """Reads plan boxes from a checkpoint. A box that is a whole dataset is read whole and its
-    checksum verified; with ``verify``, a partial box is read together with the whole checksum
+    """Reads plan boxes from a checkpoint. A box that is a whole dataset is read whole (with
+    ``verify``, its checksum checked); with ``verify``, a partial box is read together with the whole checksum
     chunks around it (docs/format.md), each verified, so corrupt bytes are never passed on. With an
     arena, results are views valid until the next read."""
 
@@ -29,7 +29,7 @@ class StoreSource:
         dtype = info.storage_dtype
         n = int(np.prod(size, dtype=np.int64))
         if start == (0,) * nd and n == info.size and slot.base == 0:
-            out = self.ckpt.read(rank, slot.key, verify=True, out=self._buf(info.shape, dtype)).reshape(size)
+            out = self.ckpt.read(rank, slot.key, verify=self.verify, out=self._buf(info.shape, dtype)).reshape(size)
             self.bytes_read += out.nbytes
             return out
         if self.verify or not slot.is_whole:
@@ -41,6 +41,28 @@ class StoreSource:
         out = self.ckpt.read_box(rank, slot.key, start, size, out=self._buf(size, dtype))
         self.bytes_read += out.nbytes
         return out
+
+    def read_into(self, rank: int, slot: Slot, start, size, out: np.ndarray) -> bool:
+        """Read the box straight into ``out`` when one read covers it: a whole dataset (with
+        ``verify``, checked against its checksum after the read), or any box of a whole-dataset slot when not verifying. False
+        otherwise (partial verified reads round out to checksum chunks and need a buffer). On a
+        checksum mismatch ``out`` holds the bad bytes and the error is raised."""
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            return False
+        nd = len(slot.shape)
+        start = tuple(int(x) for x in start[len(start) - nd:])
+        size = tuple(int(x) for x in size[len(size) - nd:])
+        info = self.ckpt.info(rank, slot.key)
+        if out.dtype != info.storage_dtype or tuple(out.shape) != size:
+            return False
+        if slot.base == 0 and start == (0,) * nd and int(np.prod(size, dtype=object)) == info.size:
+            self.ckpt.read(rank, slot.key, verify=self.verify, out=out.reshape(info.shape))
+        elif not self.verify and slot.is_whole:
+            self.ckpt.read_box(rank, slot.key, start, size, out=out)
+        else:
+            return False
+        self.bytes_read += out.nbytes
+        return True
 
     def _buf(self, shape, dtype):
         return self.arena.array(tuple(shape), dtype) if self.arena is not None else None

@@ -195,6 +195,8 @@ class Checkpointer:
                 if e.key not in arrays:
                     raise StoreError(f"{path} has no {e.key}: it was saved from a different model or optimizer",
                                      code="UCL434")
+                if arrays[e.key] is e.tensor:  # filled in place
+                    continue
                 src = to_torch(arrays[e.key], logical_of_torch_dtype(e.tensor.dtype))
                 e.tensor.copy_(src.reshape(e.tensor.shape))
         if self.optimizer is not None:
@@ -435,7 +437,11 @@ class Checkpointer:
             differ = sorted(n for n in set(saved) & set(model.params) if saved[n] != tuple(model.params[n]))
             raise StoreError(f"{path} holds another model: missing {missing[:5]}, extra {extra[:5]}, other shapes "
                              f"{differ[:5]}", code="UCL434")
-        return load_rank(path, mesh=layout.mesh, rank=rank, model=model)  # only this rank's hyperslabs
+        # only this rank's hyperslabs, read straight into the live tensors where their shapes agree
+        want = expected_datasets(model, layout.mesh, rank) if layout.rank >= 0 or layout.mesh.is_universal else {}
+        into = {e.key: e.tensor for e in layout.entries
+                if e.key in want and tuple(e.tensor.shape) == tuple(want[e.key][0])}
+        return load_rank(path, mesh=layout.mesh, rank=rank, model=model, out=into)
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @staticmethod

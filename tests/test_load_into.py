@@ -1,0 +1,77 @@
+"""``load_rank(..., out=...)``: filling the caller's tensors in place, bit-exactly, from a checkpoint
+of another layout. The oracle is ``load_rank`` without ``out`` (itself checked against in-memory
+resharding in tests/test_checkpoint.py) and the in-memory plan execution."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ucl
+from ucl.demo import llama_model, universal_state
+from ucl.dtypes import to_torch
+from ucl.errors import StoreError
+
+SRC = "pp=2,dp=2,tp=2"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = llama_model()
+    truth = universal_state(model, seed=1)
+    shards = ucl.execute_memory(ucl.compile(model, ucl.UNIVERSAL, SRC), {0: truth})
+    path = ucl.save(tmp_path_factory.mktemp("into") / "src", shards, model=model, mesh=SRC)
+    return path, model, truth
+
+
+def _expected(model, truth, mesh, rank):
+    return ucl.execute_memory(ucl.compile(model, ucl.UNIVERSAL, mesh), {0: truth}, ranks=[rank])[rank]
+
+
+@pytest.mark.parametrize("mesh,rank", [(SRC, 5), ("tp=4", 3), ("pp=4,dp=2", 6), ("universal", 0)])
+def test_out_tensors_are_filled_in_place_bit_exactly(saved, mesh, rank):
+    path, model, truth = saved
+    want = _expected(model, truth, mesh, rank)
+    dtypes = {d["key"]: d["dtype"] for d in ucl.compile(model, SRC, mesh, ranks=[rank]).datasets}
+    # garbage-filled destinations: padding and gaps must come back as zeros, not garbage
+    out = {k: to_torch(np.full_like(v, 0x5A if v.dtype.itemsize == 1 else 7), dtypes[k]) for k, v in want.items()}
+    before = {k: t.data_ptr() for k, t in out.items()}
+    got = ucl.load_rank(path, mesh=mesh, rank=rank, out=out)
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        assert got[k] is out[k] and out[k].data_ptr() == before[k], k
+        assert ucl.dtypes.to_numpy(out[k])[0].tobytes() == w.tobytes(), k
+
+
+def test_out_may_cover_some_keys_and_accepts_numpy_and_non_contiguous(saved):
+    path, model, truth = saved
+    want = _expected(model, truth, "tp=4", 1)
+    keys = sorted(want)
+    as_array = keys[0]
+    fp32 = next(k for k in keys if want[k].dtype == np.float32 and want[k].ndim == 1 and k != as_array)
+    two_d = next(k for k in keys if want[k].ndim == 2 and k not in (as_array, fp32))
+    arr = np.zeros_like(want[as_array])
+    # a non-contiguous destination (a transposed view) is filled through one copy at the end
+    holder = torch.zeros(want[two_d].shape[::-1], dtype=torch.bfloat16 if want[two_d].dtype == np.uint16 else torch.float32)
+    view = holder.t()
+    flat = torch.zeros(want[fp32].shape, dtype=torch.float32)
+    got = ucl.load_rank(path, mesh="tp=4", rank=1, out={as_array: arr, two_d: view, fp32: flat})
+    assert got[as_array] is arr and arr.tobytes() == want[as_array].tobytes()
+    assert ucl.dtypes.to_numpy(holder.t().contiguous())[0].tobytes() == want[two_d].tobytes()
+    assert flat.numpy().tobytes() == want[fp32].tobytes()
+    for k in keys:
+        got_bytes = got[k].tobytes() if isinstance(got[k], np.ndarray) else ucl.dtypes.to_numpy(got[k])[0].tobytes()
+        assert got_bytes == want[k].tobytes(), k
+
+
+def test_out_with_the_wrong_shape_dtype_or_key_is_refused(saved):
+    path, model, truth = saved
+    want = _expected(model, truth, "tp=4", 0)
+    key = next(k for k in want if want[k].dtype == np.float32 and want[k].size > 1)
+    for bad, needle in [({key: torch.zeros(want[key].size + 1)}, "holds it as float32"),
+                        ({key: torch.zeros(want[key].shape, dtype=torch.float64)}, "float64"),
+                        ({key: np.zeros(want[key].shape, np.float64)}, "float64"),
+                        ({"param/nope": torch.zeros(1)}, "does not hold")]:
+        with pytest.raises(StoreError) as e:
+            ucl.load_rank(path, mesh="tp=4", rank=0, out=bad)
+        assert e.value.code == "UCL409" and needle in str(e.value), str(e.value)
