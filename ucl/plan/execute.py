@@ -2,13 +2,14 @@
 ucl store in ``ucl.store.source``, later foreign formats) and land in target arrays."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Protocol
 
 import numpy as np
 
 from ..dtypes import storage_dtype  # bf16/fp8 as raw bits: the one table of storage types
 from ..errors import PlanError
-from ..layout.boxes import Slot, box_view
+from ..layout.boxes import Slot, box_view, flat_runs
 from .ir import Plan
 
 
@@ -47,6 +48,16 @@ def run_copies(plan: Plan, rows, source: Source, targets: Mapping[str, np.ndarra
     c = plan.copies
     moved = 0
     read_into = getattr(source, "read_into", None)
+    if read_into is not None:
+        done = set()
+        for key, mirror in _mirrors(plan, rows, targets).items():
+            whole = Slot(mirror.src_key, 0, mirror.shape, mirror.shape)
+            zeros = (0,) * len(mirror.shape)
+            if read_into(mirror.src_rank, whole, zeros, mirror.shape, targets[key]):
+                _zero_gaps(targets[key].reshape(-1), mirror.ranges)
+                done.update(mirror.rows)
+                moved += _volume(c, mirror.rows) * targets[key].itemsize
+        rows = [i for i in rows if int(i) not in done] if done else rows
     for i in rows:
         dslot = plan.slots[c["dst_slot"][i]]
         out = targets.get(dslot.key)
@@ -58,6 +69,66 @@ def run_copies(plan: Plan, rows, source: Source, targets: Mapping[str, np.ndarra
             dst[...] = source.read(*src)
         moved += dst.nbytes
     return moved
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """A target dataset most of whose rows copy boxes from one source dataset of the same shape to
+    the very same places (the usual case at the same layout, flat buffers included): one read of
+    that dataset does those rows, the elements no row writes are zeroed, the other rows follow."""
+
+    src_rank: int
+    src_key: str
+    shape: tuple[int, ...]
+    rows: tuple[int, ...]  # the rows the whole read does
+    ranges: tuple[tuple[int, int], ...]  # flat [start, stop) all the target's rows write, sorted
+
+
+def _mirrors(plan: Plan, rows, targets: Mapping[str, np.ndarray]) -> dict[str, Mirror]:
+    """Targets that one whole read of a same-shaped source dataset fills, at least half of them:
+    the rows that copy from that dataset to the very same places. Other rows of the target (a
+    replicated tensor the plan reads from another rank) still run after the whole read."""
+    c = plan.copies
+    by_key: dict[str, list[int]] = {}
+    for i in rows:
+        key = plan.slots[c["dst_slot"][i]].key
+        if key in targets:
+            by_key.setdefault(key, []).append(int(i))
+    out = {}
+    for key, rs in by_key.items():
+        same: dict[tuple[int, str], list[int]] = {}  # source dataset -> rows copying to the same places
+        for i in rs:
+            s, d = plan.slots[c["src_slot"][i]], plan.slots[c["dst_slot"][i]]
+            if (s.base, s.shape, s.dataset_shape) == (d.base, d.shape, d.dataset_shape) \
+                    and tuple(s.dataset_shape) == tuple(targets[key].shape) \
+                    and np.array_equal(c["src_start"][i], c["dst_start"][i]):
+                same.setdefault((int(c["src_rank"][i]), s.key), []).append(i)
+        if not same:
+            continue
+        (src_rank, src_key), mine = max(same.items(), key=lambda kv: _volume(c, kv[1]))
+        if 2 * _volume(c, mine) < targets[key].size:
+            continue
+        ranges = []
+        for i in rs:  # every row's flat ranges: the elements no row writes are zeroed after the read
+            for start, count, stride, block in flat_runs(plan.slots[c["dst_slot"][i]], c["dst_start"][i], c["size"][i]):
+                ranges += [(start + k * stride, start + k * stride + block) for k in range(count)]
+        out[key] = Mirror(src_rank, src_key, tuple(targets[key].shape), tuple(mine), tuple(sorted(ranges)))
+    return out
+
+
+def _volume(c, rows) -> int:
+    return sum(int(np.prod(c["size"][i], dtype=object)) for i in rows)
+
+
+def _zero_gaps(flat: np.ndarray, ranges) -> None:
+    """Zero the elements of ``flat`` outside the sorted ``ranges``."""
+    pos = 0
+    for a, b in ranges:
+        if a > pos:
+            flat[pos:a] = 0
+        pos = max(pos, b)
+    if pos < flat.size:
+        flat[pos:] = 0
 
 
 def covered_elements(plan: Plan, rows) -> dict[str, int]:
