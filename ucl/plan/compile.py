@@ -103,8 +103,13 @@ def _compile(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Model | None 
     src_model, model = model, (dst_model or model)
     S, T = lower(src_model, src), lower(model, dst)
     wanted = None if ranks is None else np.unique(np.asarray(list(ranks), dtype=I64))
+    # a few target ranks (one rank's load): test their coordinates instead of enumerating the mesh
+    few = None if wanted is None or len(wanted) > 64 or T.mesh.is_universal else \
+        [(int(r), T.mesh.coords(int(r))) for r in wanted]
 
     def target_ranks(fixed) -> np.ndarray:
+        if few is not None:
+            return np.array([r for r, c in few if all(c.get(a, 0) == v for a, v in fixed.items())], dtype=I64)
         r = T.ranks(fixed)
         return r if wanted is None else r[np.isin(r, wanted)]
 
@@ -214,6 +219,15 @@ def _coalesce(g, dl, sl, n, idx):
 
 
 def _dedup_sources(S: ShardMap, t, role: str = "source") -> list:
+    """:func:`_proved_pieces`, cached on the model per mesh and tensor: lowering and the proof are
+    pure, so the next plan of the same model and mesh (another rank's load) skips them."""
+    memo = S.model.memo.setdefault(("dedup", S.mesh), {})
+    if t.id not in memo:
+        memo[t.id] = _proved_pieces(S, t, role)
+    return memo[t.id]
+
+
+def _proved_pieces(S: ShardMap, t, role: str) -> list:
     """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
     Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
     several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
