@@ -2,10 +2,17 @@
 optimizer buffers) on TP2·PP2·DP2, against `cp -r` of the same directory measured in the same run.
 
     python bench/reshard.py [--size-gb 2] [--repeat 3] [--workdir DIR]
+    python bench/reshard.py --procs 1,2,4 [--to pp=1,dp=2,tp=4] [--size-gb 2] [--repeat 3]
 
 Each operation runs as its own process (like a user would run it), after one warm-up, so the
 source is in the page cache ("warm"); medians with min-max are printed, plus ratios to `cp -r`,
 bytes read vs needed and the peak RSS of the largest process.
+
+``--procs`` measures the distributed reshard instead (docs/distributed.md): `torchrun
+--nproc_per_node N -m ucl reshard ... --workers 1` for each N, against `cp -r` of the same source in
+the same run; wall time includes torchrun's start-up, "reshard s" is the job's own time as rank 0
+reports it (plan included). N=1 is the single-process path (torchrun's WORLD_SIZE is 1); plain
+`ucl reshard --workers 1` and `--workers 2` (no torchrun) are printed for reference.
 """
 from __future__ import annotations
 
@@ -84,11 +91,64 @@ print(json.dumps({"s": time.perf_counter() - t, "read": st.bytes_read, "needed":
 """
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def repeated(cmd, work: Path, repeat: int) -> tuple[list[float], str]:
+    """Wall times of ``repeat`` runs of ``cmd(out)`` after one warm-up run, and the last one's output."""
+    times, last = [], ""
+    for i in range(repeat + 1):
+        out = work / f"out-{i}"
+        dt, last = timed(cmd(out))
+        if i:
+            times.append(dt)
+        shutil.rmtree(out)
+    return times, last
+
+
+def scaling(args, src: Path, size: int, work: Path) -> None:
+    """The distributed reshard with 1, 2, 4... torchrun processes vs `cp -r`, all in this run."""
+    import re
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    procs = [int(x) for x in args.procs.split(",")]
+
+    def job(n: int):
+        return lambda out: [torchrun, "--nproc_per_node", str(n), "--master_port", str(free_port()), "-m", "ucl",
+                            "reshard", str(src), str(out), "--to", args.to, "--quiet", "--no-fsync", "--workers", "1"]
+    base, _ = repeated(lambda out: ["cp", "-r", str(src), str(out)], work, args.repeat)
+    cp = statistics.median(base)
+    print(f"\n{'operation':<30} {'median s':>9} {'min-max s':>13} {'GB/s':>6} {'x cp -r':>8} {'speedup':>8} "
+          f"{'reshard s':>10} {'plan s':>7}  (warm cache, {args.repeat} runs, {os.cpu_count()} cores)")
+    print(f"{'cp -r':<30} {cp:9.2f} {min(base):6.2f}-{max(base):<6.2f} {size / cp / 1e9:6.2f} {1:8.2f}")
+    plain = [sys.executable, "-m", "ucl", "reshard", str(src), "--to", args.to, "--quiet", "--no-fsync", "--workers"]
+    runs = [(f"ucl reshard --workers {w}", lambda out, w=w: plain[:5] + [str(out)] + plain[5:] + [str(w)])
+            for w in (1, 2)]  # the single-process path without torchrun, for reference
+    runs += [(f"torchrun x{n} -> {args.to}", job(n)) for n in procs]
+    first = None
+    for name, cmd in runs:
+        times, text = repeated(cmd, work, args.repeat)
+        med = statistics.median(times)
+        if name.startswith("torchrun"):
+            first = first or med
+        own = re.search(r"in ([\d.]+) s \(plan ([\d.]+) s\)", text)
+        inner = f"{float(own.group(1)):10.2f} {float(own.group(2)):7.2f}" if own else ""
+        speedup = f"{first / med:8.2f}" if first and name.startswith("torchrun") else " " * 8
+        print(f"{name:<30} {med:9.2f} {min(times):6.2f}-{max(times):<6.2f} "
+              f"{size / med / 1e9:6.2f} {med / cp:8.2f} {speedup} {inner}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--procs", default=None, metavar="N,N,...", help="measure the distributed reshard under "
+                    "torchrun with these numbers of processes instead")
+    ap.add_argument("--to", default="pp=1,dp=2,tp=4", metavar="MESH", help="the target of --procs")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ucl-bench-", dir=args.workdir))
     py = sys.executable
@@ -101,6 +161,8 @@ def main() -> None:
         build_source(src, dims)
         size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
         print(f"source: {size / 2**30:.2f} GiB, TP2·PP2·DP2, dims {dims}, built in {time.perf_counter() - t0:.1f} s")
+        if args.procs:
+            return scaling(args, src, size, work)
 
         ops = {
             "cp -r": lambda out: ["cp", "-r", str(src), str(out)],

@@ -169,12 +169,15 @@ def cmd_plan(args) -> int:
 
 
 def cmd_reshard(args) -> int:
+    from .ops.dist import torchrun_world
     from .ops.reshard import reshard
     from .layout.mesh import Mesh
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
     to = Mesh.parse(args.to)
     con = _console()
     src = _checkpoint(args.src)
+    if torchrun_world() > 1:  # under torchrun: every process writes its share (docs/distributed.md)
+        return _reshard_distributed(args, src, to, con)
     total = None if args.quiet else _reshard_bytes(src, to)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=con, transient=True, disable=args.quiet) as bar:
@@ -184,6 +187,26 @@ def cmd_reshard(args) -> int:
     con.print("[green]wrote[/] " + _e(f"{args.dst} ({to}): {stats.datasets_written} datasets, "
               f"{stats.bytes_written:,} B written, {stats.bytes_read:,} B read "
               f"({stats.bytes_needed:,} B needed) in {stats.seconds:.2f} s (plan {stats.compile_seconds:.2f} s)"))
+    return 0
+
+
+def _reshard_distributed(args, src: str, to, con) -> int:
+    """One process of a torchrun job: join the gloo world, write this process's share; rank 0 prints."""
+    from .ops.dist import init_from_env
+    from .ops.reshard import reshard
+    dist = init_from_env(args.timeout)
+    try:
+        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, distributed=True,
+                        timeout=args.timeout)
+        if dist.get_rank() == 0:
+            con.print("[green]wrote[/] " + _e(f"{args.dst} ({to}) with {dist.get_world_size()} processes: "
+                      f"{stats.datasets_written} datasets, {stats.bytes_written:,} B written, {stats.bytes_read:,} B "
+                      f"read ({stats.bytes_needed:,} B needed) in {stats.seconds:.2f} s (plan {stats.compile_seconds:.2f} s)"))
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a world a dead process broke: nothing left to release
+            pass
     return 0
 
 
@@ -314,6 +337,14 @@ def _seconds(text: str) -> float:
     return x
 
 
+def _positive_seconds(text: str) -> float:
+    """argparse type: a positive number of seconds."""
+    x = _seconds(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return x
+
+
 def cmd_trace(args) -> int:
     from .train.timeline import draw_timeline, load_trace, summarize, write_chrome
     con = _console()
@@ -394,10 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", metavar="DST", help="must not exist; appears atomically when complete")
     p.add_argument("--to", metavar="MESH", required=True)
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
-                   help="processes, at least 1 (default: min(2, cores))")
+                   help="processes, at least 1 (default: min(2, cores); under torchrun: forked processes per "
+                   "torchrun process, default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files: still atomic if the "
                    "process dies, but not if the machine loses power before the OS writes the pages")
+    p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+                   help="under torchrun: how long to wait for a process that stopped answering before giving "
+                   "up, publishing nothing (default 300)")
     p.set_defaults(func=cmd_reshard)
 
     p = sub.add_parser("inspect", help="show a checkpoint's parameters, shapes, dtypes, layout and sizes")

@@ -1,5 +1,6 @@
 """Offline reshard: write a checkpoint in another layout, streaming one target dataset at a time
-through worker processes, committed atomically."""
+through worker processes, committed atomically; with ``distributed=True`` every process of a
+torch.distributed job writes its share of the target files (docs/distributed.md)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,19 +11,21 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ..dtypes import storage_dtype
-from ..errors import UclError
+from ..errors import StoreError, UclError
 from ..layout.mesh import Mesh, as_mesh
 from ..plan.buffers import Arena
 from ..plan.execute import run_copies
 from ..plan.ir import Plan
 from ..store.source import StoreSource
 from ..store.writer import CheckpointWriter
+from .collective import commit_collectively
+from .dist import allgather_json, gloo_group, initialized_dist
 from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for
 from .stats import IOStats
 
@@ -74,49 +77,56 @@ class WorkerResult:
     stats: IOStats
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What every process of a reshard derives from the source manifest alone (pure, cached)."""
+
+    model: object
+    plan: Plan
+    state: object
+    compile_seconds: float
+
+
 _JOB: ReshardJob | None = None  # set for the duration of one reshard, inherited by forked workers
+DIST_TIMEOUT_S = 300.0  # how long a distributed reshard waits for a process that stopped answering
+HEARTBEAT_S = 1.0  # how often the processes of a distributed reshard tell each other they are alive
 
 
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, workers: int | None = None,
-            durable: bool = True, verify: bool = True, progress: Callable[[int], None] | None = None) -> IOStats:
+            durable: bool = True, verify: bool = True, progress: Callable[[int], None] | None = None,
+            distributed: bool = False, timeout: float = DIST_TIMEOUT_S) -> IOStats:
     """Write checkpoint ``dst`` holding ``src`` in layout ``to`` (a Mesh or a string; ``"universal"``
     = consolidated). The spec, dims and source layout come from ``src``'s manifest. Streams one
     target dataset at a time, builds replicated target datasets once, uses ``workers`` processes;
     ``dst`` appears atomically. ``durable=False`` skips fsync of the data files (atomic against
     crashes of the process, not of the machine). ``verify`` checks the checksum of every source
     dataset it reads from, including those it reads only in parts, so corruption is never copied
-    into a freshly checksummed file. ``progress`` is called with byte counts as datasets are written."""
-    global _JOB
+    into a freshly checksummed file. ``progress`` is called with byte counts as datasets are written.
+
+    ``distributed=True``: called by every process of an initialised torch.distributed job with the
+    same arguments; each writes its share of the target files (``workers`` forked processes each,
+    default 1) into one temp directory on a file system they all see, and rank 0 commits once all
+    are durable. A failure anywhere publishes nothing and raises on every process; a process that
+    stops answering is given up on after ``timeout`` seconds. Returns the job's totals on every
+    process; ``progress`` sees this process's bytes, from a helper thread."""
     t0 = time.perf_counter()
     to = as_mesh(to)
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise UclError(f"workers must be a positive integer, got {workers!r}", code="UCL009")
-    with open_checkpoint(src) as ckpt:
-        model = model_of(ckpt)
-        plan = plan_for(model, mesh_of(ckpt), to)
-        check_stored(ckpt, model)  # every source rank: a reshard reads them all
-        state = ckpt.manifest.state
-    t1 = time.perf_counter()
+    if distributed:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise UclError(f"timeout must be a positive number of seconds, got {timeout!r}", code="UCL009")
+        return _reshard_distributed(os.fspath(src), os.fspath(dst), to, workers or 1, durable, verify, progress,
+                                    float(timeout), t0)
+    prep = _prepare(src, to)
     workers = max(1, min(workers or min(2, os.cpu_count() or 1), to.size))
-    groups = replica_groups(plan)
-    tasks = assign(groups, plan, workers)
-    stats = IOStats(compile_seconds=t1 - t0)
-    writer = CheckpointWriter(dst, to.size, durable=durable, **manifest_fields(model, to, state))
-    ctx = mp.get_context("fork")  # the plan is inherited, not serialised
-    channel = ctx.Queue() if progress and workers > 1 else None
+    groups = replica_groups(prep.plan)
+    tasks = assign(groups, prep.plan, workers)
+    stats = IOStats(compile_seconds=prep.compile_seconds)
+    writer = CheckpointWriter(dst, to.size, durable=durable, **manifest_fields(prep.model, to, prep.state))
     try:
-        _JOB = ReshardJob(os.fspath(src), writer.tmp_path, to.size, plan, tuple(groups), durable, verify, channel)
-        if workers == 1:
-            results = [_run_worker(tasks[0], progress)]
-        else:
-            with ctx.Pool(workers, initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
-                pending = [pool.apply_async(_run_worker, (t,)) for t in tasks]
-                while progress and not all(p.ready() for p in pending):
-                    _drain(channel, progress, timeout=0.1)
-                results = [p.get() for p in pending]
-            if progress:
-                _drain(channel, progress, timeout=0)
-        for r in results:
+        job = ReshardJob(os.fspath(src), writer.tmp_path, to.size, prep.plan, tuple(groups), durable, verify, None)
+        for r in _execute(job, tasks, progress, in_process=workers == 1):
             for rank, entries in r.entries.items():
                 writer.adopt(int(rank), entries)
             stats.merge(r.stats)
@@ -124,12 +134,144 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     except BaseException:
         writer.abort()
         raise
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _prepare(src: str | os.PathLike, to: Mesh) -> Prepared:
+    t0 = time.perf_counter()
+    with open_checkpoint(src) as ckpt:
+        model = model_of(ckpt)
+        plan = plan_for(model, mesh_of(ckpt), to)
+        check_stored(ckpt, model)  # every source rank: a reshard reads them all
+        state = ckpt.manifest.state
+    return Prepared(model, plan, state, time.perf_counter() - t0)
+
+
+class _Stopped(Exception):
+    """Another process of a distributed reshard failed: this one stops writing (not reported)."""
+
+
+def _execute(job: ReshardJob, tasks: Sequence[WorkerTask], progress: Callable[[int], None] | None, *,
+             in_process: bool, cancel: threading.Event | None = None) -> list[WorkerResult]:
+    """Run ``tasks`` in this process (one task) or in a pool of forked workers, one per task; the
+    first worker error is raised as soon as it happens, and ``cancel`` stops the pool."""
+    global _JOB
+    ctx = mp.get_context("fork")  # the plan is inherited, not serialised
+    channel = ctx.Queue() if progress and not in_process else None
+    try:
+        _JOB = replace(job, progress=channel)
+        if in_process:
+            return [_run_worker(t, progress) for t in tasks]
+        with ctx.Pool(len(tasks), initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
+            pending = [pool.apply_async(_run_worker, (t,)) for t in tasks]
+            while True:
+                for p in pending:
+                    if p.ready() and not p.successful():
+                        p.get()  # raises that worker's error; leaving the block stops the others
+                if all(p.ready() for p in pending):
+                    break
+                if cancel is not None and cancel.is_set():
+                    raise _Stopped()
+                if channel is not None:
+                    _drain(channel, progress, timeout=0.1)
+                else:
+                    next(p for p in pending if not p.ready()).wait(0.1)
+            if channel is not None:
+                _drain(channel, progress, timeout=0)
+            return [p.get() for p in pending]
     finally:
         _JOB = None
         if channel is not None:
             channel.close()
-    stats.seconds = time.perf_counter() - t0
-    return stats
+
+
+def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bool, verify: bool,
+                         progress: Callable[[int], None] | None, timeout: float, t0: float) -> IOStats:
+    """Every process compiles the plan itself (pure, cached: cheaper than shipping its tables),
+    partitions the target files with ``assign`` and writes its share with its own forked workers;
+    the commit is ``commit_collectively`` with a heartbeat, so the group's ``timeout`` bounds the
+    wait for a dead or hung process, not for the slowest writer."""
+    dist = initialized_dist()
+    if dist is None:
+        raise StoreError("reshard(distributed=True) needs torch.distributed to be initialised: call it from every "
+                         "process of the job (e.g. under torchrun)", code="UCL422")
+    try:
+        group = gloo_group(timeout)
+    except RuntimeError as e:
+        raise StoreError(f"reshard to {dst} not started: a process of the job did not join within {timeout:g} s: "
+                         f"{e}", code="UCL424") from None
+    me, world = dist.get_rank(), dist.get_world_size()
+    own: list[BaseException] = []  # this process's own error, raised in place of the job's summary
+    cancel = threading.Event()
+    stats = IOStats()
+    try:
+        prep = None
+        try:
+            prep = _prepare(src, to)
+        except Exception as e:  # every process learns it below: none is left waiting in a collective
+            own.append(e)
+        problems = _gathered(own[0] if own else None, group)
+        if problems:
+            raise own[0] if own else StoreError("reshard not done: " + "; ".join(problems), code="UCL410")
+        stats.compile_seconds = prep.compile_seconds
+        groups = replica_groups(prep.plan)
+        mine = assign(groups, prep.plan, world)[me]
+
+        def write(writer: CheckpointWriter) -> dict:
+            try:
+                if not mine.files:  # e.g. a one-file target on every process but one
+                    return {}
+                sub = [replace(groups[t.group], ranks=t.ranks) for t in mine.groups]
+                n = max(1, min(workers, len(mine.files)))
+                job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, None)
+                entries = {}
+                for r in _execute(job, assign(sub, prep.plan, n, files=mine.files), progress, in_process=False,
+                                  cancel=cancel):
+                    entries.update(r.entries)
+                    stats.merge(r.stats)
+                return entries
+            except Exception as e:
+                if not cancel.is_set():
+                    own.append(e)
+                raise
+
+        fields = {**manifest_fields(prep.model, to, prep.state), "durable": durable}
+        try:
+            commit_collectively(dst, to.size, fields, write, group=group, heartbeat=min(HEARTBEAT_S, timeout / 10),
+                                cancel=cancel)
+        except StoreError:
+            if own and isinstance(own[0], UclError):
+                raise own[0] from None
+            raise
+        stats.seconds = time.perf_counter() - t0
+        try:
+            every = allgather_json([stats.bytes_read, stats.bytes_needed, stats.bytes_written, stats.datasets_written,
+                                    stats.seconds, stats.compile_seconds], group=group)
+        except RuntimeError:  # committed already: report this process's own numbers
+            return stats
+        total = IOStats(*(sum(x[i] for x in every) for i in range(4)))
+        total.seconds, total.compile_seconds = max(x[4] for x in every), max(x[5] for x in every)
+        return total
+    finally:
+        cancel.set()  # a write thread still running (a collective failed under it) stops its workers
+        _destroy(dist, group)
+
+
+def _gathered(error: BaseException | None, group) -> list[str]:
+    """Every process's error before writing started (``rank N: message``), or [] if none failed."""
+    try:
+        got = allgather_json("" if error is None else str(error) or type(error).__name__, group=group)
+    except RuntimeError as e:
+        raise StoreError(f"reshard not done: a process of the job stopped answering: {e}", code="UCL424") from None
+    return [f"rank {r}: {m}" for r, m in enumerate(got) if m]
+
+
+def _destroy(dist, group) -> None:
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # a group broken by a dead process: nothing left to release
+        pass
 
 
 _PR_SET_PDEATHSIG = 1
@@ -196,9 +338,11 @@ def replica_groups(plan: Plan) -> list[ReplicaGroup]:
             for ds, ranks, rows in found.values()]
 
 
-def assign(groups: list[ReplicaGroup], plan: Plan, workers: int) -> list[WorkerTask]:
+def assign(groups: list[ReplicaGroup], plan: Plan, workers: int,
+           files: Sequence[int] | None = None) -> list[WorkerTask]:
     """Give each target rank file to one worker (files cannot be shared), keeping replica groups
-    together where the load allows, so their source bytes are read once."""
+    together where the load allows, so their source bytes are read once. ``files`` are the target
+    ranks to share out (default: all; ``groups`` then name no others)."""
     owner: dict[int, int] = {}
     load = [0] * workers
     total = sum(g.nbytes * len(g.ranks) for g in groups) or 1
@@ -212,8 +356,8 @@ def assign(groups: list[ReplicaGroup], plan: Plan, workers: int) -> list[WorkerT
             owner[r] = w
         for r in g.ranks:
             load[owner[r]] += g.nbytes
-    for r in range(plan.dst_mesh.size):
-        owner.setdefault(r, min(range(workers), key=load.__getitem__))
+    for r in range(plan.dst_mesh.size) if files is None else files:
+        owner.setdefault(int(r), min(range(workers), key=load.__getitem__))
     tasks = []
     for w in range(workers):
         mine = [GroupTask(gi, tuple(r for r in g.ranks if owner[r] == w)) for gi, g in enumerate(groups)]
