@@ -12,11 +12,10 @@ from ..dtypes import logical_of_torch_dtype, storage_dtype, storage_view, to_tor
 from ..errors import MeshError, StoreError, UclError
 from ..layout.mesh import Mesh, as_mesh
 from ..layout.bind import Model
-from ..plan.compile import compile_between
 from ..plan.buffers import Arena
 from ..plan.execute import covered_elements, rank_datasets, rank_rows, run_copies
 from ..store.source import StoreSource
-from .prepare import check_stored, mesh_of, model_of, open_checkpoint, plan_for
+from .prepare import check_stored, mesh_of, model_of, open_checkpoint, plan_between, plan_for
 from .stats import IOStats
 
 
@@ -44,7 +43,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
         if model is None or model.spec.text == source_model.spec.text:
             plan = plan_for(source_model, mesh_of(ckpt), mesh, ranks=[rank])  # this rank's part only
         else:
-            plan = compile_between(source_model, mesh_of(ckpt), model, mesh, ranks=[rank])
+            plan = plan_between(source_model, mesh_of(ckpt), model, mesh, ranks=[rank])
         check_stored(ckpt, source_model, np.unique(plan.copies["src_rank"]))
         t1 = time.perf_counter()
         rows = rank_rows(plan, rank)

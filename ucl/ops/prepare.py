@@ -17,7 +17,7 @@ from ..lang.spec import Spec
 from ..layout.bind import Model
 from ..layout.lower import lower
 from ..layout.mesh import Mesh
-from ..plan.compile import compile
+from ..plan.compile import compile, compile_between
 from ..plan.ir import Plan
 from ..store.reader import Checkpoint
 
@@ -66,6 +66,23 @@ def plan_for(model: Model, src: Mesh, dst: Mesh, ranks=None) -> Plan:
     plan = plans.get(key)
     if plan is None:
         plan = plans[key] = compile(model, src, dst, ranks=ranks)
+        while len(plans) > _MAX_PLANS:
+            plans.popitem(last=False)
+    plans.move_to_end(key)
+    return plan
+
+
+def plan_between(source: Model, src: Mesh, model: Model, dst: Mesh, ranks=None) -> Plan:
+    """``compile_between(source, src, model, dst, ranks)``, cached on the source model by the target
+    model's spec, dims, parameters and frozen set (a resume into another layout compiles once)."""
+    if model.spec.text == source.spec.text and model.fingerprint() == source.fingerprint():
+        return plan_for(source, src, dst, ranks)
+    target = xxhash.xxh3_128_hexdigest(json.dumps([model.spec.text, model.fingerprint()], sort_keys=True).encode())
+    key = ("between", target, src, dst, None if ranks is None else tuple(sorted(int(r) for r in ranks)))
+    plans = source.memo.setdefault("plans", OrderedDict())
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = compile_between(source, src, model, dst, ranks=ranks)
         while len(plans) > _MAX_PLANS:
             plans.popitem(last=False)
     plans.move_to_end(key)
