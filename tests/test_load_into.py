@@ -75,3 +75,22 @@ def test_out_with_the_wrong_shape_dtype_or_key_is_refused(saved):
         with pytest.raises(StoreError) as e:
             ucl.load_rank(path, mesh="tp=4", rank=0, out=bad)
         assert e.value.code == "UCL409" and needle in str(e.value), str(e.value)
+
+
+def test_whole_dataset_reads_zero_what_no_row_writes(tmp_path):
+    # vocab padding rows are fills; a writer may leave garbage there. A same-layout load reads the
+    # dataset whole (one read), so it must zero the padding afterwards, as the plan says.
+    model = llama_model()
+    truth = universal_state(model, seed=2)
+    want = _expected(model, truth, SRC, 1)
+    key = "param/embedding.word_embeddings.weight"  # rows 488..511 of tp rank 1 pad vocab 1000 to 1024
+    assert not want[key][500:].any()
+    shards = ucl.execute_memory(ucl.compile(model, ucl.UNIVERSAL, SRC), {0: truth})
+    shards[1][key] = shards[1][key].copy()
+    shards[1][key][500:] = 0x3F80  # bf16 1.0
+    path = ucl.save(tmp_path / "garbage", shards, model=model, mesh=SRC)
+    stats = ucl.ops.IOStats()
+    got = ucl.load_rank(path, mesh=SRC, rank=1, stats=stats)
+    assert got[key].tobytes() == want[key].tobytes()
+    # one read per dataset; tensors replicated over tp are also read from the replica the plan picks
+    assert stats.bytes_read <= 1.05 * sum(v.nbytes for v in want.values())
