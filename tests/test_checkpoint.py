@@ -775,3 +775,15 @@ def test_compile_for_some_ranks_equals_the_full_plan_restricted(demo):
         assert int(part.bytes_read_per_rank()[r]) == int(full.bytes_read_per_rank()[r])
         got = ucl.execute_memory(part, shards)
         assert_same_shards({r: got[r]}, {r: want[r]}, f"rank {r}")
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_save_durable_false_skips_fsync_of_rank_files(demo, tmp_path, monkeypatch, durable):
+    model, truth = demo
+    synced = []
+    real = store_writer.fsync_path
+    monkeypatch.setattr(store_writer, "fsync_path", lambda p: (synced.append(os.path.basename(p)), real(p)))
+    mesh = M("dp=2,tp=2")
+    path = ucl.save(tmp_path / "c", shards_for(model, truth, mesh), model=model, mesh=mesh, durable=durable)
+    assert sorted(n for n in synced if n.endswith(".h5")) == ([f"rank_{r:05d}.h5" for r in range(4)] if durable else [])
+    assert_intact(path, model, truth, mesh)  # committed and whole either way

@@ -16,13 +16,15 @@ def commit_collectively(path: str, nranks: int, fields: dict,
                         group=None, share: Any = None,
                         before_commit: Callable[[CheckpointWriter, list], None] | None = None,
                         prepare: Callable[[], None] | None = None,
-                        heartbeat: float | None = None, cancel: threading.Event | None = None) -> str:
+                        heartbeat: float | None = None, cancel: threading.Event | None = None,
+                        durable: bool = True) -> str:
     """Called by every process of ``group``. Rank 0 runs ``prepare()`` and creates the writer for
     ``path`` (``nranks`` files, manifest ``fields``); each process calls ``write(writer)``, which
     writes its files and returns the ranks it wrote, or ``{rank: entries}`` of files already
     finished (by its own forked workers) for rank 0 to adopt. ``share`` (JSON) of every process
     reaches ``before_commit(writer, shares)`` on rank 0. Returns the committed path on every process.
 
+    ``durable=False`` skips the fsync of the rank files (still atomic against a killed process).
     With ``heartbeat`` (seconds), ``write`` runs in a thread while this one tells every process,
     that often, who is still writing and whether one failed: the group's timeout then bounds how
     long a killed or hung process is waited for, not how long the slowest one writes; after a
@@ -35,7 +37,7 @@ def commit_collectively(path: str, nranks: int, fields: dict,
         try:
             if prepare is not None:
                 prepare()
-            owner = CheckpointWriter(path, nranks, **fields)
+            owner = CheckpointWriter(path, nranks, durable=durable, **fields)
             tmp = owner.tmp_path
         except (UclError, OSError) as e:
             error = str(e)
@@ -46,7 +48,7 @@ def commit_collectively(path: str, nranks: int, fields: dict,
 
     def attempt() -> None:
         try:
-            writer = owner if me == 0 else CheckpointWriter.join(tmp, nranks)
+            writer = owner if me == 0 else CheckpointWriter.join(tmp, nranks, durable=durable)
             done = write(writer)
             if isinstance(done, Mapping):
                 out["entries"] = dict(done)

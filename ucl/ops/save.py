@@ -33,16 +33,17 @@ def save(path: str | os.PathLike, shards: Mapping[int, Mapping[str, Any]], *, mo
 
 
 def save_rank(path: str | os.PathLike, tensors: Mapping[str, Any], *, model: Model, mesh: Mesh, rank: int,
-              state: Any = None) -> str:
+              state: Any = None, durable: bool = True) -> str:
     """Collective save under ``torch.distributed`` (one call per rank; world size = mesh size):
     every rank writes its own file into a shared temporary directory, rank 0 commits once all are
-    durable. Without an initialised process group, ``mesh`` must have one rank."""
+    durable (``durable=False``: written, not fsynced). Without an initialised process group,
+    ``mesh`` must have one rank."""
     mesh = as_mesh(mesh)
     dist = initialized_dist()
     if dist is None:
         if mesh.size != 1:
             raise StoreError("save_rank on a multi-rank mesh needs torch.distributed to be initialised", code="UCL422")
-        return save(path, {0: tensors}, model=model, mesh=mesh, state=state)
+        return save(path, {0: tensors}, model=model, mesh=mesh, state=state, durable=durable)
     if dist.get_world_size() != mesh.size:
         raise StoreError(f"world size {dist.get_world_size()} != mesh size {mesh.size}", code="UCL422")
     # Every rank checks its tensors, then all learn every problem: one bad rank fails all of them
@@ -62,4 +63,5 @@ def save_rank(path: str | os.PathLike, tensors: Mapping[str, Any], *, model: Mod
             writer.write(rank, key, arr, dtype=want[key][1])
         return [rank]
 
-    return commit_collectively(os.fspath(path), mesh.size, manifest_fields(model, mesh, state), write)
+    return commit_collectively(os.fspath(path), mesh.size, manifest_fields(model, mesh, state), write,
+                               durable=durable)
