@@ -53,13 +53,17 @@ def assert_near_linear(make, small: int, large: int, factor: float, what: str):
     make(small)  # warm-up: grammar, imports, caches
     t_small = best_time(lambda: make(small))
     allowed = factor * (large / small) * t_small
-    try:
-        with budget(max(allowed, 0.05), what):
-            t = time.perf_counter()
-            make(large)
-            t_large = time.perf_counter() - t
-    except TooSlow as e:
-        pytest.fail(f"{e} ({small:,} items took {t_small:.4f} s)")
+    t_large = float("inf")
+    for _ in range(2):  # a second try when a busy machine slowed the first: a quadratic cost fails both
+        try:
+            with budget(max(2 * allowed, 0.05), what):  # only a guard against hanging
+                t = time.perf_counter()
+                make(large)
+                t_large = min(t_large, time.perf_counter() - t)
+        except TooSlow as e:
+            pytest.fail(f"{e} ({small:,} items took {t_small:.4f} s)")
+        if (t_large / large) / (t_small / small) <= factor:
+            break
     ratio = (t_large / large) / (t_small / small)
     assert ratio <= factor, f"{what}: per-item cost at {large:,} is {ratio:.1f}x that at {small:,}"
 
