@@ -236,10 +236,10 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
                     own.append(e)
                 raise
 
-        fields = {**manifest_fields(prep.model, to, prep.state), "durable": durable}
+        fields = manifest_fields(prep.model, to, prep.state)
         try:
             commit_collectively(dst, to.size, fields, write, group=group, heartbeat=min(HEARTBEAT_S, timeout / 10),
-                                cancel=cancel)
+                                cancel=cancel, durable=durable)
         except StoreError:
             if own and isinstance(own[0], UclError):
                 raise own[0] from None
