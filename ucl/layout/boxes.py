@@ -73,11 +73,17 @@ def _tail(values, nd: int) -> tuple[int, ...]:
     return tuple(int(x) for x in values[len(values) - nd:])
 
 
+def slot_box(slot: Slot, start, size) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A plan box (leading dims padded) as (start, size) in the slot's own dims, as ints."""
+    nd = len(slot.shape)
+    return _tail(start, nd), _tail(size, nd)
+
+
 def box_view(array: np.ndarray, slot: Slot, start, size) -> np.ndarray:
     """A view (no copy) of box ``start:start+size`` of the slot's tensor inside dataset ``array``:
     basic slicing when the slot is the whole dataset, else a strided view of the flat buffer."""
     nd = len(slot.shape)
-    start, size = _tail(start, nd), _tail(size, nd)
+    start, size = slot_box(slot, start, size)
     if slot.is_whole:
         return array[tuple(slice(a, a + n) for a, n in zip(start, size))] if nd else array[...]
     flat = array.reshape(-1)
@@ -95,7 +101,7 @@ def flat_runs(slot: Slot, start, size) -> list[tuple[int, int, int, int]]:
     """The box as regular runs ``(start, count, stride, block)`` of the dataset's flattening, in
     increasing order: for a flat slot, what one strided HDF5 selection reads."""
     nd = len(slot.shape)
-    start, size = _tail(start, nd), _tail(size, nd)
+    start, size = slot_box(slot, start, size)
     st = strides(slot.shape)
     if nd == 0:
         return [(slot.base, 1, 1, 1)]

@@ -48,7 +48,8 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
         t1 = time.perf_counter()
         rows = rank_rows(plan, rank)
         datasets = {d["key"]: d for d in rank_datasets(plan, rank)}
-        targets, given, later = _targets(datasets, covered_elements(plan, rows), out or {}, mesh, rank)
+        out = out or {}
+        targets, later = _targets(datasets, covered_elements(plan, rows), out, mesh, rank)
         source = StoreSource(ckpt, Arena(), verify=verify)
         run_copies(plan, rows, source, targets)
         if stats is not None:
@@ -60,27 +61,27 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
         tensor.copy_(to_torch(targets[key], datasets[key]["dtype"]))
     result: dict[str, Any] = {}
     for key, arr in targets.items():
-        if key in given:
-            result[key] = given[key]
+        if key in out:
+            result[key] = out[key]
         else:
             result[key] = to_torch(arr, datasets[key]["dtype"]) if as_torch else arr
     return result
 
 
 def _targets(datasets: dict[str, dict], covered: dict[str, int], out: Mapping[str, Any], mesh: Mesh, rank: int):
-    """(key -> storage array to fill, the caller's objects by key, key -> tensor filled at the end).
+    """(key -> storage array to fill, key -> a caller's tensor filled from its array at the end).
     New arrays are zeroed only where the plan leaves elements unwritten (padding, flat gaps)."""
     unknown = sorted(set(out) - set(datasets))
     if unknown:
         raise StoreError(f"out= names {len(unknown)} key(s) rank {rank} of {mesh} does not hold: "
                          f"{', '.join(map(repr, unknown[:5]))}{', ...' if len(unknown) > 5 else ''}", code="UCL409")
-    targets, given, later = {}, {}, {}
+    targets, later = {}, {}
     for key, d in datasets.items():
         shape, full = tuple(d["shape"]), covered.get(key, 0) == math.prod(d["shape"])
         if key not in out:
             targets[key] = (np.empty if full else np.zeros)(shape, dtype=storage_dtype(d["dtype"]))
             continue
-        obj = given[key] = out[key]
+        obj = out[key]
         got_shape = tuple(getattr(obj, "shape", ()))
         if got_shape != shape or not _dtype_fits(obj, d["dtype"]):
             raise StoreError(f"out[{key!r}] is {getattr(obj, 'dtype', type(obj).__name__)} {list(got_shape)}, but "
@@ -92,7 +93,7 @@ def _targets(datasets: dict[str, dict], covered: dict[str, int], out: Mapping[st
         if not full:
             view.fill(0)
         targets[key] = view
-    return targets, given, later
+    return targets, later
 
 
 def _dtype_fits(obj: Any, logical: str) -> bool:

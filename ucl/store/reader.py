@@ -31,7 +31,7 @@ def _manifest_of(path: str, mpath: str) -> Manifest:
     manifest file with the same identity (device, inode, size, mtime) as one parsed before is not
     parsed again: repeated ``load_rank`` calls skip the JSON. Readers must not modify it."""
     error = lambda msg: StoreError(msg, code="UCL401")  # noqa: E731
-    check_inside(mpath, path, "manifest", error)
+    check_inside(mpath, path, "manifest", error)  # checked here, once, for cached and fresh reads alike
     try:
         st = os.stat(mpath)
     except OSError as e:
@@ -39,8 +39,7 @@ def _manifest_of(path: str, mpath: str) -> Manifest:
     key = (os.path.realpath(mpath), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     manifest = _MANIFESTS.get(key) if stat.S_ISREG(st.st_mode) else None
     if manifest is None:
-        manifest = Manifest.from_json(read_bounded(mpath, limit=MAX_MANIFEST_BYTES, what="manifest", inside=path,
-                                                   error=error))
+        manifest = Manifest.from_json(read_bounded(mpath, limit=MAX_MANIFEST_BYTES, what="manifest", error=error))
         _MANIFESTS[key] = manifest
         while len(_MANIFESTS) > _MAX_MANIFESTS:
             _MANIFESTS.popitem(last=False)

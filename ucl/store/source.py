@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout.boxes import Slot, flat_runs
+from ..layout.boxes import Slot, flat_runs, slot_box
 from ..plan.buffers import Arena
 from .reader import Checkpoint
 
@@ -23,8 +23,7 @@ class StoreSource:
 
     def read(self, rank: int, slot: Slot, start, size) -> np.ndarray:
         nd = len(slot.shape)
-        start = tuple(int(x) for x in start[len(start) - nd:])
-        size = tuple(int(x) for x in size[len(size) - nd:])
+        start, size = slot_box(slot, start, size)
         info = self.ckpt.info(rank, slot.key)
         dtype = info.storage_dtype
         n = int(np.prod(size, dtype=np.int64))
@@ -50,8 +49,7 @@ class StoreSource:
         if not (out.flags.c_contiguous and out.flags.writeable):
             return False
         nd = len(slot.shape)
-        start = tuple(int(x) for x in start[len(start) - nd:])
-        size = tuple(int(x) for x in size[len(size) - nd:])
+        start, size = slot_box(slot, start, size)
         info = self.ckpt.info(rank, slot.key)
         if out.dtype != info.storage_dtype or tuple(out.shape) != size:
             return False

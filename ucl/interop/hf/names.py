@@ -41,8 +41,9 @@ def _safetensors_header(path: Path, inside: Path | None = None) -> Shapes:
     if len(head) != 8:
         raise _error(f"{path}: not a safetensors file (too short)")
     (n,) = struct.unpack("<Q", head)
-    if n > MAX_HEADER_BYTES or 8 + n > os.path.getsize(path):
-        raise _error(f"{path}: not a safetensors file (header of {n} bytes in a file of {os.path.getsize(path)})")
+    size = os.path.getsize(path)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise _error(f"{path}: not a safetensors file (header of {n} bytes in a file of {size})")
     meta = parse_json(read_prefix(path, 8 + n, "safetensors file", _error)[8:], f"safetensors header of {path}", _error)
     if not isinstance(meta, dict):
         raise _error(f"{path}: safetensors header is not a JSON object")
