@@ -19,9 +19,10 @@ LAYERS = [
     (("ucl.layout",), 2),
     (("ucl.plan",), 3),
     (("ucl.store",), 4),
-    (("ucl.ops",), 5),
-    (("ucl.interop", "ucl.train"), 6),
-    (("ucl.cli", "ucl.demo", "ucl.picture", "ucl.__main__"), 7),
+    (("ucl.interop",), 5),
+    (("ucl.ops",), 6),
+    (("ucl.train",), 7),
+    (("ucl.cli", "ucl.demo", "ucl.picture", "ucl.__main__"), 8),
 ]
 # The public face of binding: ``Spec.bind`` / ``Spec.synthesize_params`` (lang) call the layout
 # layer, which never imports ``ucl.lang.spec`` back. Function-level, so no module cycle.

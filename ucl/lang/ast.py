@@ -263,7 +263,7 @@ class IgnoreDecl:
 @dataclass(frozen=True)
 class StateDecl:
     kinds: tuple[Ident, ...]
-    pattern: Pattern | None
+    patterns: tuple[Pattern, ...]  # `for P | Q`: the parameters it is for; () = all
     transforms: tuple[StateTransform, ...]
     span: Span
 

@@ -124,6 +124,8 @@ class _Checker:
         self.out.ignores.extend(st.patterns)
 
     def on_StateDecl(self, st: ast.StateDecl):
+        for p in st.patterns:
+            self.check_pattern(p)
         for ident in st.kinds:
             if ident.name not in self.out.kinds:
                 self.out.kinds.append(ident.name)

@@ -100,11 +100,12 @@ class _ToAst:
     def state_decl(self, meta, c):
         kinds = tuple(_ident(t) for t in c if isinstance(t, Token) and t.type == "NAME")
         rest = [x for x in c if not (isinstance(x, Token) and x.type == "NAME")]
-        pattern = None
-        if rest and (rest[0] is None or isinstance(rest[0], Token)):
+        patterns = []
+        while rest and (rest[0] is None or isinstance(rest[0], Token)):
             tok = rest.pop(0)
-            pattern = ast.Pattern(str(tok), _span_of(tok)) if tok is not None else None
-        return ast.StateDecl(kinds, pattern, tuple(rest), _span_of(meta))
+            if tok is not None:
+                patterns.append(ast.Pattern(str(tok), _span_of(tok)))
+        return ast.StateDecl(kinds, tuple(patterns), tuple(rest), _span_of(meta))
 
     def rule(self, meta, c):
         pattern = ast.Pattern(str(c[0]), _span_of(c[0]))

@@ -154,8 +154,9 @@ class Model:
         for d in ck.states:
             for k in dict.fromkeys(k.name for k in d.kinds):
                 general, specific = self._states.setdefault(k, ([], []))
-                (general if d.pattern is None else specific).append(d)
-        self._states = {k: (g, PatternIndex((d.pattern, d) for d in sp)) for k, (g, sp) in self._states.items()}
+                (specific if d.patterns else general).append(d)
+        self._states = {k: (g, PatternIndex((p, d) for d in sp for p in d.patterns))
+                        for k, (g, sp) in self._states.items()}
 
         self._reported: set[Diagnostic] = set()
         self.tensors: list[Tensor] = []
@@ -254,7 +255,7 @@ class Model:
 
     def _state_decl(self, name, kind, problems):
         general, specific = self._states.get(kind, ((), None))
-        decls = specific.matches(name) if specific is not None else []
+        decls = list({id(d): d for d in specific.matches(name)}.values()) if specific is not None else []
         if not decls:  # a `for PATTERN` statement overrides a general one
             decls = list(general)
         if len(decls) > 1:

@@ -19,6 +19,9 @@ from ..layout.lower import lower
 from ..layout.mesh import Mesh
 from ..plan.compile import compile, compile_between
 from ..plan.ir import Plan
+from ..interop.foreign import open_foreign
+from ..store.extents import ExtentCheckpoint
+from ..store.manifest import MANIFEST_NAME
 from ..store.reader import Checkpoint
 
 _MODELS: OrderedDict[str, Model] = OrderedDict()  # manifest digest -> bound model
@@ -26,9 +29,13 @@ _MAX_MODELS = 8
 _MAX_PLANS = 256  # per model: one-rank plans of a load loop, whole plans of reshards
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open a committed checkpoint for reading (lazy: rank files open on first use)."""
-    return Checkpoint.open(path)
+def open_checkpoint(path: str | os.PathLike, format: str | None = None) -> Checkpoint | ExtentCheckpoint:
+    """Open a committed checkpoint for reading (lazy: rank files open on first use). A folder
+    another framework wrote (DeepSpeed, DCP, Megatron, Hugging Face; ``format`` detected when
+    None) opens read in place (docs/interop.md): the same reads, from the framework's own files."""
+    if format in (None, "ucl") and (format == "ucl" or os.path.lexists(os.path.join(os.fspath(path), MANIFEST_NAME))):
+        return Checkpoint.open(path)
+    return open_foreign(path, format)
 
 
 def model_of(ckpt: Checkpoint) -> Model:

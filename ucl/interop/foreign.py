@@ -1,0 +1,114 @@
+"""Checkpoints other frameworks wrote, opened as ucl checkpoints (read in place).
+
+A format's reader describes a folder as a :class:`Description`: the spec (generated, or a stdlib
+spec), dims, the mesh read from the framework's own metadata, the parameter list, and for every
+rank the datasets it holds as byte :class:`~ucl.store.extents.Extent`\\ s in the framework's files.
+It never slices a tensor itself: the compiler checks the description against the spec's lowering
+(``check_stored``) and the copy loop reads the bytes. :func:`open_foreign` turns a description into
+an :class:`~ucl.store.extents.ExtentCheckpoint`; descriptions are cached by the identity of the
+files they were read from, so repeated ``load_rank`` calls parse a framework's metadata once.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..errors import StoreError
+from ..store.extents import NO_CHECKSUM, Extent, ExtentCheckpoint
+from ..store.manifest import Manifest
+
+FORMATS = ("deepspeed", "dcp", "megatron", "hf")
+_CACHE: OrderedDict[tuple, tuple[tuple, "Description"]] = OrderedDict()
+_MAX_CACHED = 8
+
+
+@dataclass(frozen=True)
+class Description:
+    """What a format's reader knows about a foreign checkpoint (see the module doc)."""
+    format: str
+    spec: str
+    spec_name: str | None
+    dims: Mapping[str, int]
+    mesh: tuple[tuple[str, int], ...]
+    params: Mapping[str, tuple[int, ...]]
+    frozen: tuple[str, ...]
+    extents: tuple[Mapping[str, Extent], ...]  # per rank: dataset key -> where its bytes are
+    files: tuple[str, ...] = ()  # per rank: the file that names it in messages
+    state: Any = field(default_factory=dict)
+    read: tuple[str, ...] = ()  # files the description was made from (relative), for the cache
+
+    def manifest(self) -> Manifest:
+        datasets = [{k: {"dtype": e.dtype, "shape": list(e.shape), "checksum": NO_CHECKSUM} for k, e in table.items()}
+                    for table in self.extents]
+        files = list(self.files) or [f"{self.format}:{r}" for r in range(len(self.extents))]
+        return Manifest(dims=dict(self.dims), mesh=[(a, int(s)) for a, s in self.mesh], files=files,
+                        datasets=datasets, spec=self.spec, spec_name=self.spec_name,
+                        params={n: list(s) for n, s in self.params.items()}, frozen=sorted(self.frozen),
+                        state=self.state)
+
+
+def _describers() -> dict[str, tuple[Callable[[str], bool], Callable[[str], Description]]]:
+    from . import deepspeed
+    return {"deepspeed": (deepspeed.detect, deepspeed.describe)}
+
+
+def detect_format(path: str) -> str | None:
+    """The framework that wrote the checkpoint folder ``path``, or None. Megatron's torch_dist
+    folders are DCP folders with Megatron's metadata, so Megatron is asked first."""
+    for name, (detect, _) in _describers().items():
+        if detect(path):
+            return name
+    return None
+
+
+def describe(path: str | os.PathLike, format: str | None = None) -> Description:
+    """The :class:`Description` of a foreign checkpoint folder (format detected when None)."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise StoreError(f"checkpoint {path} {'is not a folder' if os.path.lexists(path) else 'does not exist'}",
+                         code="UCL404")
+    describers = _describers()
+    if format is None:
+        format = detect_format(path)
+        if format is None:
+            raise StoreError(f"{path} is not a checkpoint ucl recognises: no manifest.json, and not a DeepSpeed "
+                             "(latest, *_model_states.pt), DCP (.metadata), Megatron or Hugging Face "
+                             "(config.json + *.safetensors) folder", code="UCL501")
+    elif format not in describers:
+        raise StoreError(f"unknown checkpoint format {format!r}; formats: ucl, {', '.join(FORMATS)}", code="UCL501")
+    elif not describers[format][0](path):
+        raise StoreError(f"{path} is not a {format} checkpoint folder", code="UCL501")
+    key = (path, format)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] == _identity(path, hit[1].read):
+        _CACHE.move_to_end(key)
+        return hit[1]
+    desc = describers[format][1](path)
+    _CACHE[key] = (_identity(path, desc.read), desc)
+    while len(_CACHE) > _MAX_CACHED:
+        _CACHE.popitem(last=False)
+    return desc
+
+
+def open_foreign(path: str | os.PathLike, format: str | None = None) -> ExtentCheckpoint:
+    """A foreign checkpoint folder opened for reading in place."""
+    desc = describe(path, format)
+    return ExtentCheckpoint(os.path.abspath(os.fspath(path)), desc.manifest(), desc.extents, desc.format)
+
+
+def _identity(path: str, files: tuple[str, ...]) -> tuple:
+    out = []
+    for rel in files:
+        try:
+            st = os.stat(os.path.join(path, rel))
+            out.append((rel, st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append((rel, None))
+    return tuple(out)
+
+
+def forget() -> None:
+    """Drop every cached description."""
+    _CACHE.clear()

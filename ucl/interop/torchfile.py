@@ -1,0 +1,346 @@
+"""Reading ``torch.save`` files without running them and without reading their tensors.
+
+A ``.pt`` file is a zip archive: ``<prefix>/data.pkl`` (a pickle describing the object, tensors
+referring to storages by key) and one uncompressed member ``<prefix>/data/<key>`` per storage.
+:func:`read_torch_file` unpickles ``data.pkl`` with an allow-list: torch's tensor and storage
+rebuilders become :class:`TensorRef` records (where the bytes are, not the bytes), plain containers
+stay what they are, a few framework classes that checkpoints carry (DeepSpeed's ``LossScaler``,
+``ZeroStageEnum``, ``fragment_address``; ``argparse.Namespace``) become inert :class:`Record`
+objects, and anything else is refused with an error naming the class. Nothing is imported on the
+file's say-so and nothing executes. torch itself is not needed.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import stat
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import itemsize
+from ..errors import StoreError
+from ..files import check_inside
+
+MAX_PICKLE_BYTES = 256 << 20  # data.pkl holds structure, not tensors; a bigger one is hostile
+
+# torch storage classes (as pickled) -> logical dtype
+_STORAGES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool", "Float8_e4m3fnStorage": "float8_e4m3fn",
+    "Float8_e5m2Storage": "float8_e5m2",
+}
+# torch dtypes (as pickled) -> logical dtype
+_DTYPES = {"float32": "float32", "float": "float32", "float64": "float64", "double": "float64",
+           "float16": "float16", "half": "float16", "bfloat16": "bfloat16", "int64": "int64", "long": "int64",
+           "int32": "int32", "int": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8", "bool": "bool",
+           "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
+# framework classes a checkpoint may carry as plain data: recorded, never imported
+RECORD_CLASSES = frozenset({
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("argparse", "Namespace"),
+})
+# enums pickled as a call with their value: the value stands for the member
+ENUM_CLASSES = frozenset({("deepspeed.runtime.zero.config", "ZeroStageEnum")})
+
+
+def _error(msg: str) -> StoreError:
+    return StoreError(msg, code="UCL500")
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str
+    dtype: str  # logical
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor of a torch file, by location: ``shape`` elements of ``dtype`` starting
+    ``offset`` elements into storage ``storage``, with element ``stride``."""
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def dtype(self) -> str:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=object))
+
+    @property
+    def contiguous(self) -> bool:
+        expect = 1
+        for size, step in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and step != expect:
+                return False
+            expect *= size
+        return True
+
+
+class Record:
+    """An object of an allow-listed framework class, kept as data: ``cls`` is 'module.Name',
+    ``state`` what the pickle set on it (usually its ``__dict__``), ``args`` its constructor args."""
+
+    def __init__(self, cls: str, args: tuple = ()):
+        self.cls, self.args, self.state = cls, args, None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if isinstance(self.state, dict):
+            return self.state.get(name, default)
+        if isinstance(self.state, tuple) and len(self.state) == 2 and isinstance(self.state[1], dict):
+            return self.state[1].get(name, default)  # (dict, slots)
+        return default
+
+    def __repr__(self) -> str:
+        return f"Record({self.cls}, {self.state!r})"
+
+
+def _record_factory(cls: str):
+    class _New(Record):
+        def __new__(klass, *args):
+            obj = object.__new__(Record)
+            Record.__init__(obj, cls, args)
+            return obj
+    _New.__name__ = cls.rsplit(".", 1)[-1]
+    return _New
+
+
+def _rebuild_tensor(storage, offset, size, stride, *rest):
+    if not isinstance(storage, StorageRef):
+        raise _error(f"a tensor refers to {type(storage).__name__}, not a storage")
+    shape, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    if len(shape) != len(stride) or any(s < 0 for s in shape + stride) or offset < 0:
+        raise _error(f"a tensor has an invalid view: size {shape}, stride {stride}, offset {offset}")
+    if all(shape):  # the last element it reaches must lie in its storage
+        last = int(offset) + sum((s - 1) * t for s, t in zip(shape, stride))
+        if last >= storage.numel:
+            raise _error(f"a tensor of size {shape} reaches element {last} of a storage of {storage.numel}")
+    return TensorRef(storage, int(offset), shape, stride)
+
+
+_TENSOR_TYPE = ("tensor-type",)
+
+
+def _rebuild_from_type(func, new_type, args, state=None):
+    # a tensor saved with its Python type and attributes: the tensor is what matters
+    if func is not _rebuild_tensor or new_type is not _TENSOR_TYPE:
+        raise _error("a pickle asked to rebuild a tensor subclass ucl does not know")
+    return func(*args)
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *rest):
+    return data
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str):
+        import io
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor
+        if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+            return _rebuild_parameter
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return _rebuild_from_type
+        if (module, name) in (("torch", "Tensor"), ("torch.nn.parameter", "Parameter")):
+            return _TENSOR_TYPE
+        if module == "torch" and name in _STORAGES:
+            return ("storage-type", _STORAGES[name])
+        if module == "torch" and name in _DTYPES:
+            return f"torch.{_DTYPES[name]}"
+        if module == "torch" and name == "Size":
+            return tuple
+        if module == "torch" and name == "device":
+            return lambda *a: "device:" + ":".join(str(x) for x in a)
+        if module == "builtins" and name in ("set", "frozenset", "slice", "complex", "bytearray"):
+            return {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "bytearray": bytearray}[name]
+        if module == "_codecs" and name == "encode":
+            return _latin1_encode
+        if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "_reconstruct":
+            return _np_reconstruct
+        if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "scalar":
+            return _np_scalar
+        if module == "numpy" and name == "ndarray":
+            return np.ndarray
+        if module == "numpy" and name == "dtype":
+            return _np_dtype
+        if (module, name) in RECORD_CLASSES:
+            return _record_factory(f"{module}.{name}")
+        if (module, name) in ENUM_CLASSES:
+            return lambda value: value
+        raise _error(f"{self.where} needs the class {module}.{name}, which ucl does not load from a file "
+                     "(only tensors, plain containers and a short allow-list of framework records; "
+                     "docs/interop.md)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], tuple) and pid[1][:1] == ("storage-type",)):
+            raise _error(f"{self.where} refers to an unsupported persistent object {str(pid)[:80]}")
+        _, (_, dtype), key, _location, numel = pid
+        if not isinstance(key, str) or not key.isalnum() or not isinstance(numel, int) or numel < 0:
+            raise _error(f"{self.where} has a malformed storage reference {str(pid)[:80]}")
+        return StorageRef(key, dtype, numel)
+
+
+def _latin1_encode(text, encoding="latin1"):
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise _error("a pickle asked for an unsupported byte encoding")
+    return text.encode("latin1")
+
+
+def _np_dtype(spec, align=False, copy=False):
+    if not isinstance(spec, str) or len(spec) > 8:
+        raise _error(f"a pickle asked for the numpy dtype {spec!r}")
+    dtype = np.dtype(spec)
+    if dtype.hasobject:
+        raise _error("a pickle asked for a numpy array of Python objects")
+    return dtype
+
+
+def _np_reconstruct(cls, shape, dtype_code):
+    if cls is not np.ndarray:
+        raise _error("a pickle asked to rebuild a numpy array subclass")
+    return np.ndarray.__new__(np.ndarray, shape, dtype_code)
+
+
+def _np_scalar(dtype, data=None):
+    if not isinstance(dtype, np.dtype) or dtype.hasobject or not isinstance(data, bytes) \
+            or len(data) != dtype.itemsize:
+        raise _error("a pickle holds a malformed numpy scalar")
+    return np.frombuffer(data, dtype)[0]
+
+
+@dataclass(frozen=True)
+class TorchFile:
+    """A ``torch.save`` file read lazily: its object (tensors as :class:`TensorRef`) and where
+    each storage's bytes start in the file."""
+    path: str
+    obj: Any
+    storage_offsets: dict[str, int]  # storage key -> byte offset in the file
+    storage_bytes: dict[str, int]
+
+    def byte_offset(self, t: TensorRef) -> int:
+        """Where ``t``'s first element is in the file (``t`` must be contiguous)."""
+        if not t.contiguous:
+            raise _error(f"{self.path}: a tensor of size {t.shape} is stored with stride {t.stride}, not "
+                         "row-major; ucl reads tensors in place only when they are contiguous")
+        return self.storage_offsets[t.storage.key] + t.offset * itemsize(t.dtype)
+
+
+def read_torch_file(path: str, inside: str | None = None) -> TorchFile:
+    """The object of a ``torch.save`` zip file, tensors left on disk (see the module doc).
+    Every storage is checked against the archive: uncompressed, present, exactly the size its
+    references claim, and inside the file."""
+    where = path
+    if inside is not None:
+        check_inside(path, inside, "file", lambda msg: StoreError(msg, code="UCL416"))
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise _error(f"cannot read {where}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(f"{where} is not a regular file", code="UCL416")
+    try:
+        with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+            infos = {i.filename: i for i in z.infolist()}
+            pkl = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pkl) != 1:
+                raise _error(f"{where} is not a torch.save zip archive (no single <prefix>/data.pkl)")
+            prefix = pkl[0][:-len("data.pkl")]
+            if infos[pkl[0]].file_size > MAX_PICKLE_BYTES:
+                raise _error(f"{where}: data.pkl is {infos[pkl[0]].file_size:,} bytes, beyond the limit")
+            order = infos.get(prefix + "byteorder")
+            if order is not None and z.read(order).strip() not in (b"little",):
+                raise _error(f"{where} was written big-endian; ucl reads little-endian files only")
+            data = z.read(pkl[0])
+            obj = _Unpickler(data, where).load()
+            offsets, sizes = {}, {}
+            for name, info in infos.items():
+                if not name.startswith(prefix + "data/"):
+                    continue
+                key = name[len(prefix + "data/"):]
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise _error(f"{where}: storage {key} is compressed; ucl reads stored tensors in place only")
+                f.seek(info.header_offset)
+                head = f.read(30)
+                if len(head) != 30 or head[:4] != b"PK\x03\x04":
+                    raise _error(f"{where}: the zip entry of storage {key} is damaged")
+                name_len, extra_len = struct.unpack("<HH", head[26:30])
+                start = info.header_offset + 30 + name_len + extra_len
+                if start + info.file_size > st.st_size:
+                    raise _error(f"{where}: storage {key} runs past the end of the file (truncated?)")
+                offsets[key], sizes[key] = start, info.file_size
+    except StoreError:
+        raise
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
+            IndexError, AttributeError, struct.error, OSError, RecursionError, MemoryError) as e:
+        raise _error(f"{where} is not a readable torch.save file: {type(e).__name__}: {e}") from None
+    _check_storages(obj, offsets, sizes, where)
+    return TorchFile(path, obj, offsets, sizes)
+
+
+def _check_storages(obj: Any, offsets: dict, sizes: dict, where: str) -> None:
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, TensorRef):
+            s = x.storage
+            if s.key not in offsets:
+                raise _error(f"{where}: storage {s.key} is referenced but missing from the archive")
+            if s.numel * itemsize(s.dtype) != sizes[s.key]:
+                raise _error(f"{where}: storage {s.key} holds {sizes[s.key]:,} bytes, not the "
+                             f"{s.numel:,} x {s.dtype} its tensors claim")
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, Record):
+            stack.extend([x.state, x.args])
+
+
+def plain(obj: Any) -> Any:
+    """``obj`` as JSON-friendly data for a manifest's state: tensors become a short description,
+    records their state, numpy values lists."""
+    if isinstance(obj, TensorRef):
+        return {"tensor": list(obj.shape), "dtype": obj.dtype}
+    if isinstance(obj, Record):
+        return {"class": obj.cls, "state": plain(obj.state)} if obj.state is not None else {"class": obj.cls}
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return obj.tolist() if obj.size <= 4096 else {"array": list(obj.shape), "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, (bytes, bytearray)):
+        return {"bytes": len(obj)}
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return repr(obj)[:200]
