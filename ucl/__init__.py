@@ -5,6 +5,7 @@
     plan = ucl.compile(model, ucl.Mesh(pp=2, dp=2, tp=2), ucl.Mesh(tp=4, dp=2))
     ucl.reshard("ckpt/step_100", "ckpt/step_100_tp4", to="tp=4,dp=2")
     local = ucl.load_rank("ckpt/step_100", mesh="tp=4,dp=2", rank=3)
+    ucl.import_checkpoint("ds_run/", "ckpt/imported")   # DeepSpeed, DCP, Megatron, HF (also read in place)
 
 Names are imported on first use: ``import ucl`` is cheap and never imports torch.
 """
@@ -23,6 +24,7 @@ _EXPORTS = {
     "Mesh": "ucl.layout.mesh", "UNIVERSAL": "ucl.layout.mesh",
     "compile": "ucl.plan.compile", "Plan": "ucl.plan.ir", "execute_memory": "ucl.plan.execute",
     "save": "ucl.ops.save", "save_rank": "ucl.ops.save", "load_rank": "ucl.ops.load", "reshard": "ucl.ops.reshard",
+    "import_checkpoint": "ucl.ops.convert",
     "open": "ucl.ops.prepare", "Checkpointer": "ucl.train.checkpointer",
 }
 _RENAMED = {"open": "open_checkpoint"}
@@ -47,6 +49,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above loa
     from .errors import BindError, MeshError, PlanError, SpecError, StoreError, UclError  # noqa: F401
     from .lang.spec import Spec, load_spec  # noqa: F401
     from .layout.mesh import UNIVERSAL, Mesh  # noqa: F401
+    from .ops.convert import import_checkpoint  # noqa: F401
     from .ops.load import load_rank  # noqa: F401
     from .ops.prepare import open_checkpoint as open  # noqa: F401
     from .ops.reshard import reshard  # noqa: F401

@@ -92,7 +92,7 @@ def _checkpoint(path: str) -> str:
             raise StoreError(f"{path} is a file inside the checkpoint {parent}: pass the checkpoint folder "
                              f"({parent}), not one of its files", code="UCL401")
         raise StoreError(f"{path} is a file, not a checkpoint: pass a checkpoint folder (one holding a "
-                         "manifest.json)", code="UCL401")
+                         "manifest.json, or a DeepSpeed, DCP, Megatron or Hugging Face checkpoint folder)", code="UCL401")
     return path
 
 
@@ -221,6 +221,30 @@ def _reshard_bytes(src: str, to) -> int:
     return int(sum(per[int(i)] for i in plan.dataset_ranks["dataset"]))
 
 
+def cmd_import(args) -> int:
+    from .ops.convert import import_checkpoint
+    from .ops.prepare import mesh_of, open_checkpoint
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+    con = _console()
+    src = _checkpoint(args.src)
+    with open_checkpoint(src, args.format) as ck:
+        fmt, mesh = getattr(ck, "format", "ucl"), mesh_of(ck)
+        total = sum(int(_prod(e["shape"])) * _itemsize(e["dtype"]) for ds in ck.manifest.datasets for e in ds.values())
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=con, transient=True, disable=args.quiet) as bar:
+        task = bar.add_task(_e(f"import {fmt} ({mesh})"), total=total)
+        stats = import_checkpoint(src, args.dst, format=fmt, workers=args.workers, durable=not args.no_fsync,
+                                  progress=lambda n: bar.advance(task, n))
+    con.print("[green]imported[/] " + _e(f"{fmt} checkpoint {src} -> {args.dst} ({mesh}): {stats.datasets_written} "
+              f"datasets, {stats.bytes_written:,} B written, {stats.bytes_read:,} B read in {stats.seconds:.2f} s"))
+    return 0
+
+
+def _itemsize(dtype: str) -> int:
+    from .dtypes import itemsize
+    return itemsize(dtype)
+
+
 def cmd_inspect(args) -> int:
     from rich.table import Table
     from .ops.prepare import mesh_of, model_of, open_checkpoint
@@ -229,7 +253,8 @@ def cmd_inspect(args) -> int:
     with open_checkpoint(_checkpoint(args.ckpt)) as ck:
         m = ck.manifest
         total = sum(int(_prod(e["shape"])) * itemsize(e["dtype"]) for ds in m.datasets for e in ds.values())
-        con.print(_e(f"{args.ckpt}: ucl format v{m.version}, layout {mesh_of(ck)} ({ck.nranks} rank files), "
+        fmt = f"{ck.format} checkpoint (read in place)" if hasattr(ck, "format") else f"ucl format v{m.version}"
+        con.print(_e(f"{args.ckpt}: {fmt}, layout {mesh_of(ck)} ({ck.nranks} rank files), "
                       f"{total:,} bytes, spec {m.spec_name or '(embedded)'}"))
         if m.dims:
             con.print(_e("dims: " + ", ".join(f"{k}={v}" for k, v in m.dims.items())))
@@ -279,8 +304,10 @@ def cmd_verify(args) -> int:
     from .ops.prepare import open_checkpoint
     con = _console()
     with open_checkpoint(_checkpoint(args.ckpt)) as ck:
-        problems = ck.verify()
-    return _report(con, problems, f"in {args.ckpt}", f"{args.ckpt}: every file present and every checksum matches")
+        problems, fmt = ck.verify(), getattr(ck, "format", None)
+    ok = f"{args.ckpt}: every file present and every checksum matches" if fmt is None else \
+        f"{args.ckpt}: every {fmt} file present and holding its tensors' bytes ({fmt} files carry no checksums)"
+    return _report(con, problems, f"in {args.ckpt}", ok)
 
 
 def cmd_gc(args) -> int:
@@ -434,6 +461,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under torchrun: how long to wait for a process that stopped answering before giving "
                    "up, publishing nothing (default 300)")
     p.set_defaults(func=cmd_reshard)
+
+    p = sub.add_parser("import", help="write another framework's checkpoint (DeepSpeed, DCP, Megatron, Hugging "
+                       "Face) as a ucl checkpoint in its own layout", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="the framework's checkpoint folder (DeepSpeed: the root holding "
+                   "'latest', or a tag folder)")
+    p.add_argument("dst", metavar="DST", help="must not exist; appears atomically when complete")
+    p.add_argument("--from", dest="format", choices=["deepspeed", "dcp", "megatron", "hf"], default=None,
+                   help="the source's format (default: detected)")
+    p.add_argument("--workers", type=_positive_int, default=None, metavar="N", help="processes (default: min(2, cores))")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files")
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("inspect", help="show a checkpoint's parameters, shapes, dtypes, layout and sizes")
     p.add_argument("ckpt", metavar="CKPT")

@@ -187,8 +187,7 @@ def describe(path: str) -> Description:
                        tuple(frozen), tuple(extents), tuple(rel(optim[r]) for r in range(dp)), state, read)
 
 
-_BULKY = {"module", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "optimizer", "buffer_names",
-          "shared_params"}
+_BULKY = {"module", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "optimizer"}
 
 
 def _state_line(kinds: list[str], names: list[str], layout: str) -> str:

@@ -69,6 +69,7 @@ class ReshardJob:
     durable: bool
     verify: bool
     progress: object | None  # a multiprocessing queue of byte counts, or None
+    format: str | None = None  # the source's format (None: detected)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ HEARTBEAT_S = 1.0  # how often the processes of a distributed reshard tell each 
 
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, workers: int | None = None,
             durable: bool = True, verify: bool = True, progress: Callable[[int], None] | None = None,
-            distributed: bool = False, timeout: float = DIST_TIMEOUT_S) -> IOStats:
+            distributed: bool = False, timeout: float = DIST_TIMEOUT_S, format: str | None = None) -> IOStats:
     """Write checkpoint ``dst`` holding ``src`` in layout ``to`` (a Mesh or a string; ``"universal"``
     = consolidated). The spec, dims and source layout come from ``src``'s manifest. Streams one
     target dataset at a time, builds replicated target datasets once, uses ``workers`` processes;
@@ -102,6 +103,8 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     crashes of the process, not of the machine). ``verify`` checks the checksum of every source
     dataset it reads from, including those it reads only in parts, so corruption is never copied
     into a freshly checksummed file. ``progress`` is called with byte counts as datasets are written.
+    ``src`` may be a folder another framework wrote (``format`` detected when None; docs/interop.md):
+    it is read in place, and ``to`` its own layout makes this an import.
 
     ``distributed=True``: called by every process of an initialised torch.distributed job with the
     same arguments; each writes its share of the target files (``workers`` forked processes each,
@@ -117,15 +120,16 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise UclError(f"timeout must be a positive number of seconds, got {timeout!r}", code="UCL009")
         return _reshard_distributed(os.fspath(src), os.fspath(dst), to, workers or 1, durable, verify, progress,
-                                    float(timeout), t0)
-    prep = _prepare(src, to)
+                                    float(timeout), t0, format)
+    prep = _prepare(src, to, format)
     workers = max(1, min(workers or min(2, os.cpu_count() or 1), to.size))
     groups = replica_groups(prep.plan)
     tasks = assign(groups, prep.plan, workers)
     stats = IOStats(compile_seconds=prep.compile_seconds)
     writer = CheckpointWriter(dst, to.size, durable=durable, **manifest_fields(prep.model, to, prep.state))
     try:
-        job = ReshardJob(os.fspath(src), writer.tmp_path, to.size, prep.plan, tuple(groups), durable, verify, None)
+        job = ReshardJob(os.fspath(src), writer.tmp_path, to.size, prep.plan, tuple(groups), durable, verify, None,
+                         format)
         for r in _execute(job, tasks, progress, in_process=workers == 1):
             for rank, entries in r.entries.items():
                 writer.adopt(int(rank), entries)
@@ -138,9 +142,9 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     return stats
 
 
-def _prepare(src: str | os.PathLike, to: Mesh) -> Prepared:
+def _prepare(src: str | os.PathLike, to: Mesh, format: str | None = None) -> Prepared:
     t0 = time.perf_counter()
-    with open_checkpoint(src) as ckpt:
+    with open_checkpoint(src, format) as ckpt:
         model = model_of(ckpt)
         plan = plan_for(model, mesh_of(ckpt), to)
         check_stored(ckpt, model)  # every source rank: a reshard reads them all
@@ -187,7 +191,8 @@ def _execute(job: ReshardJob, tasks: Sequence[WorkerTask], progress: Callable[[i
 
 
 def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bool, verify: bool,
-                         progress: Callable[[int], None] | None, timeout: float, t0: float) -> IOStats:
+                         progress: Callable[[int], None] | None, timeout: float, t0: float,
+                         format: str | None) -> IOStats:
     """Every process compiles the plan itself (pure, cached: cheaper than shipping its tables),
     partitions the target files with ``assign`` and writes its share with its own forked workers;
     the commit is ``commit_collectively`` with a heartbeat, so the group's ``timeout`` bounds the
@@ -208,7 +213,7 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
     try:
         prep = None
         try:
-            prep = _prepare(src, to)
+            prep = _prepare(src, to, format)
         except Exception as e:  # every process learns it below: none is left waiting in a collective
             own.append(e)
         problems = _gathered(own[0] if own else None, group)
@@ -224,7 +229,7 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
                     return {}
                 sub = [replace(groups[t.group], ranks=t.ranks) for t in mine.groups]
                 n = max(1, min(workers, len(mine.files)))
-                job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, None)
+                job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, None, format)
                 entries = {}
                 for r in _execute(job, assign(sub, prep.plan, n, files=mine.files), progress, in_process=False,
                                   cancel=cancel):
@@ -376,7 +381,7 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
         rows = job.groups[t.group].rows
         return (int(c["src_rank"][rows[0]]), int(c["src_slot"][rows[0]])) if len(rows) else (-1, -1)
 
-    with open_checkpoint(job.src) as ckpt:
+    with open_checkpoint(job.src, job.format) as ckpt:
         source = StoreSource(ckpt, Arena(), verify=job.verify)
         target = Arena()
         for t in sorted(task.groups, key=first_source):  # reads sweep each source file in order

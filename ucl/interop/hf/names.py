@@ -2,13 +2,16 @@
 manifests), and saved per-expert MoE names mapped back onto the fused in-memory tensors."""
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
+from ...dtypes import itemsize, of_safetensors
 from ...errors import StoreError
 from ...files import check_inside, parse_json, read_bounded, read_prefix
 
@@ -32,9 +35,9 @@ def _json_file(path: Path, what: str, inside: Path | None = None) -> dict:
     return data
 
 
-def _safetensors_header(path: Path, inside: Path | None = None) -> Shapes:
-    """Names and shapes from a .safetensors header (8-byte little-endian length + JSON), no data
-    read; the length is checked against the file's size before the header is read."""
+def _raw_safetensors_header(path: Path, inside: Path | None = None) -> tuple[dict, int, int]:
+    """(header JSON object, byte offset of the data section, file size) of a .safetensors file; the
+    header's length is checked against the file's size before the header is read."""
     if inside is not None:
         check_inside(path, inside, "safetensors file", _error)
     head = read_prefix(path, 8, "safetensors file", _error)
@@ -47,7 +50,125 @@ def _safetensors_header(path: Path, inside: Path | None = None) -> Shapes:
     meta = parse_json(read_prefix(path, 8 + n, "safetensors file", _error)[8:], f"safetensors header of {path}", _error)
     if not isinstance(meta, dict):
         raise _error(f"{path}: safetensors header is not a JSON object")
+    return meta, 8 + n, size
+
+
+def _safetensors_header(path: Path, inside: Path | None = None) -> Shapes:
+    """Names and shapes from a .safetensors header (8-byte little-endian length + JSON), no data
+    read; the length is checked against the file's size before the header is read."""
+    meta, _, _ = _raw_safetensors_header(path, inside)
     return {k: tuple(int(x) for x in v["shape"]) for k, v in meta.items() if k != "__metadata__"}
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor of a .safetensors file: its logical dtype, shape, and where its row-major bytes
+    are (``offset``: from the start of the file, ``8 + header length + data_offsets[0]``)."""
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def read_safetensors_entries(path: str | os.PathLike, inside: str | os.PathLike | None = None) \
+        -> dict[str, SafetensorsEntry]:
+    """``{name: SafetensorsEntry}`` of a .safetensors file, in header order, nothing of the data read.
+    Every entry is checked before it is returned: a known dtype, a shape of non-negative integers,
+    ``data_offsets`` ``[begin, end]`` with ``end - begin`` = the bytes dtype x shape need, and the
+    range inside the file's data section (so a header claiming a huge shape, or bytes past the end
+    of the file, is a StoreError and nothing is ever allocated for it). Two tensors sharing bytes are
+    refused too (safetensors never writes that). ``inside``: the file must resolve inside it."""
+    path = Path(path)
+    meta, start, size = _raw_safetensors_header(path, Path(inside) if inside is not None else None)
+    out: dict[str, SafetensorsEntry] = {}
+    ranges: list[tuple[int, int, str]] = []
+    for name, v in meta.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(v, dict):
+            raise _error(f"{where}: header entry is not a JSON object")
+        dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise _error(f"{where}: dtype {dtype!r} is not a string")
+        try:
+            logical = of_safetensors(dtype)
+        except StoreError as e:
+            raise StoreError(f"{where}: {e}", code=e.code) from None
+        if not isinstance(shape, list) or len(shape) > 64 or not all(_is_count(x) for x in shape):
+            raise _error(f"{where}: shape {str(shape)[:100]} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(x) for x in offsets)
+                and offsets[0] <= offsets[1]):
+            raise _error(f"{where}: data_offsets {str(offsets)[:100]} are not [begin, end] with 0 <= begin <= end")
+        begin, end = offsets
+        need = math.prod(shape) * itemsize(logical)
+        if end - begin != need:
+            raise _error(f"{where}: data_offsets [{begin}, {end}] hold {end - begin:,} bytes, but "
+                         f"{dtype} {list(shape) if len(shape) <= 8 else '[...]'} needs {need:,}")
+        if start + end > size:
+            raise StoreError(f"{where}: bytes [{begin:,}, {end:,}) of the data section run past the end of the file "
+                             f"({size - start:,} bytes of data; truncated or a lying header)", code="UCL406")
+        out[name] = SafetensorsEntry(logical, tuple(shape), start + begin, need)
+        if need:
+            ranges.append((begin, end, name))
+    ranges.sort()
+    for (_, e0, a), (b1, _, b) in zip(ranges, ranges[1:]):
+        if b1 < e0:
+            raise _error(f"{path}: tensors {a!r} and {b!r} overlap in the data section")
+    return out
+
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def safe_shard_name(folder: str | os.PathLike, name: Any) -> str:
+    """``name`` (a shard named by an index) if it is a plain relative path of a .safetensors file
+    inside ``folder``; a StoreError (UCL401) otherwise: not a string, absolute, with a ``..``
+    component, or resolving outside ``folder`` through a link. The file is not opened."""
+    if not isinstance(name, str) or not name:
+        raise _error(f"{folder}: the index names a shard that is not a file name: {str(name)[:100]!r}")
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or name.startswith(("/", "\\")) or any(p in ("", ".", "..") for p in parts) \
+            or "\0" in name or not name.endswith(".safetensors"):
+        raise _error(f"{folder}: the index names the shard {name[:200]!r}; shards are .safetensors files named "
+                     "by a plain relative path inside the folder")
+    check_inside(os.path.join(folder, name), folder, "safetensors shard", _error)
+    return name
+
+
+def read_saved_tensors(folder: str | os.PathLike) -> dict[str, tuple[str, SafetensorsEntry]]:
+    """``{name: (shard file relative to folder, SafetensorsEntry)}`` of a ``save_pretrained`` folder:
+    ``model.safetensors.index.json``'s ``weight_map`` when there is one (shards checked by
+    :func:`safe_shard_name`; every mapped name must be in its shard and every tensor of a shard
+    mapped to it), ``model.safetensors`` otherwise; in the index's (or header's) order."""
+    folder = Path(folder)
+    index = folder / INDEX_NAME
+    if not index.exists() and not index.is_symlink():
+        return {n: (SINGLE_NAME, e) for n, e in read_safetensors_entries(folder / SINGLE_NAME, folder).items()}
+    weight_map = _json_file(index, "index", inside=folder).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise _error(f"{index}: 'weight_map' is not a non-empty object of tensor name -> shard file")
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(safe_shard_name(folder, file), []).append(name)
+    headers = {f: read_safetensors_entries(folder / f, folder) for f in by_file}
+    out: dict[str, tuple[str, SafetensorsEntry]] = {}
+    for name, file in weight_map.items():
+        entry = headers[file].get(name)
+        if entry is None:
+            raise _error(f"{index} maps {name!r} to {file}, which has no such tensor")
+        out[name] = (file, entry)
+    for file, entries in headers.items():
+        extra = [n for n in entries if weight_map.get(n) != file]
+        if extra:
+            raise _error(f"{folder / file} holds {len(extra)} tensor(s) the index does not map to it "
+                         f"(e.g. {extra[0]!r}); the index and its shards disagree")
+    return out
 
 
 def _ucl_checkpoint(path: Path) -> Shapes:

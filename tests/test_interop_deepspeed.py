@@ -1,0 +1,268 @@
+"""DeepSpeed ZeRO checkpoints read in place and imported, checked against DeepSpeed's own tools.
+
+The fixtures (tests/fixtures/deepspeed, made by make.py with DeepSpeed 0.19 on CPU) carry the
+ground truth DeepSpeed itself produced: ``ds_to_universal`` (truth_universal), ``zero_to_fp32``
+(truth_fp32), the module's weights (truth_module) and, for the resume check, the loss DeepSpeed
+computed one step after the save. None of it is made by ucl, and DeepSpeed is not needed here.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ucl
+from ucl.dtypes import to_numpy
+from ucl.errors import StoreError
+from ucl.interop.foreign import describe
+
+FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
+ALL = sorted(p.name for p in FIXTURES.iterdir() if (p / "truth.json").is_file() and (p / "latest").is_file())
+FP32 = [n for n in ALL if "fp32" in n and not n.startswith("pp")]
+
+
+def _truth(name: str, what: str) -> dict[str, np.ndarray]:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+    path = FIXTURES / name / f"truth_{what}.safetensors"
+    return {k: to_numpy(v)[0] for k, v in load_file(str(path)).items()} if path.exists() else {}
+
+
+def _info(name: str) -> dict:
+    return json.loads((FIXTURES / name / "truth.json").read_text())
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.size == b.size and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _universal(path) -> dict[str, np.ndarray]:
+    return ucl.load_rank(path, mesh="universal", rank=0)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return {name: _universal(FIXTURES / name) for name in ALL}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_matches_ds_to_universal(name, loaded):
+    """Every fp32 master, Adam moment and step equals what DeepSpeed's own ds_to_universal wrote."""
+    got, truth, info = loaded[name], _truth(name, "universal"), _info(name)
+    if not truth:
+        pytest.skip("ds_to_universal gave no truth for this fixture")
+    trainable = {n for g in info["param_groups"] for n in g["names"]}
+    master = "fp32" if info["dtype"] != "fp32" and info["zero_stage"] < 3 else "param"
+    checked = 0
+    for key, want in truth.items():
+        name_, kind = key.rsplit("/", 1)
+        if name_ not in trainable:  # tied aliases and frozen tensors: DeepSpeed writes copies
+            continue
+        mine = got[f"{master if kind == 'fp32' else kind}/{name_}"]
+        if kind == "step":
+            assert float(mine) == float(want), key
+        else:
+            assert _same(mine.reshape(-1), want.reshape(-1).astype(mine.dtype)), key
+            assert mine.size == want.size
+        checked += 1
+    kinds = {k.rsplit("/", 1)[1] for k in truth}  # ds_to_universal writes no step for ZeRO-3
+    assert {"fp32", "exp_avg", "exp_avg_sq"} <= kinds and checked == len(kinds) * len(trainable)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_matches_zero_to_fp32_and_module(name, loaded):
+    got, info = loaded[name], _info(name)
+    master = "fp32" if info["dtype"] != "fp32" and info["zero_stage"] < 3 else "param"
+    trainable = {n for g in info["param_groups"] for n in g["names"]}
+    fp32 = _truth(name, "fp32")
+    for n in trainable:
+        assert _same(got[f"{master}/{n}"], fp32[n]), n
+    if info["zero_stage"] < 3:  # ZeRO-3 stores no module weights
+        module = _truth(name, "module")
+        tied = {a for pair in info["tied"] for a in pair[1:]}
+        for n, want in module.items():
+            if n not in tied:
+                assert _same(got[f"param/{n}"], want), n
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_layout_is_read_from_metadata(name):
+    d = describe(FIXTURES / name)
+    info = _info(name)
+    assert dict(d.mesh) == {"dp": info["dp"]}
+    assert d.state["format"] == "deepspeed"
+    assert d.state["deepspeed"]["shared_params"] == {"lm_head.weight": "embed.weight"}
+    assert d.state["deepspeed"]["iteration"] == 3  # client state
+    assert set(d.frozen) == set(info["frozen"]) | set(info["buffers"])
+    assert list(d.params)[:len(info["param_groups"][0]["names"])] == info["param_groups"][0]["names"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_import_reshard_and_back(name, tmp_path, loaded):
+    """Import (dp=2 ucl checkpoint), reshard in place to dp=3, and back to universal: bit-exact."""
+    stats = ucl.import_checkpoint(FIXTURES / name, tmp_path / "imported")
+    assert stats.datasets_written > 0
+    with ucl.open(tmp_path / "imported") as ck:
+        assert ck.verify() == []
+        assert ck.manifest.mesh == [("dp", _info(name)["dp"])]
+        assert ck.state["deepspeed"]["global_steps"] == 3
+    ucl.reshard(FIXTURES / name, tmp_path / "dp3", to="dp=3")
+    ucl.reshard(tmp_path / "dp3", tmp_path / "back", to="universal")
+    for path in (tmp_path / "imported", tmp_path / "back"):
+        again = _universal(path)
+        assert set(again) == set(loaded[name])
+        for k, v in loaded[name].items():
+            assert _same(again[k], v), (path.name, k)
+
+
+def test_a_rank_reads_only_its_bytes(tmp_path):
+    """load_rank for dp=4 from a dp=2 ZeRO-1 folder reads about a quarter of the optimizer bytes."""
+    stats = ucl.ops.IOStats()
+    part = ucl.load_rank(FIXTURES / "z1_fp32_dp2", mesh="dp=4", rank=1, stats=stats)
+    whole = sum(v.nbytes for v in _universal(FIXTURES / "z1_fp32_dp2").values())
+    assert stats.bytes_read < 0.6 * whole
+    assert part["exp_avg/@flat0"].shape == (-(-2895 // 8) * 8 // 4,)
+
+
+@pytest.mark.parametrize("name", FP32)
+def test_resumes_in_plain_pytorch_after_resharding(name, tmp_path):
+    """Imported, resharded to dp=3, consolidated: plain torch AdamW takes the step DeepSpeed took
+    after the save and gives DeepSpeed's next loss."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        from tiny_model import TinyLM, loss_fn, make_batches, param_groups
+    finally:
+        sys.path.remove(str(FIXTURES))
+    info = _info(name)
+    ucl.import_checkpoint(FIXTURES / name, tmp_path / "imp")
+    ucl.reshard(tmp_path / "imp", tmp_path / "dp3", to="dp=3")
+    got = ucl.load_rank(tmp_path / "dp3", mesh="universal", rank=0, as_torch=True)
+    model = TinyLM()
+    sd = {n: got[f"param/{n}"] for n in model.state_dict() if f"param/{n}" in got}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # the tied alias, stored once
+    assert model.lm_head.weight is model.embed.weight
+    groups = param_groups(model)
+    hp = info["adamw"]
+    opt = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
+                            lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"])
+    for g in groups:
+        for n, p in zip(g["names"], g["params"]):
+            opt.state[p] = {"step": got[f"step/{n}"].clone(), "exp_avg": got[f"exp_avg/{n}"].clone(),
+                            "exp_avg_sq": got[f"exp_avg_sq/{n}"].clone()}
+    batches = make_batches(info["steps"] + 2, info["ds_config"]["train_batch_size"], 1234)
+    b, dp = batches[info["steps"]], info["dp"]
+    rows = b.shape[0] // dp
+    loss = sum(loss_fn(model(b[r * rows:(r + 1) * rows, :-1]), b[r * rows:(r + 1) * rows, 1:]) for r in range(dp)) / dp
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        nb = batches[info["steps"] + 1]
+        next_loss = loss_fn(model(nb[:, :-1]), nb[:, 1:]).item()
+    assert next_loss == pytest.approx(info["next_loss"], rel=1e-5, abs=1e-6)
+    after = _truth(name, "next_fp32")
+    for n, p in model.named_parameters():
+        if n in after:
+            np.testing.assert_allclose(p.detach().numpy(), after[n], rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+# ---- the allow-list unpickler --------------------------------------------------------------------
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst, ignore=shutil.ignore_patterns("truth*", "pickles.json"))
+    return dst
+
+
+def _rewrite_pickle(pt: Path, edit) -> None:
+    with zipfile.ZipFile(pt) as z:
+        items = [(i, z.read(i.filename)) for i in z.infolist()]
+    with zipfile.ZipFile(pt, "w", zipfile.ZIP_STORED) as z:
+        for info, data in items:
+            z.writestr(info, edit(data) if info.filename.endswith("data.pkl") else data)
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/ucl-pwned-by-pickle",))
+
+
+def test_a_pickle_that_runs_code_is_refused_and_runs_nothing(tmp_path):
+    folder = _copy("z1_fp32_dp2", tmp_path)
+    pt = folder / "global_step3" / "mp_rank_00_model_states.pt"
+    if os.path.exists("/tmp/ucl-pwned-by-pickle"):
+        os.remove("/tmp/ucl-pwned-by-pickle")
+    _rewrite_pickle(pt, lambda data: pickle.dumps({"module": {}, "evil": _Boom()}, protocol=2))
+    with pytest.raises(StoreError, match=r"posix\.system|os\.system") as e:
+        ucl.load_rank(folder, mesh="universal", rank=0)
+    assert e.value.code == "UCL500"
+    assert not os.path.exists("/tmp/ucl-pwned-by-pickle")
+
+
+def test_deepspeed_records_are_inert_without_deepspeed():
+    from ucl.interop.torchfile import Record, read_torch_file
+    tf = read_torch_file(str(FIXTURES / "z1_fp32_dp2" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    osd = tf.obj["optimizer_state_dict"]
+    assert isinstance(osd["loss_scaler"], Record) and osd["loss_scaler"].cls.endswith("LossScaler")
+    frag = next(iter(osd["param_slice_mappings"][0].values()))
+    assert frag.get("start") == 0 and frag.get("numel") > 0
+    assert "deepspeed" not in sys.modules
+
+
+def test_a_truncated_optimizer_file_is_refused_before_reading(tmp_path):
+    folder = _copy("z2_fp32_dp2", tmp_path)
+    pt = folder / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = pt.read_bytes()
+    pt.write_bytes(data[: len(data) // 2])
+    with pytest.raises(StoreError) as e:
+        ucl.load_rank(folder, mesh="universal", rank=0)
+    assert e.value.code == "UCL500" and "zero_pp_rank_1" in str(e.value)
+
+
+def test_a_storage_smaller_than_its_tensors_is_refused(tmp_path):
+    folder = _copy("z1_fp32_dp2", tmp_path)
+    pt = folder / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with zipfile.ZipFile(pt) as z:
+        items = [(i, z.read(i.filename)) for i in z.infolist()]
+    with zipfile.ZipFile(pt, "w", zipfile.ZIP_STORED) as z:
+        for info, data in items:
+            z.writestr(info, data[:-4] if info.filename.endswith("/data/1") else data)
+    with pytest.raises(StoreError, match="storage 1 holds") as e:
+        describe(folder)
+    assert e.value.code == "UCL500"
+
+
+def test_missing_rank_file_is_named(tmp_path):
+    folder = _copy("z1_fp32_dp2", tmp_path)
+    (folder / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(StoreError, match=r"dp ranks 0\.\.1 .* found ranks \[0\]") as e:
+        ucl.load_rank(folder, mesh="universal", rank=0)
+    assert e.value.code == "UCL502"
+
+
+def test_a_tag_folder_works_too_and_latest_cannot_escape(tmp_path):
+    assert dict(describe(FIXTURES / "z1_fp32_dp2" / "global_step3").mesh) == {"dp": 2}
+    folder = _copy("z1_fp32_dp2", tmp_path)
+    (folder / "latest").write_text("../../etc")
+    with pytest.raises(StoreError) as e:
+        ucl.load_rank(folder, mesh="universal", rank=0)
+    assert e.value.code == "UCL501"
+
+
+def test_cli_import(tmp_path, capsys):
+    from ucl.cli import main
+    assert main(["import", str(FIXTURES / "z2_bf16_dp2"), str(tmp_path / "out"), "--quiet"]) == 0
+    assert main(["verify", str(tmp_path / "out")]) == 0
+    assert "imported deepspeed checkpoint" in capsys.readouterr().out
+    assert main(["import", "--from", "dcp", str(FIXTURES / "z2_bf16_dp2"), str(tmp_path / "out2"), "--quiet"]) != 0
+    assert "dcp" in capsys.readouterr().err and not (tmp_path / "out2").exists()
