@@ -266,3 +266,15 @@ def test_cli_import(tmp_path, capsys):
     assert "imported deepspeed checkpoint" in capsys.readouterr().out
     assert main(["import", "--from", "dcp", str(FIXTURES / "z2_bf16_dp2"), str(tmp_path / "out2"), "--quiet"]) != 0
     assert "dcp" in capsys.readouterr().err and not (tmp_path / "out2").exists()
+
+
+def test_iter_rank_streams_what_load_rank_loads():
+    path = FIXTURES / "z2_bf16_dp2"
+    whole = ucl.load_rank(path, mesh="dp=3", rank=2)
+    streamed = dict(ucl.iter_rank(path, mesh="dp=3", rank=2))
+    assert list(streamed) and streamed.keys() == whole.keys()
+    assert all(_same(streamed[k], whole[k]) for k in whole)
+    one = dict(ucl.iter_rank(path, keys=["exp_avg/embed.weight"]))
+    assert list(one) == ["exp_avg/embed.weight"] and one["exp_avg/embed.weight"].shape == (61, 15)
+    with pytest.raises(StoreError, match="holds no 'exp_avg/nope'"):
+        list(ucl.iter_rank(path, keys=["exp_avg/nope"]))

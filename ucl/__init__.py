@@ -23,7 +23,7 @@ _EXPORTS = {
     "load_spec": "ucl.lang.spec", "Spec": "ucl.lang.spec",
     "Mesh": "ucl.layout.mesh", "UNIVERSAL": "ucl.layout.mesh",
     "compile": "ucl.plan.compile", "Plan": "ucl.plan.ir", "execute_memory": "ucl.plan.execute",
-    "save": "ucl.ops.save", "save_rank": "ucl.ops.save", "load_rank": "ucl.ops.load", "reshard": "ucl.ops.reshard",
+    "save": "ucl.ops.save", "save_rank": "ucl.ops.save", "load_rank": "ucl.ops.load", "iter_rank": "ucl.ops.load", "reshard": "ucl.ops.reshard",
     "import_checkpoint": "ucl.ops.convert",
     "open": "ucl.ops.prepare", "Checkpointer": "ucl.train.checkpointer",
 }
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above loa
     from .lang.spec import Spec, load_spec  # noqa: F401
     from .layout.mesh import UNIVERSAL, Mesh  # noqa: F401
     from .ops.convert import import_checkpoint  # noqa: F401
-    from .ops.load import load_rank  # noqa: F401
+    from .ops.load import iter_rank, load_rank  # noqa: F401
     from .ops.prepare import open_checkpoint as open  # noqa: F401
     from .ops.reshard import reshard  # noqa: F401
     from .ops.save import save, save_rank  # noqa: F401

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -66,6 +66,42 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
         else:
             result[key] = to_torch(arr, datasets[key]["dtype"]) if as_torch else arr
     return result
+
+
+def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: int = 0,
+              keys: Iterable[str] | None = None, as_torch: bool = False, verify: bool = True,
+              stats: IOStats | None = None) -> Iterator[tuple[str, Any]]:
+    """``load_rank`` one dataset at a time: yields ``(key, array)`` for each dataset rank ``rank`` of
+    ``mesh`` holds (default: every tensor consolidated), or only for ``keys``, in plan order, so an
+    export holds one tensor in memory, not the model. Each array is new (safe to keep)."""
+    mesh = as_mesh(mesh)
+    if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < mesh.size:
+        raise MeshError(f"rank {rank} is outside {mesh} ({mesh.size} ranks)", code="UCL303")
+    with open_checkpoint(path) as ckpt:
+        model = model_of(ckpt)
+        plan = plan_for(model, mesh_of(ckpt), mesh, ranks=[rank])
+        check_stored(ckpt, model, np.unique(plan.copies["src_rank"]))
+        rows = rank_rows(plan, rank)
+        datasets = {d["key"]: d for d in rank_datasets(plan, rank)}
+        wanted = list(datasets) if keys is None else list(keys)
+        unknown = [k for k in wanted if k not in datasets]
+        if unknown:
+            raise StoreError(f"rank {rank} of {mesh} holds no {unknown[0]!r}"
+                             f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}", code="UCL408")
+        slot_keys = np.array([sl.key for sl in plan.slots], dtype=object)
+        row_keys = slot_keys[plan.copies["dst_slot"][rows]]
+        by_key: dict[str, list[int]] = {}
+        for row, key in zip(rows.tolist(), row_keys.tolist()):
+            by_key.setdefault(key, []).append(row)
+        source = StoreSource(ckpt, Arena(), verify=verify)
+        for key in wanted:
+            d, mine = datasets[key], np.asarray(by_key.get(key, []), dtype=np.int64)
+            full = covered_elements(plan, mine).get(key, 0) == math.prod(d["shape"])
+            arr = (np.empty if full else np.zeros)(tuple(d["shape"]), dtype=storage_dtype(d["dtype"]))
+            run_copies(plan, mine, source, {key: arr})
+            yield key, (to_torch(arr, d["dtype"]) if as_torch else arr)
+        if stats is not None:
+            stats.bytes_read += source.bytes_read
 
 
 def _targets(datasets: dict[str, dict], covered: dict[str, int], out: Mapping[str, Any], mesh: Mesh, rank: int):

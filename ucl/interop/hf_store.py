@@ -1,0 +1,154 @@
+"""Hugging Face ``save_pretrained`` folders (safetensors), described for reading in place.
+
+A folder holding ``config.json`` and ``model.safetensors`` (or ``model.safetensors.index.json``
+and the shards its ``weight_map`` names) is read as a *universal* checkpoint (mesh ``()``: every
+tensor whole on one rank) of the standard spec for its ``model_type`` (``stdlib:llama``,
+``stdlib:qwen2``, ``stdlib:gpt2``...), with the dims that spec's ``dims ... from`` declarations read
+from ``config.json`` (:meth:`ucl.Spec.dims_from_config`, the one config reader). What is stored:
+
+* the weights only, kind ``param``, under the model's in-memory names; every parameter is frozen,
+  so no optimizer state is expected (``bind(frozen=...)``) and a reshard writes weights alone;
+* each tensor in the dtype its header says; the stdlib specs store ``param`` as float32, so the
+  description's spec is the stdlib text plus ``state param : dtype X`` for the dtype most tensors
+  have and ``state param for NAME | ... : dtype Y`` for the others (fp32 norms in a bf16 model);
+* each tensor as one :class:`~ucl.store.extents.Extent`: its bytes at ``8 + header length +
+  data_offsets[0]`` of its file. Every header entry is checked (known dtype, shape, the offsets
+  holding exactly dtype x shape bytes, inside the file) before anything is described, so a lying
+  header is a StoreError and nothing is ever allocated for it. Shards named by the index must be
+  plain relative paths inside the folder (``ucl.interop.hf.names.safe_shard_name``).
+
+Tied embeddings follow the stdlib specs (``lm_head.weight`` is ``optional if tied``:
+``save_pretrained`` leaves it out). A checkpoint saved without the base model's prefix (GPT-2 on the
+Hub: ``h.0.attn.c_attn.weight``) gets it back (``transformer.h.0...``), as ``from_pretrained`` does.
+
+Not read (UCL502): MoE checkpoints whose saved names differ from the spec's tensors.
+``save_pretrained`` writes one tensor per expert (``mlp.experts.{e}.gate_proj.weight``...) while the
+specs describe the fused in-memory tensors (``mlp.experts.gate_up_proj [E, 2I, H]``); a fused tensor
+made of E separate saved tensors is not one contiguous byte range, so it is not one Extent.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+
+from ..errors import StoreError, UclError
+from ..lang.spec import Spec, load_spec
+from ..lang.stdlib import stdlib_names
+from ..model_config import CONFIG_NAME, read_raw_config
+from ..store.extents import Extent
+from .foreign import Description
+from .hf.check import check_against
+from .hf.names import INDEX_NAME, SINGLE_NAME, fuse_saved_experts, read_saved_tensors
+
+_NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
+_NOT_HF = ("megatron",)  # stdlib specs that describe another framework's names, not a model_type
+
+
+def _error(msg: str) -> StoreError:
+    return StoreError(msg, code="UCL502")
+
+
+def _has(path: str, name: str) -> bool:
+    return os.path.lexists(os.path.join(path, name))
+
+
+def detect(path: str) -> bool:
+    """A folder with ``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json``
+    and no ``manifest.json``."""
+    return (os.path.isdir(path) and not _has(path, "manifest.json") and _has(path, CONFIG_NAME)
+            and (_has(path, SINGLE_NAME) or _has(path, INDEX_NAME)))
+
+
+def known_model_types() -> list[str]:
+    """The ``model_type``\\ s with a standard spec of the same name (Hugging Face names)."""
+    return [n for n in stdlib_names() if not n.startswith(_NOT_HF)]
+
+
+def spec_for(model_type: object) -> str:
+    """``stdlib:NAME`` for a config's ``model_type``; UCL501 naming the known ones when none fits."""
+    known = known_model_types()
+    if not isinstance(model_type, str) or model_type not in known:
+        what = "has no model_type" if model_type is None else f"has model_type {str(model_type)[:100]!r}"
+        raise StoreError(f"config.json {what}; ucl reads Hugging Face folders of the model types it has a "
+                         f"standard spec for: {', '.join(known)}", code="UCL501")
+    return f"stdlib:{model_type}"
+
+
+def describe(path: str) -> Description:
+    path = os.path.abspath(path)
+    if not detect(path):
+        raise StoreError(f"{path} is not a Hugging Face save_pretrained folder (config.json with model.safetensors "
+                         "or model.safetensors.index.json, no manifest.json)", code="UCL501")
+    config_file = os.path.join(path, CONFIG_NAME)
+    raw = read_raw_config(config_file)
+    spec_name = spec_for(raw.get("model_type"))
+    base = load_spec(spec_name)
+    dims = base.dims_from_config(config_file)
+
+    saved = read_saved_tensors(path)  # every header entry checked against its file here
+    shapes = {n: e.shape for n, (_, e) in saved.items()}
+    fused, problems = fuse_saved_experts(shapes)
+    if list(fused) != list(shapes) or problems:
+        per_expert = [n for n in shapes if n not in fused]
+        raise _error(f"{path}: {len(per_expert)} tensors are saved per expert (e.g. {per_expert[:1]}) while "
+                     f"{spec_name} describes the experts fused into one tensor per layer "
+                     f"(e.g. {[n for n in fused if n not in shapes][:1]}); a fused tensor stored as separate "
+                     "per-expert tensors is not one byte range, so ucl does not read MoE save_pretrained folders "
+                     "in place yet (load the model and save it with ucl.save instead)")
+    names = _in_memory_names(base, dims, list(saved))
+    for n in names.values():
+        if not _NAME.match(n):
+            raise _error(f"{path}: tensor name {n[:200]!r} cannot be written in a spec")
+
+    dtypes = {names[n]: e.dtype for n, (_, e) in saved.items()}
+    spec_text = base.text.rstrip("\n") + "\n" + _dtype_lines(dtypes)
+    spec = Spec.from_text(spec_text, filename=f"{path} [{spec_name} + dtypes]", name=spec_name)
+    params = {names[n]: e.shape for n, (_, e) in sorted(saved.items(), key=lambda kv: _natural(names[kv[0]]))}
+    frozen = tuple(params)
+    bad = check_against(spec, dims, params, frozen=frozen)
+    if bad:
+        raise _error(f"{path}: the tensors do not fit {spec_name} with the dims of config.json "
+                     f"({len(bad)} problem{'s' * (len(bad) != 1)}):\n  " + "\n  ".join(bad[:8]))
+    extents = {f"param/{names[n]}": Extent(file, e.offset, e.dtype, e.shape) for n, (file, e) in saved.items()}
+    files = sorted({file for file, _ in saved.values()})
+    sharded = _has(path, INDEX_NAME)
+    read = (CONFIG_NAME,) + ((INDEX_NAME,) if sharded else ()) + tuple(files)
+    state = {"format": "hf", "hf": {"model_type": raw["model_type"], "config": raw,
+                                    "renamed": {n: m for n, m in names.items() if n != m}}}
+    return Description("hf", spec_text, spec_name, dims, (), params, frozen, ({k: extents[k] for k in
+                       sorted(extents)},), (INDEX_NAME if sharded else SINGLE_NAME,), state, read)
+
+
+def _in_memory_names(spec: Spec, dims: dict, saved: list[str]) -> dict[str, str]:
+    """Saved name -> in-memory name: unchanged, unless no saved name has the base model's prefix
+    (``model.``, ``transformer.``) that every spec parameter but ``lm_head`` has, and then it is added."""
+    try:
+        expected = spec.synthesize_params(dims)
+    except UclError:
+        return {n: n for n in saved}
+    heads = {n.split(".", 1)[0] for n in expected if not n.startswith("lm_head.")}
+    if len(heads) != 1:
+        return {n: n for n in saved}
+    prefix = heads.pop() + "."
+    if any(n.startswith(prefix) for n in saved):
+        return {n: n for n in saved}
+    return {n: n if n.startswith("lm_head.") else prefix + n for n in saved}
+
+
+def _dtype_lines(dtypes: dict[str, str]) -> str:
+    """``state param`` statements giving every tensor its stored dtype (the default is float32)."""
+    counts = Counter(dtypes.values())
+    main = max(counts, key=lambda d: (counts[d], d == "float32")) if counts else "float32"
+    lines = ["# added by ucl: the dtypes the safetensors headers give"]
+    if main != "float32":
+        lines.append(f"state param : dtype {main}")
+    for dtype in sorted(d for d in counts if d != main):
+        names = [n for n, d in dtypes.items() if d == dtype]
+        lines.append(f"state param for {' | '.join(names)}\n    : dtype {dtype}")
+    return "\n".join(lines) + "\n" if len(lines) > 1 else ""
+
+
+def _natural(name: str) -> list:
+    """Sort key putting ``layers.2`` before ``layers.10``."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name)]
