@@ -33,6 +33,7 @@ import re
 from collections import Counter
 
 from ..errors import StoreError, UclError
+from ..files import check_inside
 from ..lang.spec import Spec, load_spec
 from ..lang.stdlib import stdlib_names
 from ..model_config import CONFIG_NAME, read_raw_config
@@ -81,6 +82,7 @@ def describe(path: str) -> Description:
         raise StoreError(f"{path} is not a Hugging Face save_pretrained folder (config.json with model.safetensors "
                          "or model.safetensors.index.json, no manifest.json)", code="UCL501")
     config_file = os.path.join(path, CONFIG_NAME)
+    check_inside(config_file, path, "config", lambda m: StoreError(m, code="UCL401"))
     raw = read_raw_config(config_file)
     spec_name = spec_for(raw.get("model_type"))
     base = load_spec(spec_name)
@@ -96,7 +98,7 @@ def describe(path: str) -> Description:
                      f"(e.g. {[n for n in fused if n not in shapes][:1]}); a fused tensor stored as separate "
                      "per-expert tensors is not one byte range, so ucl does not read MoE save_pretrained folders "
                      "in place yet (load the model and save it with ucl.save instead)")
-    names = _in_memory_names(base, dims, list(saved))
+    names = _in_memory_names(base, list(saved))
     for n in names.values():
         if not _NAME.match(n):
             raise _error(f"{path}: tensor name {n[:200]!r} cannot be written in a spec")
@@ -110,6 +112,10 @@ def describe(path: str) -> Description:
     if bad:
         raise _error(f"{path}: the tensors do not fit {spec_name} with the dims of config.json "
                      f"({len(bad)} problem{'s' * (len(bad) != 1)}):\n  " + "\n  ".join(bad[:8]))
+    missing = [n for n in _expected(spec, dims) if n not in params]
+    if missing:
+        raise _error(f"{path} lacks {len(missing)} tensor(s) that {spec_name} with the dims of config.json expects "
+                     f"(e.g. {missing[:3]}); an incomplete save_pretrained folder is not read")
     extents = {f"param/{names[n]}": Extent(file, e.offset, e.dtype, e.shape) for n, (file, e) in saved.items()}
     files = sorted({file for file, _ in saved.values()})
     sharded = _has(path, INDEX_NAME)
@@ -120,20 +126,26 @@ def describe(path: str) -> Description:
                        sorted(extents)},), (INDEX_NAME if sharded else SINGLE_NAME,), state, read)
 
 
-def _in_memory_names(spec: Spec, dims: dict, saved: list[str]) -> dict[str, str]:
+def _in_memory_names(spec: Spec, saved: list[str]) -> dict[str, str]:
     """Saved name -> in-memory name: unchanged, unless no saved name has the base model's prefix
-    (``model.``, ``transformer.``) that every spec parameter but ``lm_head`` has, and then it is added."""
-    try:
-        expected = spec.synthesize_params(dims)
-    except UclError:
-        return {n: n for n in saved}
-    heads = {n.split(".", 1)[0] for n in expected if not n.startswith("lm_head.")}
-    if len(heads) != 1:
+    (``model.``, ``transformer.``) that every rule of the spec but ``lm_head``'s starts with, and
+    then it is added to every name but ``lm_head.*``."""
+    heads = {r.pattern.text.split(".", 1)[0] for r in spec.checked.rules} - {"lm_head"}
+    if len(heads) != 1 or not _NAME.match(next(iter(heads))):
         return {n: n for n in saved}
     prefix = heads.pop() + "."
     if any(n.startswith(prefix) for n in saved):
         return {n: n for n in saved}
     return {n: n if n.startswith("lm_head.") else prefix + n for n in saved}
+
+
+def _expected(spec: Spec, dims: dict) -> list[str]:
+    """The tensors the spec says every model with these dims has (none known when the spec cannot
+    synthesize them: rules without a declared shape, such as gpt2's MLP)."""
+    try:
+        return list(spec.synthesize_params(dims))
+    except UclError:
+        return []
 
 
 def _dtype_lines(dtypes: dict[str, str]) -> str:
