@@ -106,6 +106,8 @@ def describe(path: str) -> Description:
     osd = [_dict(_dict(o.obj, optim[r]).get("optimizer_state_dict"), f"{optim[r]}: optimizer_state_dict")
            for r, o in enumerate(optims)]
     stage = int(osd[0].get("zero_stage", 0))
+    if stage == 0 and "single_partition_of_fp32_groups" in osd[0]:
+        stage = 1  # BF16_Optimizer (bf16 with fp32 gradient accumulation): ZeRO-1's flat layout
     groups = [list(g) for g in _list(ms.get("param_shapes"), "param_shapes")]
     shapes = {n: tuple(int(x) for x in s) for g in ms["param_shapes"] for n, s in g.items()}
     shared = {str(k): str(v) for k, v in (ms.get("shared_params") or {}).items()}

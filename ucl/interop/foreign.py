@@ -50,8 +50,9 @@ class Description:
 
 
 def _describers() -> dict[str, tuple[Callable[[str], bool], Callable[[str], Description]]]:
-    from . import deepspeed, hf_store
-    return {"deepspeed": (deepspeed.detect, deepspeed.describe), "hf": (hf_store.detect, hf_store.describe)}
+    from . import dcp, deepspeed, hf_store
+    return {"deepspeed": (deepspeed.detect, deepspeed.describe), "dcp": (dcp.detect, dcp.describe),
+            "hf": (hf_store.detect, hf_store.describe)}
 
 
 def detect_format(path: str) -> str | None:

@@ -21,10 +21,11 @@ Tied embeddings follow the stdlib specs (``lm_head.weight`` is ``optional if tie
 ``save_pretrained`` leaves it out). A checkpoint saved without the base model's prefix (GPT-2 on the
 Hub: ``h.0.attn.c_attn.weight``) gets it back (``transformer.h.0...``), as ``from_pretrained`` does.
 
-Not read (UCL502): MoE checkpoints whose saved names differ from the spec's tensors.
-``save_pretrained`` writes one tensor per expert (``mlp.experts.{e}.gate_proj.weight``...) while the
-specs describe the fused in-memory tensors (``mlp.experts.gate_up_proj [E, 2I, H]``); a fused tensor
-made of E separate saved tensors is not one contiguous byte range, so it is not one Extent.
+MoE: ``save_pretrained`` writes one tensor per expert (``mlp.experts.{e}.gate_proj.weight``...)
+while the specs describe the fused in-memory tensors (``mlp.experts.gate_up_proj [E, 2I, H]``,
+``down_proj [E, H, I]``). Their row-major bytes are the saved tensors' bytes joined in order
+(gate_0, up_0, gate_1, ...), so each fused tensor is one joined Extent (``Extent.joined``): read in
+place, no copy, no transpose.
 """
 from __future__ import annotations
 
@@ -37,10 +38,10 @@ from ..files import check_inside
 from ..lang.spec import Spec, load_spec
 from ..lang.stdlib import stdlib_names
 from ..model_config import CONFIG_NAME, read_raw_config
-from ..store.extents import Extent
+from ..store.extents import Extent, Piece
 from .foreign import Description
 from .hf.check import check_against
-from .hf.names import INDEX_NAME, SINGLE_NAME, fuse_saved_experts, read_saved_tensors
+from .hf.names import INDEX_NAME, SINGLE_NAME, fuse_saved_experts, fused_expert_parts, read_saved_tensors
 
 _NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
 _NOT_HF = ("megatron",)  # stdlib specs that describe another framework's names, not a model_type
@@ -91,22 +92,19 @@ def describe(path: str) -> Description:
     saved = read_saved_tensors(path)  # every header entry checked against its file here
     shapes = {n: e.shape for n, (_, e) in saved.items()}
     fused, problems = fuse_saved_experts(shapes)
-    if list(fused) != list(shapes) or problems:
-        per_expert = [n for n in shapes if n not in fused]
-        raise _error(f"{path}: {len(per_expert)} tensors are saved per expert (e.g. {per_expert[:1]}) while "
-                     f"{spec_name} describes the experts fused into one tensor per layer "
-                     f"(e.g. {[n for n in fused if n not in shapes][:1]}); a fused tensor stored as separate "
-                     "per-expert tensors is not one byte range, so ucl does not read MoE save_pretrained folders "
-                     "in place yet (load the model and save it with ucl.save instead)")
+    if problems:
+        raise _error(f"{path}: the per-expert tensors cannot be fused into the tensors {spec_name} describes:\n  "
+                     + "\n  ".join(problems[:8]))
+    saved = _fused(saved, fused, fused_expert_parts(shapes), path)
     names = _in_memory_names(base, list(saved))
     for n in names.values():
         if not _NAME.match(n):
             raise _error(f"{path}: tensor name {n[:200]!r} cannot be written in a spec")
 
-    dtypes = {names[n]: e.dtype for n, (_, e) in saved.items()}
+    dtypes = {names[n]: e.dtype for n, e in saved.items()}
     spec_text = base.text.rstrip("\n") + "\n" + _dtype_lines(dtypes)
     spec = Spec.from_text(spec_text, filename=f"{path} [{spec_name} + dtypes]", name=spec_name)
-    params = {names[n]: e.shape for n, (_, e) in sorted(saved.items(), key=lambda kv: _natural(names[kv[0]]))}
+    params = {names[n]: e.shape for n, e in sorted(saved.items(), key=lambda kv: _natural(names[kv[0]]))}
     frozen = tuple(params)
     bad = check_against(spec, dims, params, frozen=frozen)
     if bad:
@@ -116,14 +114,32 @@ def describe(path: str) -> Description:
     if missing:
         raise _error(f"{path} lacks {len(missing)} tensor(s) that {spec_name} with the dims of config.json expects "
                      f"(e.g. {missing[:3]}); an incomplete save_pretrained folder is not read")
-    extents = {f"param/{names[n]}": Extent(file, e.offset, e.dtype, e.shape) for n, (file, e) in saved.items()}
-    files = sorted({file for file, _ in saved.values()})
+    extents = {f"param/{names[n]}": e for n, e in saved.items()}
+    files = sorted({p.file for e in saved.values() for p in e.parts()})
     sharded = _has(path, INDEX_NAME)
     read = (CONFIG_NAME,) + ((INDEX_NAME,) if sharded else ()) + tuple(files)
     state = {"format": "hf", "hf": {"model_type": raw["model_type"], "config": raw,
                                     "renamed": {n: m for n, m in names.items() if n != m}}}
     return Description("hf", spec_text, spec_name, dims, (), params, frozen, ({k: extents[k] for k in
                        sorted(extents)},), (INDEX_NAME if sharded else SINGLE_NAME,), state, read)
+
+
+def _fused(saved: dict, fused: dict, parts: dict[str, list[str]], path: str) -> dict[str, Extent]:
+    """Saved name -> extent, with per-expert tensors joined into the fused tensors the spec
+    describes (their bytes, in order, are the fused tensor's: no copy, no transpose)."""
+    out: dict[str, Extent] = {}
+    for name, shape in fused.items():
+        if name in parts:
+            pieces = [saved[s] for s in parts[name]]
+            dtypes = {e.dtype for _, e in pieces}
+            if len(dtypes) != 1:
+                raise _error(f"{path}: the experts of {name} are stored in several dtypes {sorted(dtypes)}")
+            out[name] = Extent.joined([Piece(f, e.offset, e.nbytes) for f, e in pieces], dtypes.pop(), shape)
+        else:
+            orig = name if name in saved else name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+            file, e = saved[orig]
+            out[name] = Extent(file, e.offset, e.dtype, e.shape)
+    return out
 
 
 def _in_memory_names(spec: Spec, saved: list[str]) -> dict[str, str]:

@@ -12,6 +12,7 @@ file's say-so and nothing executes. torch itself is not needed.
 from __future__ import annotations
 
 import collections
+import io
 import os
 import pickle
 import stat
@@ -247,11 +248,13 @@ class TorchFile:
         return self.storage_offsets[t.storage.key] + t.offset * itemsize(t.dtype)
 
 
-def read_torch_file(path: str, inside: str | None = None) -> TorchFile:
+def read_torch_file(path: str, inside: str | None = None, *, offset: int = 0, length: int | None = None
+                    ) -> TorchFile:
     """The object of a ``torch.save`` zip file, tensors left on disk (see the module doc).
     Every storage is checked against the archive: uncompressed, present, exactly the size its
-    references claim, and inside the file."""
-    where = path
+    references claim, and inside the file. With ``offset``/``length`` the archive is those bytes of
+    the file (a DCP ``.distcp`` item); storage offsets are still offsets into the whole file."""
+    where = path if not (offset or length is not None) else f"{path} bytes [{offset}, +{length})"
     if inside is not None:
         check_inside(path, inside, "file", lambda msg: StoreError(msg, code="UCL416"))
     try:
@@ -260,8 +263,11 @@ def read_torch_file(path: str, inside: str | None = None) -> TorchFile:
         raise _error(f"cannot read {where}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
         raise StoreError(f"{where} is not a regular file", code="UCL416")
+    size = st.st_size - offset if length is None else length
+    if offset < 0 or size < 0 or offset + size > st.st_size:
+        raise StoreError(f"{where} runs past the end of the file ({st.st_size:,} bytes; truncated?)", code="UCL406")
     try:
-        with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+        with open(path, "rb") as whole, zipfile.ZipFile(f := _Window(whole, offset, size)) as z:
             infos = {i.filename: i for i in z.infolist()}
             pkl = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkl) != 1:
@@ -287,9 +293,9 @@ def read_torch_file(path: str, inside: str | None = None) -> TorchFile:
                     raise _error(f"{where}: the zip entry of storage {key} is damaged")
                 name_len, extra_len = struct.unpack("<HH", head[26:30])
                 start = info.header_offset + 30 + name_len + extra_len
-                if start + info.file_size > st.st_size:
+                if start + info.file_size > size:
                     raise _error(f"{where}: storage {key} runs past the end of the file (truncated?)")
-                offsets[key], sizes[key] = start, info.file_size
+                offsets[key], sizes[key] = offset + start, info.file_size
     except StoreError:
         raise
     except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
@@ -297,6 +303,39 @@ def read_torch_file(path: str, inside: str | None = None) -> TorchFile:
         raise _error(f"{where} is not a readable torch.save file: {type(e).__name__}: {e}") from None
     _check_storages(obj, offsets, sizes, where)
     return TorchFile(path, obj, offsets, sizes)
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[offset, offset + size)`` of an open file, as a seekable file of their own."""
+
+    def __init__(self, f, offset: int, size: int):
+        super().__init__()
+        self._f, self._offset, self._size, self._pos = f, offset, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        if base + pos < 0:
+            raise ValueError("negative seek position")
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = max(0, min(len(buf), self._size - self._pos))
+        if n == 0:
+            return 0
+        self._f.seek(self._offset + self._pos)
+        got = self._f.readinto(memoryview(buf)[:n])
+        self._pos += got or 0
+        return got or 0
 
 
 def _check_storages(obj: Any, offsets: dict, sizes: dict, where: str) -> None:

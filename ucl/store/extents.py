@@ -10,6 +10,8 @@ checksums: ``verify`` has nothing to check bytes against and checks the files in
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import stat
 import threading
@@ -29,17 +31,35 @@ NO_CHECKSUM = "none"  # the checksum of a dataset a foreign framework wrote
 
 
 @dataclass(frozen=True)
+class Piece:
+    """``nbytes`` bytes at byte ``offset`` of ``file`` (relative to the checkpoint folder)."""
+    file: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Extent:
     """A tensor stored row-major as ``prod(shape)`` elements of ``dtype`` (logical) starting at
-    byte ``offset`` of ``file`` (a path relative to the checkpoint folder)."""
+    byte ``offset`` of ``file`` (a path relative to the checkpoint folder); or, with ``pieces``,
+    as those byte ranges joined in order (a tensor a framework saved in parts, e.g. one per MoE
+    expert: ``file``/``offset`` are then the first piece's)."""
     file: str
     offset: int
     dtype: str
     shape: tuple[int, ...]
+    pieces: tuple[Piece, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=object)) * itemsize(self.dtype)
+
+    @classmethod
+    def joined(cls, pieces: Sequence[Piece], dtype: str, shape: tuple[int, ...]) -> "Extent":
+        return cls(pieces[0].file, pieces[0].offset, dtype, tuple(shape), tuple(pieces))
+
+    def parts(self) -> tuple[Piece, ...]:
+        return self.pieces or (Piece(self.file, self.offset, self.nbytes),)
 
 
 class ExtentCheckpoint:
@@ -55,13 +75,21 @@ class ExtentCheckpoint:
         self._fds: dict[str, int] = {}
         self.bytes_last_read = 0
         sizes: dict[str, int] = {}
+        self._starts: dict[Extent, list[int]] = {}  # joined extents: where each piece starts in the tensor
         for rank, table in enumerate(self._extents):
             for key, e in table.items():
-                if e.file not in sizes:
-                    sizes[e.file] = self._file_size(e.file)
-                if e.offset < 0 or e.offset + e.nbytes > sizes[e.file]:
-                    raise StoreError(f"{self._where(rank, key)}: {e.nbytes:,} bytes at offset {e.offset:,} run past "
-                                     f"the end of {e.file} ({sizes[e.file]:,} bytes; truncated?)", code="UCL406")
+                for p in e.parts():
+                    if p.file not in sizes:
+                        sizes[p.file] = self._file_size(p.file)
+                    if p.offset < 0 or p.nbytes < 0 or p.offset + p.nbytes > sizes[p.file]:
+                        raise StoreError(f"{self._where(rank, key)}: {p.nbytes:,} bytes at offset {p.offset:,} run "
+                                         f"past the end of {p.file} ({sizes[p.file]:,} bytes; truncated?)",
+                                         code="UCL406")
+                if e.pieces:
+                    if sum(p.nbytes for p in e.pieces) != e.nbytes:
+                        raise StoreError(f"{self._where(rank, key)}: its pieces hold "
+                                         f"{sum(p.nbytes for p in e.pieces):,} bytes, not {e.nbytes:,}", code="UCL502")
+                    self._starts[e] = list(itertools.accumulate((p.nbytes for p in e.pieces), initial=0))
 
     @property
     def nranks(self) -> int:
@@ -107,20 +135,19 @@ class ExtentCheckpoint:
         problems = []
         for rank in range(self.nranks) if ranks is None else ranks:
             for key, e in self._table(rank).items():
-                try:
-                    size = self._file_size(e.file)
-                except StoreError as err:
-                    problems.append(str(err))
-                    continue
-                if e.offset + e.nbytes > size:
-                    problems.append(f"{self._where(rank, key)} runs past the end of {e.file}")
+                for p in e.parts():
+                    try:
+                        if p.offset + p.nbytes > self._file_size(p.file):
+                            problems.append(f"{self._where(rank, key)} runs past the end of {p.file}")
+                    except StoreError as err:
+                        problems.append(str(err))
         return problems
 
     # -- reads -------------------------------------------------------------------------------
     def read(self, rank: int, key: str, *, verify: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         e = self.extent(rank, key)
         out = check_out(out, e.shape, _dt.storage_dtype(e.dtype))
-        self._pread(e, e.offset, out.reshape(-1))
+        self._pread(e, 0, out.reshape(-1))
         self.bytes_last_read = out.nbytes
         return out
 
@@ -154,7 +181,7 @@ class ExtentCheckpoint:
         pos = 0
         for idx in np.ndindex(*sizes[:k]):
             first = sum((starts[j] + i) * strides[j] for j, i in enumerate(idx)) + starts[k] * strides[k]
-            self._pread(e, e.offset + first * flat.itemsize, flat[pos:pos + block])
+            self._pread(e, first * flat.itemsize, flat[pos:pos + block])
             pos += block
         self.bytes_last_read = out.nbytes
         return out
@@ -175,7 +202,7 @@ class ExtentCheckpoint:
             if count > 1 and step == block:  # adjacent blocks: one read
                 count, block = 1, count * block
             for i in range(count):
-                self._pread(e, e.offset + (start + i * step) * out.itemsize, out[pos:pos + block])
+                self._pread(e, (start + i * step) * out.itemsize, out[pos:pos + block])
                 pos += block
         self.bytes_last_read = out.nbytes
         return out
@@ -207,12 +234,24 @@ class ExtentCheckpoint:
                 fd = self._fds[rel] = os.open(os.path.join(self.path, rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             return fd
 
-    def _pread(self, e: Extent, offset: int, out: np.ndarray) -> None:
+    def _pread(self, e: Extent, at: int, out: np.ndarray) -> None:
+        """Bytes ``[at, at + out.nbytes)`` of ``e``'s row-major bytes into ``out``."""
         view = memoryview(out.view(np.uint8) if out.ndim else out.reshape(1).view(np.uint8))
-        fd, done = self._fd(e.file), 0
+        if not e.pieces:
+            return self._pread_file(e.file, e.offset + at, view)
+        starts = self._starts[e]
+        i, done = bisect.bisect_right(starts, at) - 1, 0
+        while done < len(view):
+            p, inside = e.pieces[i], at + done - starts[i]
+            n = min(p.nbytes - inside, len(view) - done)
+            self._pread_file(p.file, p.offset + inside, view[done:done + n])
+            done, i = done + n, i + 1
+
+    def _pread_file(self, rel: str, offset: int, view: memoryview) -> None:
+        fd, done = self._fd(rel), 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
             if n <= 0:
-                raise StoreError(f"{os.path.join(self.path, e.file)} ended {len(view) - done:,} bytes early "
+                raise StoreError(f"{os.path.join(self.path, rel)} ended {len(view) - done:,} bytes early "
                                  "(truncated after opening?)", code="UCL406")
             done += n

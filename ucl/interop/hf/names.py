@@ -295,3 +295,21 @@ def fuse_saved_experts(tensors: Mapping[str, Iterable[int]]) -> tuple[Shapes, li
         out[fused_gu] = (n, 2 * g[0], g[1])
         out[fused_d] = (n, d[0], d[1])
     return out, problems
+
+
+def fused_expert_parts(names: Iterable[str]) -> dict[str, list[str]]:
+    """For each fused in-memory tensor :func:`fuse_saved_experts` makes, the saved per-expert
+    tensors whose row-major bytes, joined in this order, are its bytes: ``gate_up_proj [E, 2I, H]``
+    is gate_0, up_0, gate_1, up_1, ...; ``down_proj [E, H, I]`` is down_0, down_1, ...
+    (call it on names ``fuse_saved_experts`` accepted without problems)."""
+    roles: dict[str, dict[int, dict[str, str]]] = {}
+    for name in names:
+        m = _EXPERT.match(name)
+        if m is not None:
+            roles.setdefault(m.group("pre"), {}).setdefault(int(m.group("e")), {})[_ROLE[m.group("w")]] = name
+    out: dict[str, list[str]] = {}
+    for pre, experts in roles.items():
+        order = sorted(experts)
+        out[f"{pre}.mlp.experts.gate_up_proj"] = [experts[e][r] for e in order for r in ("gate", "up")]
+        out[f"{pre}.mlp.experts.down_proj"] = [experts[e]["down"] for e in order]
+    return out

@@ -1,0 +1,203 @@
+"""Export to DeepSpeed's universal checkpoint layout, which an engine configured with
+``"checkpoint": {"load_universal": true}`` resumes from at any data-parallel size.
+
+The layout, as DeepSpeed 0.19.8 writes it (``deepspeed/checkpoint/ds_to_universal.py``) and reads it
+(``DeepSpeedEngine.load_checkpoint``, ``base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir``,
+``checkpoint/universal_checkpoint.py::load_hp_checkpoint_state``, ZeRO-3:
+``stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3``)::
+
+    OUT/latest_universal                      the tag (the engine reads it when no tag is given)
+    OUT/<tag>/mp_rank_00_model_states.pt      engine state: global_steps, skipped_steps, dp_world_size,
+                                              mp_world_size, lr_scheduler, ds_config, client state ...
+    OUT/<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt   the same, under the name a ZeRO-3 engine globs
+    OUT/<tag>/zero/optimizer_state.pt         ds_version, zero_stage, param_groups (hyperparameters per
+                                              group, applied by index), optimizer_state_dict (ZeRO-3: step)
+    OUT/<tag>/zero/<name>/fp32.pt             {"param": fp32 master, whole, global shape, "cat_dim": 0}
+    OUT/<tag>/zero/<name>/exp_avg.pt          {"param": ..., "cat_dim": 0}   (every optimizer-state kind)
+    OUT/<tag>/zero/<name>/exp_avg_sq.pt       {"param": ..., "cat_dim": 0}
+    OUT/<tag>/zero/<name>/step.pt             a 0-d float32 tensor (not a dict)
+
+The engine loads ``zero/<name>/*.pt`` for each parameter its optimizer holds, cuts its own ZeRO
+partition out of the whole tensor, and copies the fp32 masters into the module's weights; it reads
+neither the module's frozen parameters nor its buffers from a universal checkpoint (the resuming job
+builds them). As ``ds_to_universal`` does, frozen parameters, buffers and tied aliases still get a
+``fp32.pt`` (``{"param": tensor}``), and the model-states file keeps them under ``module`` (training
+dtype) for whoever wants them. Each ``.pt`` holds plain tensors, numbers, strings, dicts and lists only.
+
+From a checkpoint not imported from DeepSpeed (no ``state["deepspeed"]``), what DeepSpeed would have
+recorded is defaulted: ``global_steps`` = ``state["step"]`` (else 0), ``skipped_steps`` 0,
+``dp_world_size``/``mp_world_size`` 1, ``lr_scheduler`` None, no ds_config, no client state, no
+buffer names; a trainable weight without an fp32 master is upcast to fp32; moments are written in fp32.
+Always: ``param_groups`` lists the checkpoint's groups' hyperparameters (none when unrecorded) and then
+empty groups up to the number of trainable parameters, because the ZeRO-1/2 loader pairs the engine's
+groups with these by index and silently skips the state of every group past the end of the list; an
+empty group overrides nothing. No loss-scaler state is written (the engine keeps its configured one).
+ZeRO-3 engines apply ``optimizer_state_dict.param_groups[0]`` to every group, so it is left empty
+(the resuming job's own hyperparameters stay) and its ``state[0].step`` is the first parameter's step.
+
+Streams: one tensor in memory at a time, plus the frozen parameters and buffers for ``module``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ..errors import StoreError
+from ..ops.stats import IOStats
+from ..store.atomic import TempDir, fsync_dir, publish_dir
+from .dcp import ExportSource, check_target, survey, universal_tensors
+
+UC_VERSION = 0.4  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE in 0.19.8
+DS_VERSION = "0.19.8"  # written when the source does not say; DeepSpeed's loader requires some version
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
+                               verify: bool = True, durable: bool = True) -> IOStats:
+    """Write checkpoint ``ckpt`` (ucl, or a DeepSpeed/DCP/... folder read in place) as a DeepSpeed
+    universal checkpoint folder ``out`` (see the module doc), ``tag`` defaulting to
+    ``global_step<global_steps>``. Resume with ``engine.load_checkpoint(out)`` and
+    ``"checkpoint": {"load_universal": true}``. ``out`` appears atomically; it must not exist."""
+    import torch
+
+    t0 = time.perf_counter()
+    out = check_target(out)
+    src = survey(ckpt)
+    ds = src.state.get("deepspeed") if isinstance(src.state.get("deepspeed"), dict) else {}
+    steps = ds.get("global_steps", src.state.get("step", 0))
+    tag = tag if tag is not None else f"global_step{steps if isinstance(steps, int) else 0}"
+    if not _TAG.match(tag):
+        raise StoreError(f"tag {tag!r} is not a plain folder name", code="UCL503")
+    for name in src.trainable + src.frozen + tuple(src.aliases):
+        if "/" in name or os.sep in name or name in (".", ".."):
+            raise StoreError(f"parameter name {name!r} cannot be a folder name under zero/", code="UCL503")
+
+    stats = IOStats()
+    tmp = TempDir(out)
+    try:
+        zero = os.path.join(tmp.path, tag, "zero")
+        os.makedirs(zero)
+        written = _Writer(durable)
+        module, first_step = _write_tensors(torch, src, zero, written, verify, stats)
+        states = _model_states(torch, src, ds, steps, module)
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+            written.save(torch, states, os.path.join(tmp.path, tag, name))
+        written.save(torch, _optimizer_state(torch, src, ds, first_step), os.path.join(zero, "optimizer_state.pt"))
+        with open(os.path.join(tmp.path, "latest_universal"), "w") as f:
+            f.write(tag)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        if durable:
+            for d, _, _ in os.walk(tmp.path):
+                fsync_dir(d)
+        publish_dir(tmp.path, out)
+    except BaseException:
+        tmp.discard()
+        raise
+    tmp.release()
+    stats.bytes_written = written.bytes
+    stats.datasets_written = written.tensors
+    stats.seconds = time.perf_counter() - t0
+    stats.details.update(format="deepspeed-universal", tag=tag, from_deepspeed=bool(ds),
+                         fp32_master=any(k.startswith("fp32/") for k in src.master.values()))
+    return stats
+
+
+class _Writer:
+    """torch.save into a file, fsynced when durable; counts what it wrote."""
+
+    def __init__(self, durable: bool):
+        self.durable, self.bytes, self.tensors = durable, 0, 0
+
+    def save(self, torch, obj: Any, path: str, tensors: int = 0) -> None:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            if self.durable:
+                os.fsync(f.fileno())
+            self.bytes += f.tell()
+        self.tensors += tensors
+
+
+def _write_tensors(torch, src: ExportSource, zero: str, w: _Writer, verify: bool, stats: IOStats):
+    """Every ``zero/<name>/<kind>.pt``, one tensor at a time; returns (module of frozen tensors in
+    training dtype, the first step seen)."""
+    master_of = {k: n for n, k in src.master.items()}
+    wanted = [src.master[n] for n in src.trainable] + [f"param/{n}" for n in src.frozen]
+    wanted += [k for n in src.trainable for k in src.moments[n]]
+    wanted += [k for n in src.trainable if (k := src.step_key(n)) is not None]
+    aliases_of: dict[str, list[str]] = {}
+    for alias, target in src.aliases.items():
+        aliases_of.setdefault(target, []).append(alias)
+    module: dict[str, Any] = {}
+    first_step = None
+
+    def put(name: str, kind: str, obj: Any) -> None:
+        folder = os.path.join(zero, name)
+        os.makedirs(folder, exist_ok=True)
+        w.save(torch, obj, os.path.join(folder, f"{kind}.pt"), tensors=1)
+
+    for key, tensor in universal_tensors(src, wanted, verify, stats):
+        kind, name = key.split("/", 1)
+        if key in master_of:
+            fp32 = tensor.float() if tensor.is_floating_point() else tensor
+            put(name, "fp32", {"param": fp32, "cat_dim": 0})
+            for alias in aliases_of.get(name, ()):  # ds_to_universal writes the tied alias's weight too
+                put(alias, "fp32", {"param": fp32})
+        elif kind == "param":  # frozen parameter or buffer: not restored by the engine, kept for users
+            module[name] = tensor
+            put(name, "fp32", {"param": tensor.float() if tensor.is_floating_point() else tensor})
+        elif kind == "step":
+            step = torch.tensor(float(tensor.item()), dtype=torch.float32)  # DeepSpeed's own type
+            first_step = step if first_step is None else first_step
+            put(name, "step", step)
+        else:
+            put(name, kind, {"param": tensor.float() if tensor.is_floating_point() else tensor, "cat_dim": 0})
+    return {n: module[n] for n in src.frozen if n in module}, first_step
+
+
+def _model_states(torch, src: ExportSource, ds: dict, steps: Any, module: dict) -> dict:
+    """What DeepSpeed's engine reads from ``mp_rank_00_model_states.pt`` on a universal load (global_steps,
+    skipped_steps, dp/mp world sizes, lr_scheduler; everything else comes back as client state)."""
+    groups = src.groups if src.groups is not None else (src.trainable,)
+    shapes = {n: torch.Size(src.datasets[src.master[n]][0]) for n in src.trainable}
+    states = {k: v for k, v in ds.items() if k not in ("module", "optimizer", "param_shapes")}
+    states.update(
+        module=OrderedDict(module),
+        optimizer=None,
+        param_shapes=[OrderedDict((n, shapes[n]) for n in g) for g in groups],
+        shared_params=dict(src.aliases),
+        universal_checkpoint_info={"universal_checkpoint_version": UC_VERSION},
+    )
+    defaults = dict(buffer_names=[], frozen_param_shapes=None, frozen_param_fragments=None, lr_scheduler=None,
+                    data_sampler=None, random_ltd=None, skipped_steps=0, global_steps=steps if isinstance(steps, int) else 0,
+                    dp_world_size=1, mp_world_size=1,
+                    checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1}, ds_version=DS_VERSION)
+    for k, v in defaults.items():
+        states.setdefault(k, v)
+    return states
+
+
+def _optimizer_state(torch, src: ExportSource, ds: dict, first_step) -> dict:
+    """``zero/optimizer_state.pt``: the global optimizer state both loaders read (see the module doc)."""
+    hyper = [_hyper(g) for g in src.hyperparameters]
+    hyper += [{} for _ in range(max(0, len(src.trainable) - len(hyper)))]
+    stage = (src.state.get("optimizer") or {}).get("zero_stage")
+    sd: dict[str, Any] = {
+        "ds_version": str(ds.get("ds_version") or DS_VERSION),
+        "param_groups": hyper,
+        "optimizer_state_dict": {"state": {0: {"step": first_step if first_step is not None else
+                                                  torch.tensor(0.0)}}, "param_groups": [{}]},
+    }
+    if isinstance(stage, int):
+        sd["zero_stage"] = stage
+    return sd
+
+
+def _hyper(group: dict) -> dict:
+    # JSON turned tuples (Adam's betas) into lists; torch optimizers hold tuples
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in group.items()}

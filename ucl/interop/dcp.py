@@ -1,0 +1,646 @@
+"""PyTorch Distributed Checkpoint folders (``torch.distributed.checkpoint.save``), described for
+reading in place.
+
+What the files are (torch 2.x ``FileSystemWriter``, the default):
+
+* ``.metadata``: a pickle of ``Metadata``. ``state_dict_metadata`` maps every flattened state-dict
+  key (``model.<fqn>``, ``optim.state.<fqn>.<kind>``, ``optim.param_groups.0.lr``, ...) to a
+  ``TensorStorageMetadata`` (dtype, global size, and the chunks that were saved: offsets and sizes
+  of boxes of the global tensor; replicated chunks are saved once) or a ``BytesStorageMetadata``
+  (any other object). ``storage_data`` maps ``MetadataIndex(key, chunk offsets)`` to
+  ``_StorageInfo(relative_path, offset, length, transform_descriptors)``; ``planner_data`` maps each
+  flattened key to its path in the nested state dict (``('optim', 'state', 'fc1.weight', 'exp_avg')``),
+  which is how a parameter name is told apart from a state kind. It is unpickled with an
+  allow-list of exactly those classes, turned into inert records; anything else is UCL500.
+* ``__R_N.distcp``: the items, one after another. Each item, tensor or bytes, is a complete
+  ``torch.save`` zip archive of its own (a tensor chunk: of the chunk as a contiguous tensor);
+  the chunk's raw bytes are the archive's one stored (uncompressed) storage, which is where the
+  :class:`~ucl.store.extents.Extent` points. Items written with stream transforms (the
+  experimental zstd extension) or in the safetensors serialization are refused (UCL502).
+
+How it becomes a spec: every parameter's chunks must tile it as a grid, and each dim's pieces
+must be what ``split D over AX uneven`` (``torch.chunk`` semantics, the last pieces short or
+empty: FSDP2's ``Shard(0)`` and DTensor's ``Shard``) gives, possibly nested up to three deep
+(``split 0 over tp uneven; split 0 over dp uneven``: FSDP2 over TP, DTensor's ``_StridedShard``).
+The mesh is the smallest set of axes every parameter fits; the innermost split of dim 0 goes to an
+axis named ``dp`` (FSDP's), the others to ``tp``. Optimizer states must be chunked like their
+parameter (``follow``) or be 0-d (``scalar``, Adam's ``step``). The datasets each rank of that mesh
+holds are found by lowering the generated spec and looking up, for every box it puts on a rank,
+the DCP chunk with exactly that box: a box DCP did not save, or a saved chunk no rank reads, is
+UCL502. Keys: ``param/<fqn>`` (``model.<fqn>``; parameters and persistent buffers, those without
+optimizer state are frozen), ``<kind>/<fqn>`` (``optim.state.<fqn>.<kind>``). Bytes items are read
+with the allow-listed ``torch.save`` reader into ``state['dcp']['objects']``.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import math
+import os
+import pickle
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..dtypes import DTYPES
+from ..errors import StoreError, UclError
+from ..files import check_inside, read_bounded
+from ..store.extents import Extent
+from .foreign import Description
+from .torchfile import TensorRef, plain, read_torch_file
+
+METADATA = ".metadata"
+MAX_METADATA_BYTES = 256 << 20
+MAX_OBJECT_BYTES = 16 << 20  # bytes items larger than this are listed, not read
+_MAX_LEVELS = 3  # nested splits of one dim
+_MAX_EMPTY = 64  # empty pieces a dim may have beyond its saved ones
+_MAX_ENTRIES = 20_000_000  # ranks x datasets of one description
+_NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
+_KIND = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ZIP = b"PK\x03\x04"
+
+
+def _error(msg: str) -> StoreError:
+    return StoreError(msg, code="UCL502")
+
+
+def _bad(msg: str) -> StoreError:
+    return StoreError(msg, code="UCL500")
+
+
+# ---- .metadata, unpickled with an allow-list ---------------------------------------------------
+class _Record:
+    """An allow-listed DCP metadata object kept as data: its pickled state as attributes."""
+
+    cls = "?"
+
+    def __init__(self, *args: Any):
+        self.args = args
+        self.state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict) and isinstance(state[1], dict):
+            state = {**state[0], **state[1]}  # (dict, slots)
+        if isinstance(state, dict):
+            for k, v in state.items():
+                if not isinstance(k, str) or k.startswith("__"):
+                    raise _bad(f"{self.cls} carries a malformed attribute {str(k)[:40]!r}")
+                self.__dict__[k] = v
+        else:
+            self.state = state
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.__dict__.get(name, default) if name not in ("args", "state") else default
+
+
+_DCP_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta")} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_RECORDS = {key: type(key[1], (_Record,), {"cls": f"{key[0]}.{key[1]}"}) for key in _DCP_CLASSES}
+_MEM_FORMAT = ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
+_PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}
+# torch dtypes ucl has no logical dtype for: unpickled as names, refused (UCL412) only if a tensor uses one
+_OTHER_DTYPES = {"complex32", "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fnuz",
+                 "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2"}
+
+
+@dataclass(frozen=True)
+class _Dtype:
+    name: str
+
+
+def _path(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise _bad("a pickled path has parts that are not strings")
+    return "/".join(parts)
+
+
+def _layout(name: Any) -> str:
+    if not isinstance(name, str) or len(name) > 64:
+        raise _bad("a pickled torch layout is malformed")
+    return name
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _RECORDS:
+            return _RECORDS[(module, name)]
+        if (module, name) == _MEM_FORMAT:
+            return lambda value: ("memory_format", value)
+        if module == "torch" and name == "Size":
+            return tuple
+        if module == "torch" and (name in DTYPES or name in _OTHER_DTYPES):
+            return _Dtype(name)
+        if module == "torch.serialization" and name == "_get_layout":
+            return _layout
+        if module in ("pathlib", "pathlib._local") and name in _PATHS:
+            return _path
+        if module == "collections" and name == "OrderedDict":
+            return dict
+        raise _bad(f"{self.where} needs the class {module}.{name}, which ucl does not load from a file "
+                   "(only the DCP metadata classes, torch.Size and dtypes; docs/interop.md)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _bad(f"{self.where} refers to a persistent object {str(pid)[:80]}; DCP metadata has none")
+
+
+@dataclass
+class _Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str = ""
+    offset: int = 0  # of the item (a torch.save archive) in its file
+    length: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return 0 in self.sizes
+
+
+@dataclass
+class _Tensor:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: list[_Chunk] = field(default_factory=list)
+
+
+@dataclass
+class _Metadata:
+    tensors: dict[str, _Tensor]
+    objects: dict[str, tuple[str, int, int]]  # key -> (file, offset, length)
+    paths: dict[str, tuple]  # flattened key -> path in the nested state dict
+    version: Any
+
+
+def _ints(x: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(x, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                   for v in x):
+        raise _bad(f"{what} is not a list of non-negative integers ({str(x)[:80]})")
+    return tuple(x)
+
+
+def _rec(x: Any, cls: str, what: str) -> _Record:
+    if not isinstance(x, _Record) or x.cls.rsplit(".", 1)[1] != cls:
+        raise _bad(f"{what} is {getattr(x, 'cls', type(x).__name__)}, not a DCP {cls}")
+    return x
+
+
+def read_metadata(path: str) -> _Metadata:
+    """The ``.metadata`` of the DCP folder ``path``, as plain records (see the module doc)."""
+    mpath = os.path.join(path, METADATA)
+    data = read_bounded(mpath, limit=MAX_METADATA_BYTES, what="DCP metadata file", inside=path, error=_bad)
+    try:
+        md = _MetadataUnpickler(data, mpath).load()
+    except UclError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            RecursionError, MemoryError, UnicodeDecodeError, OverflowError) as e:
+        raise _bad(f"{mpath} is not a readable DCP metadata pickle: {type(e).__name__}: {e}") from None
+    md = _rec(md, "Metadata", mpath)
+    sdm, storage = md.get("state_dict_metadata"), md.get("storage_data")
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+        raise _bad(f"{mpath}: Metadata has no state_dict_metadata / storage_data dicts (not written by a "
+                   "FileSystemWriter?)")
+    where: dict[tuple, tuple[str, int, int]] = {}
+    for index, info in storage.items():
+        index = _rec(index, "MetadataIndex", f"{mpath}: a storage_data key")
+        info = _rec(info, "_StorageInfo", f"{mpath}: storage_data[{index.get('fqn')!r}]")
+        fqn, off = index.get("fqn"), index.get("offset")
+        rel, start, length = info.get("relative_path"), info.get("offset"), info.get("length")
+        if not isinstance(fqn, str) or not isinstance(rel, str) or not isinstance(start, int) \
+                or not isinstance(length, int) or start < 0 or length < 0:
+            raise _bad(f"{mpath}: a malformed storage_data entry for {str(fqn)[:80]!r}")
+        if info.get("transform_descriptors"):
+            raise _error(f"{mpath}: {fqn!r} was written through stream transforms "
+                         f"{str(info.get('transform_descriptors'))[:80]} (compression); ucl reads only plain "
+                         "items in place")
+        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") or not rel:
+            raise StoreError(f"{mpath}: item {fqn!r} lives in {rel!r}, outside the checkpoint folder", code="UCL416")
+        where[(fqn, None if off is None else _ints(off, f"{mpath}: offset of {fqn!r}"))] = (rel, start, length)
+    tensors: dict[str, _Tensor] = {}
+    objects: dict[str, tuple[str, int, int]] = {}
+    for key, meta in sdm.items():
+        if not isinstance(key, str):
+            raise _bad(f"{mpath}: a state dict key is {type(key).__name__}, not a string")
+        if isinstance(meta, _Record) and meta.cls.endswith(".BytesStorageMetadata"):
+            if (key, None) not in where:
+                raise _bad(f"{mpath}: the object {key!r} has no storage_data entry")
+            objects[key] = where[(key, None)]
+            continue
+        meta = _rec(meta, "TensorStorageMetadata", f"{mpath}: {key!r}")
+        props = _rec(meta.get("properties"), "TensorProperties", f"{mpath}: properties of {key!r}")
+        dt = props.get("dtype") if props.state is None else (props.state[0] if isinstance(props.state, tuple)
+                                                              and props.state else None)
+        if not isinstance(dt, _Dtype):
+            raise _bad(f"{mpath}: {key!r} has no dtype")
+        if dt.name not in DTYPES:
+            raise StoreError(f"{mpath}: {key!r} is torch.{dt.name}, a dtype ucl does not read", code="UCL412")
+        t = tensors[key] = _Tensor(key, dt.name, _ints(meta.get("size"), f"{mpath}: size of {key!r}"))
+        chunks = meta.get("chunks")
+        if not isinstance(chunks, list):
+            raise _bad(f"{mpath}: {key!r} has no chunk list")
+        for c in chunks:
+            c = _rec(c, "ChunkStorageMetadata", f"{mpath}: a chunk of {key!r}")
+            off = _ints(c.get("offsets"), f"{mpath}: chunk offsets of {key!r}")
+            size = _ints(c.get("sizes"), f"{mpath}: chunk sizes of {key!r}")
+            if len(off) != len(t.shape) or len(size) != len(t.shape) or \
+                    any(o + s > n for o, s, n in zip(off, size, t.shape)):
+                raise _error(f"{mpath}: {key!r} {list(t.shape)} has a chunk at {list(off)} of {list(size)}, "
+                             "outside the tensor")
+            loc = where.get((key, off))
+            if loc is None:
+                raise _bad(f"{mpath}: the chunk of {key!r} at {list(off)} has no storage_data entry")
+            t.chunks.append(_Chunk(off, size, *loc))
+    planner = md.get("planner_data")
+    paths = {k: tuple(v) for k, v in planner.items() if isinstance(k, str) and isinstance(v, (tuple, list))} \
+        if isinstance(planner, dict) else {}
+    return _Metadata(tensors, objects, paths, md.get("version"))
+
+
+# ---- detect / describe ---------------------------------------------------------------------------
+def detect(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, METADATA))
+
+
+def describe(path: str) -> Description:
+    return describe_dcp(path, "dcp")
+
+
+def describe_dcp(path: str, format: str, state: dict | None = None) -> Description:
+    """The :class:`Description` of the DCP folder ``path`` (``format`` names it; Megatron's
+    torch_dist folders are DCP folders), ``state`` merged into its state."""
+    from ..lang.spec import Spec
+    from ..layout.lower import lower
+    from ..layout.mesh import Mesh
+
+    if not detect(path):
+        raise StoreError(f"{path} is not a DCP checkpoint (no {METADATA})", code="UCL501")
+    md = read_metadata(path)
+    _check_items(path, md)
+    params, states = _classify(md)
+    frozen = [n for n in params if not any(n == f for _, f in states)]
+    kinds = _kinds(params, states)
+    layouts = {n: _options(params[n]) for n in params}
+    for (kind, fqn), t in states.items():
+        if kinds[kind] == "follow" and _boxes(t) != _boxes(params[fqn]):
+            raise _error(f"{t.key!r} is chunked at {_offsets(t)}, its parameter {params[fqn].key!r} at "
+                         f"{_offsets(params[fqn])}; ucl reads optimizer states laid out like their parameter")
+    chosen, axes = _choose_mesh(params, layouts)
+    spec = _spec(os.path.basename(os.path.normpath(path)), params, states, kinds, frozen, chosen, axes)
+    shapes = {n: t.shape for n, t in params.items()}
+    model = Spec.from_text(spec, filename=f"{os.path.join(path, METADATA)}[generated spec]",
+                           name="dcp").bind({}, shapes, frozen)
+    mesh = Mesh([(name, size) for name, size in axes])
+    entries = math.prod(s for _, s in axes) * (len(params) + len(states))
+    if entries > _MAX_ENTRIES:
+        raise _error(f"{path}: the layout ucl derived has {math.prod(s for _, s in axes):,} ranks of "
+                     f"{len(params) + len(states):,} datasets, more than ucl describes in place ({_MAX_ENTRIES:,})")
+    by_key = {f"param/{n}": t for n, t in params.items()} | {f"{k}/{n}": t for (k, n), t in states.items()}
+    extents = _extents(path, model, lower(model, mesh), mesh, by_key)
+    objects = _objects(path, md)
+    st = {"format": format, "dcp": {"version": plain(md.version), "objects": objects}}
+    st.update(state or {})
+    files = sorted({c.file for t in md.tensors.values() for c in t.chunks} | {f for f, _, _ in md.objects.values()})
+    return Description(format, spec, "dcp", {}, tuple((a, s) for a, s in axes), shapes, tuple(frozen),
+                       tuple(extents), (), st, (METADATA, *files))
+
+
+def _check_items(path: str, md: _Metadata) -> None:
+    """Every item lies inside a regular file of the folder: checked before anything is parsed."""
+    sizes: dict[str, int] = {}
+    items = [(t.key, c.file, c.offset, c.length) for t in md.tensors.values() for c in t.chunks] + \
+            [(k, f, o, n) for k, (f, o, n) in md.objects.items()]
+    for key, rel, offset, length in items:
+        if rel not in sizes:
+            p = os.path.join(path, rel)
+            check_inside(p, path, "file", lambda msg: StoreError(msg, code="UCL416"))
+            try:
+                st = os.stat(p)
+            except OSError as e:
+                raise StoreError(f"{p} (named by {METADATA}): {e.strerror or e}", code="UCL404") from None
+            if not os.path.isfile(p):
+                raise StoreError(f"{p} is not a regular file", code="UCL416")
+            sizes[rel] = st.st_size
+        if offset + length > sizes[rel]:
+            raise StoreError(f"{os.path.join(path, rel)} is {sizes[rel]:,} bytes, but {METADATA} puts {key!r} at "
+                             f"bytes [{offset:,}, {offset + length:,}) (truncated?)", code="UCL406")
+
+
+def _classify(md: _Metadata) -> tuple[dict[str, _Tensor], dict[tuple[str, str], _Tensor]]:
+    params: dict[str, _Tensor] = {}
+    states: dict[tuple[str, str], _Tensor] = {}
+    other = []
+    paths = {key: md.paths.get(key) or _guess_path(key) for key in md.tensors}
+    bare = all(len(p) == 1 for p in paths.values())  # a model state dict saved on its own
+    for key, t in md.tensors.items():
+        p = paths[key]
+        if bare and isinstance(p[0], str):
+            params[p[0]] = t
+        elif len(p) == 2 and p[0] == "model" and isinstance(p[1], str):
+            params[p[1]] = t
+        elif len(p) == 4 and p[0] in _OPTIM and p[1] == "state" and isinstance(p[2], str) and isinstance(p[3], str):
+            states[(p[3], p[2])] = t
+        else:
+            other.append(key)
+    if other:
+        raise _error(f"tensors outside model.* and optim.state.*.* ({', '.join(other[:5])}"
+                     f"{', ...' if len(other) > 5 else ''}); ucl reads DCP checkpoints of a model state dict, "
+                     "or of {'model': model_state_dict, 'optim': optim_state_dict} (get_state_dict)")
+    for name in params:
+        if not _NAME.match(name):
+            raise _error(f"parameter name {name!r} cannot be written in a spec")
+    for kind, fqn in states:
+        if fqn not in params:
+            raise _error(f"optimizer state {states[(kind, fqn)].key!r} belongs to no parameter of model.*")
+        if not _KIND.match(kind) or kind == "param":
+            raise _error(f"optimizer state kind {kind!r} ({states[(kind, fqn)].key!r}) cannot be written in a spec")
+    return params, states
+
+
+_OPTIM = ("optim", "optimizer")
+
+
+def _guess_path(key: str) -> tuple:
+    """The state-dict path of a flattened key, for metadata without planner_data."""
+    if key.startswith("model."):
+        return ("model", key[len("model."):])
+    for root in _OPTIM:
+        if key.startswith(f"{root}.state.") and "." in key[len(root) + 7:]:
+            fqn, kind = key[len(root) + 7:].rsplit(".", 1)
+            return (root, "state", fqn, kind)
+    return (key,)
+
+
+def _kinds(params: dict[str, _Tensor], states: dict[tuple[str, str], _Tensor]) -> dict[str, str]:
+    """Each optimizer state kind: 'scalar' (0-d, replicated) or 'follow' (its parameter's layout)."""
+    out: dict[str, str] = {}
+    for kind in dict.fromkeys(k for k, _ in states):
+        own = {fqn: t for (k, fqn), t in states.items() if k == kind}
+        if all(t.shape == () for t in own.values()) and any(params[f].shape != () for f in own):
+            out[kind] = "scalar"
+            for t in own.values():
+                if len(t.chunks) != 1:
+                    raise _error(f"{t.key!r} is 0-d but saved as {len(t.chunks)} chunks")
+        elif all(t.shape == params[f].shape for f, t in own.items()):
+            out[kind] = "follow"
+        else:
+            bad = next(t for f, t in own.items() if t.shape != params[f].shape)
+            raise _error(f"{bad.key!r} is {list(bad.shape)}: neither 0-d nor its parameter's shape; ucl reads "
+                         "optimizer states of either kind only")
+    return out
+
+
+# ---- layouts: chunks -> nested uneven splits ------------------------------------------------------
+@dataclass(frozen=True)
+class _Option:
+    levels: tuple[tuple[int, tuple[int, ...]], ...]  # per split dim: (dim, sizes of its nested splits, outer first)
+    cells: int
+
+    @property
+    def sizes(self) -> Counter:
+        return Counter(s for _, f in self.levels for s in f)
+
+    @property
+    def depth(self) -> int:
+        return sum(len(f) for _, f in self.levels)
+
+
+def _boxes(t: _Tensor) -> set[tuple]:
+    return {(c.offsets, c.sizes) for c in t.chunks if not c.empty}
+
+
+def _offsets(t: _Tensor) -> str:
+    shown = [list(c.offsets) for c in t.chunks[:8]]
+    return f"{shown}{' ...' if len(t.chunks) > 8 else ''}"
+
+
+def _pieces(n: int, factors: tuple[int, ...]) -> list[int]:
+    """The piece sizes of nested ``split ... uneven`` over ``factors`` (outer first), in order."""
+    sizes = [n]
+    for p in factors:
+        out = []
+        for m in sizes:
+            c = -(-m // p)
+            out += [max(0, min(m, (i + 1) * c) - min(m, i * c)) for i in range(p)]
+        sizes = out
+    return sizes
+
+
+def _factorizations(p: int, depth: int) -> list[tuple[int, ...]]:
+    """``p`` as ordered products of at most ``depth`` factors > 1 (``()`` for 1)."""
+    if p == 1:
+        return [()]
+    out = [(p,)]
+    if depth > 1:
+        small = [a for a in range(2, math.isqrt(p) + 1) if p % a == 0]
+        for a in sorted(set(small) | {p // a for a in small}):
+            out += [(a,) + rest for rest in _factorizations(p // a, depth - 1) if rest]
+    return out
+
+
+def _options(t: _Tensor) -> list[_Option]:
+    """The ways to split ``t`` that give exactly its saved (non-empty) chunks."""
+    if math.prod(t.shape) == 0 or not t.chunks:
+        if not t.chunks:
+            raise _error(f"{t.key!r} has no saved chunks")
+        return [_Option((), 1)]
+    boxes = _boxes(t)
+    empties = len({(c.offsets, c.sizes) for c in t.chunks if c.empty})
+    per_dim: list[list[tuple[tuple[int, ...], int]]] = []
+    grid = 1
+    for d, n in enumerate(t.shape):
+        proj = sorted({(o[d], s[d]) for o, s in boxes})
+        pos = 0
+        for o, s in proj:
+            if o != pos:
+                raise _error(f"{t.key!r}: its chunks at offsets {_offsets(t)} do not tile dim {d} "
+                             f"(a piece starts at {o}, expected {pos}); not a grid ucl can describe")
+            pos += s
+        if pos != n:
+            raise _error(f"{t.key!r}: its chunks at offsets {_offsets(t)} cover {pos} of {n} along dim {d}")
+        grid *= len(proj)
+        seen = [s for _, s in proj]
+        opts = []
+        for p in range(len(seen), len(seen) + min(empties, _MAX_EMPTY) + 1):
+            for f in _factorizations(p, _MAX_LEVELS):
+                if [s for s in _pieces(n, f) if s] == seen:
+                    opts.append((f, p))
+        if not opts:
+            raise _error(f"{t.key!r} {list(t.shape)}: its chunks at offsets {_offsets(t)} cut dim {d} into pieces "
+                         f"{seen}, which no split over a mesh axis gives (torch.chunk semantics, 'split {d} over AX "
+                         f"uneven', nested up to {_MAX_LEVELS} deep)")
+        per_dim.append(opts)
+    if grid != len(boxes):
+        raise _error(f"{t.key!r}: its chunks at offsets {_offsets(t)} are not a grid of boxes; ucl describes "
+                     "chunks that split each dim independently")
+    out = []
+    for combo in itertools.islice(itertools.product(*per_dim), 4096):
+        levels = tuple((d, f) for d, (f, _) in enumerate(combo) if f)
+        out.append(_Option(levels, math.prod(p for _, p in combo)))
+    return out
+
+
+def _union(m: Counter, o: Counter) -> Counter:
+    return Counter({s: max(m[s], o[s]) for s in set(m) | set(o)})
+
+
+def _choose_mesh(params: dict[str, _Tensor], layouts: dict[str, list[_Option]]
+                 ) -> tuple[dict[str, dict[tuple[int, int], int]], list[tuple[str, int]]]:
+    """One option per parameter, a mesh they all fit (the smallest this greedy finds) and, per
+    parameter, the axis of each level: ``{name: {(dim, level): axis index}}`` and ``[(axis, size)]``."""
+    pick: dict[str, _Option] = {}
+    need: Counter = Counter()
+    order = sorted(params, key=lambda n: (len(layouts[n]), -max(o.depth for o in layouts[n])))
+    for n in order:
+        pick[n] = min(layouts[n], key=lambda o: (math.prod(s ** c for s, c in _union(need, o.sizes).items()),
+                                                 o.cells != len({(c.offsets, c.sizes) for c in params[n].chunks}),
+                                                 o.depth))
+        need = _union(need, pick[n].sizes)
+    axes = [[size, 0, 0] for size in sorted(need, reverse=True) for _ in range(need[size])]  # size, inner0, other
+    assign: dict[str, dict[tuple[int, int], int]] = {}
+    for n in params:
+        levels = [(d, i, s, d == 0 and i == len(f) - 1) for d, f in pick[n].levels for i, s in enumerate(f)]
+        levels.sort(key=lambda x: not x[3])  # the innermost split of dim 0 (FSDP's) chooses first
+        used: dict[tuple[int, int], int] = {}
+        for d, i, s, inner0 in levels:
+            free = [a for a in range(len(axes)) if axes[a][0] == s and a not in used.values()]
+            score = (lambda a: axes[a][1] - axes[a][2]) if inner0 else (lambda a: axes[a][2] - axes[a][1])
+            a = max(free, key=lambda a: (score(a), -a))
+            used[(d, i)] = a
+            axes[a][1 if inner0 else 2] += 1
+        assign[n] = used
+    names: list[str] = []
+    counts = Counter()
+    for size, inner0, other in axes:
+        base = "dp" if other == 0 else "tp"
+        counts[base] += 1
+        names.append(base if counts[base] == 1 else f"{base}{counts[base]}")
+    order_axes = sorted(range(len(axes)), key=lambda a: (not names[a].startswith("dp"), a))
+    final = {a: k for k, a in enumerate(order_axes)}
+    return ({n: {lv: final[a] for lv, a in used.items()} for n, used in assign.items()},
+            [(names[a], axes[a][0]) for a in order_axes])
+
+
+# ---- the spec ------------------------------------------------------------------------------------
+def _spec(folder: str, params: dict[str, _Tensor], states: dict[tuple[str, str], _Tensor], kinds: dict[str, str],
+          frozen: list[str], chosen: dict, axes: list[tuple[str, int]]) -> str:
+    lines = [f"# generated by ucl from the PyTorch DCP checkpoint {folder}"]
+    if axes:
+        lines.append(f"mesh {', '.join(a for a, _ in axes)}")
+    trainable = {n for n in params if n not in frozen}
+    statements: dict[str, list[tuple]] = {}  # kind -> [(names or None, dtype, scalar)]
+    for kind in ["param", *kinds]:
+        own = list(params) if kind == "param" else [n for (k, n) in states if k == kind]
+        table = params if kind == "param" else {n: states[(kind, n)] for n in own}
+        by_dtype: dict[str, list[str]] = {}
+        for n in own:
+            by_dtype.setdefault(table[n].dtype, []).append(n)
+        common = max(by_dtype, key=lambda d: len(by_dtype[d]))
+        everyone = kind == "param" or set(own) == trainable
+        statements[kind] = [(None if dtype == common and everyone else tuple(names), dtype,
+                             kinds.get(kind) == "scalar")
+                            for dtype, names in sorted(by_dtype.items(), key=lambda kv: kv[0] != common)]
+    groups: dict[tuple, list[str]] = {}
+    for kind, sig in statements.items():
+        groups.setdefault(tuple(sig), []).append(kind)
+    for sig, group in groups.items():
+        for names, dtype, scalar in sig:
+            head = f"state {', '.join(group)}"
+            tail = f"dtype {dtype}{'; scalar' if scalar else ''}"
+            if names is None:
+                lines.append(f"{head} : {tail}")
+            else:
+                pattern = "\n      | ".join(names)
+                lines.append(f"{head} for {pattern}\n    : {tail}")
+    for n, t in params.items():
+        splits = []
+        for (d, i), a in sorted(chosen[n].items()):
+            splits.append(f"split {d} over {axes[a][0]} uneven")
+        lines.append(f"{n} [{', '.join(str(x) for x in t.shape)}] : {'; '.join(splits) or 'replicate'}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- extents: each box the spec puts on a rank is a saved chunk --------------------------------
+def _extents(path: str, model, sm, mesh, by_key: dict[str, _Tensor]) -> list[dict[str, Extent]]:
+    nranks = 1 if mesh.is_universal else mesh.size
+    out: list[dict[str, Extent]] = [{} for _ in range(nranks)]
+    read: dict[tuple, Extent] = {}
+    used: dict[str, set] = {}
+    for t in model.tensors:
+        for h in sm.holdings[t.id]:
+            src = by_key[h.slot.key]
+            box = []
+            for d, lay in enumerate(h.pieces[0]):
+                segs = lay.segs
+                if len(lay.fills) or len(segs) > 1 or (len(segs) and (segs[0][1] != 0 or segs[0][2] != lay.local)):
+                    raise _error(f"{src.key!r}: the generated spec puts a non-contiguous piece of dim {d} on a rank")
+                box.append((int(segs[0][0]) if len(segs) else -1, int(lay.local)))
+            shape = tuple(s for _, s in box)
+            if 0 in shape:
+                e = Extent(METADATA, 0, src.dtype, shape)  # holds no bytes
+            else:
+                want = (tuple(o for o, _ in box), shape)
+                chunk = next((c for c in src.chunks if (c.offsets, c.sizes) == want), None)
+                if chunk is None:
+                    raise _error(f"{src.key!r}: the layout ucl derived puts the box at {list(want[0])} of "
+                                 f"{list(shape)} on a rank, but DCP saved no such chunk (chunks at {_offsets(src)})")
+                used.setdefault(src.key, set()).add(want)
+                e = read.get((src.key, want))
+                if e is None:
+                    e = read[(src.key, want)] = _chunk_extent(path, src, chunk)
+            ranks = [0] if mesh.is_universal else mesh.ranks_where(h.fixed)
+            for r in ranks:
+                out[int(r)][h.slot.key] = e
+    for t in by_key.values():
+        left = _boxes(t) - used.get(t.key, set())
+        if left:
+            raise _error(f"{t.key!r}: the chunks at {sorted(list(o) for o, _ in left)[:8]} are saved but the "
+                         "layout ucl derived reads none of them")
+    return out
+
+
+def _chunk_extent(path: str, t: _Tensor, c: _Chunk) -> Extent:
+    where = f"{c.file} item {t.key!r} at {list(c.offsets)}"
+    with open(os.path.join(path, c.file), "rb") as f:
+        f.seek(c.offset)
+        head = f.read(4)
+    if head != _ZIP:
+        raise _error(f"{os.path.join(path, where)} is not a torch.save archive (written with "
+                     "SerializationFormat.SAFETENSORS?); ucl reads DCP's default torch_save items only")
+    tf = read_torch_file(os.path.join(path, c.file), inside=path, offset=c.offset, length=c.length)
+    ref = tf.obj
+    if not isinstance(ref, TensorRef):
+        raise _bad(f"{where} holds {type(ref).__name__}, not a tensor")
+    if ref.shape != c.sizes or ref.dtype != t.dtype:
+        raise _error(f"{where} is {list(ref.shape)} {ref.dtype}, but {METADATA} says {list(c.sizes)} {t.dtype}")
+    return Extent(c.file, tf.byte_offset(ref), t.dtype, c.sizes)
+
+
+def _objects(path: str, md: _Metadata) -> dict:
+    """The bytes items (torch.save'd objects, e.g. param_groups), as JSON-able data nested by their
+    state-dict path."""
+    out: dict = {}
+    for key, (rel, offset, length) in md.objects.items():
+        if length > MAX_OBJECT_BYTES:
+            value: Any = {"unread": f"{length:,} bytes"}
+        else:
+            try:
+                value = plain(read_torch_file(os.path.join(path, rel), inside=path, offset=offset, length=length).obj)
+            except StoreError as e:
+                value = {"unread": str(e)}
+        parts = [str(p) for p in md.paths.get(key, (key,))]
+        node = out
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                nxt = node[p] = {"": nxt}
+            node = nxt
+        node[parts[-1]] = value
+    return out
