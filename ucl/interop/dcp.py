@@ -41,7 +41,7 @@ import pickle
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..dtypes import DTYPES
 from ..errors import StoreError, UclError
@@ -273,9 +273,13 @@ def describe(path: str) -> Description:
     return describe_dcp(path, "dcp")
 
 
-def describe_dcp(path: str, format: str, state: dict | None = None) -> Description:
+def describe_dcp(path: str, format: str, state: dict | None = None,
+                 classify: Callable[[dict[str, tuple]], dict[str, tuple[str, str] | None]] | None = None
+                 ) -> Description:
     """The :class:`Description` of the DCP folder ``path`` (``format`` names it; Megatron's
-    torch_dist folders are DCP folders), ``state`` merged into its state."""
+    torch_dist folders are DCP folders), ``state`` merged into its state. ``classify`` maps each
+    tensor's state-dict path (``{key: path}``) to ``(kind, parameter name)``, or None for a tensor
+    it cannot place; by default ``model.<fqn>`` is ``param`` and ``optim.state.<fqn>.<kind>`` a state."""
     from ..lang.spec import Spec
     from ..layout.lower import lower
     from ..layout.mesh import Mesh
@@ -284,7 +288,7 @@ def describe_dcp(path: str, format: str, state: dict | None = None) -> Descripti
         raise StoreError(f"{path} is not a DCP checkpoint (no {METADATA})", code="UCL501")
     md = read_metadata(path)
     _check_items(path, md)
-    params, states = _classify(md)
+    params, states = _classify(md, classify or classify_paths)
     frozen = [n for n in params if not any(n == f for _, f in states)]
     kinds = _kinds(params, states)
     layouts = {n: _options(params[n]) for n in params}
@@ -333,26 +337,38 @@ def _check_items(path: str, md: _Metadata) -> None:
                              f"bytes [{offset:,}, {offset + length:,}) (truncated?)", code="UCL406")
 
 
-def _classify(md: _Metadata) -> tuple[dict[str, _Tensor], dict[tuple[str, str], _Tensor]]:
+def classify_paths(paths: dict[str, tuple]) -> dict[str, tuple[str, str] | None]:
+    """``(kind, parameter)`` of each tensor of a ``get_state_dict`` checkpoint (see :func:`describe_dcp`);
+    a model state dict saved on its own has bare names, all ``param``."""
+    bare = all(len(p) == 1 and isinstance(p[0], str) for p in paths.values())
+    out: dict[str, tuple[str, str] | None] = {}
+    for key, p in paths.items():
+        if bare:
+            out[key] = ("param", p[0])
+        elif len(p) == 2 and p[0] == "model" and isinstance(p[1], str):
+            out[key] = ("param", p[1])
+        elif len(p) == 4 and p[0] in _OPTIM and p[1] == "state" and isinstance(p[2], str) and isinstance(p[3], str):
+            out[key] = (p[3], p[2])
+        else:
+            out[key] = None
+    return out
+
+
+def _classify(md: _Metadata, classify: Callable) -> tuple[dict[str, _Tensor], dict[tuple[str, str], _Tensor]]:
     params: dict[str, _Tensor] = {}
     states: dict[tuple[str, str], _Tensor] = {}
-    other = []
-    paths = {key: md.paths.get(key) or _guess_path(key) for key in md.tensors}
-    bare = all(len(p) == 1 for p in paths.values())  # a model state dict saved on its own
-    for key, t in md.tensors.items():
-        p = paths[key]
-        if bare and isinstance(p[0], str):
-            params[p[0]] = t
-        elif len(p) == 2 and p[0] == "model" and isinstance(p[1], str):
-            params[p[1]] = t
-        elif len(p) == 4 and p[0] in _OPTIM and p[1] == "state" and isinstance(p[2], str) and isinstance(p[3], str):
-            states[(p[3], p[2])] = t
-        else:
-            other.append(key)
+    places = classify({key: md.paths.get(key) or _guess_path(key) for key in md.tensors})
+    other = [key for key in md.tensors if places.get(key) is None]
     if other:
         raise _error(f"tensors outside model.* and optim.state.*.* ({', '.join(other[:5])}"
                      f"{', ...' if len(other) > 5 else ''}); ucl reads DCP checkpoints of a model state dict, "
                      "or of {'model': model_state_dict, 'optim': optim_state_dict} (get_state_dict)")
+    for key, t in md.tensors.items():
+        kind, name = places[key]
+        table, at = (params, name) if kind == "param" else (states, (kind, name))
+        if at in table:
+            raise _error(f"{table[at].key!r} and {key!r} are both {kind} of {name!r}")
+        table[at] = t
     for name in params:
         if not _NAME.match(name):
             raise _error(f"parameter name {name!r} cannot be written in a spec")

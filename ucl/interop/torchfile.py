@@ -18,6 +18,7 @@ import pickle
 import stat
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,7 +300,8 @@ def read_torch_file(path: str, inside: str | None = None, *, offset: int = 0, le
     except StoreError:
         raise
     except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
-            IndexError, AttributeError, struct.error, OSError, RecursionError, MemoryError) as e:
+            IndexError, AttributeError, struct.error, OSError, RecursionError, MemoryError, NotImplementedError,
+            zlib.error) as e:
         raise _error(f"{where} is not a readable torch.save file: {type(e).__name__}: {e}") from None
     _check_storages(obj, offsets, sizes, where)
     return TorchFile(path, obj, offsets, sizes)

@@ -1,0 +1,340 @@
+"""Export to a Hugging Face ``save_pretrained`` folder: ``config.json`` plus safetensors weights,
+which ``transformers.AutoModelForCausalLM.from_pretrained(out)`` (and vLLM, TGI, ...) load.
+
+    export_hf("ckpt/step_100", "hf/step_100")                          # param tensors as stored
+    export_hf("ds_run/", "hf/", dtype="bfloat16", config="config.json") # fp32 masters rounded to bf16
+
+What is written, as ``save_pretrained`` (transformers 5.23, huggingface_hub 2.4) writes it:
+
+* ``model.safetensors`` when every tensor fits in ``max_shard_size``, else
+  ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json``
+  (``{"metadata": {"total_parameters", "total_size"}, "weight_map": {name: file}}``). Shards are
+  filled in the checkpoint's tensor order up to ``max_shard_size`` (decimal ``"5GB"``/``"500MB"``/
+  ``"10KB"``, binary ``"1GiB"``, or an int of bytes); a tensor larger than that gets a shard alone.
+  Each file is byte for byte what ``safetensors.torch.save_file(tensors, f, {"format": "pt"})``
+  writes for its tensors: header JSON padded with spaces to a multiple of 8 bytes, tensors ordered
+  by dtype (widest first, as safetensors orders them) then name.
+* the ``param/*`` tensors of the checkpoint (weights, frozen parameters, persistent buffers) under
+  their names in memory; optimizer state is not exported. ``dtype=None`` keeps each tensor's stored
+  dtype; ``dtype="bfloat16"`` (``float16``, ``float32``) casts every floating tensor with torch
+  (round to nearest even), taking it from its fp32 master (``fp32/NAME``) where the checkpoint has
+  one, the most precise copy; integer and bool tensors stay as they are.
+* ``config.json``: ``config`` (a dict, a ``config.json`` path or its folder, a ``PretrainedConfig``),
+  else the one a Hugging Face folder read in place (or resharded from one) carries in its state;
+  else UCL503. Its ``dtype`` and ``torch_dtype`` become the exported one (the dtype most elements
+  have). With ``tie_word_embeddings`` (transformers' default when absent), a stored
+  ``lm_head.weight`` is left out, as ``save_pretrained`` does, after checking it equals a tensor of
+  its shape and dtype; a different one is refused (UCL503) rather than silently replaced.
+
+Streams: one tensor in memory at a time (plus its cast copy). Shard headers are planned from the
+manifest before any tensor is read. Written into a hidden temp folder beside ``out`` and renamed at
+the end; an existing ``out`` is refused (UCL503).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import DTYPES, to_numpy, to_torch, torch_dtype
+from ..errors import StoreError, UclError
+from ..model_config import load_config, read_raw_config
+from ..ops.stats import IOStats
+from ..store.atomic import TempDir, fsync_dir, fsync_path, publish_dir
+from .dcp import ExportSource, check_target, survey, universal_tensors
+
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what a config's dtype can name and a cast makes sense to
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+_FLOATS = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+# safetensors' writer orders a file's tensors by dtype, widest alignment first (its Dtype enum,
+# descending; observed with safetensors 0.8), then by name: the same order keeps files byte-identical
+# to save_file's and every tensor aligned to its itemsize.
+_ST_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]I?B)?\s*$", re.IGNORECASE)
+_TIED_HEAD = "lm_head.weight"
+
+
+def _error(msg: str) -> StoreError:
+    return StoreError(msg, code="UCL503")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One exported tensor: its name in the folder, the dataset it comes from, what it becomes."""
+
+    name: str
+    key: str  # "param/NAME" or "fp32/NAME"
+    shape: tuple[int, ...]
+    stored: str  # logical dtype of the dataset
+    dtype: str  # logical dtype written
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * DTYPES[self.dtype].itemsize
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // DTYPES[self.dtype].itemsize
+
+
+def parse_shard_size(size: int | str) -> int:
+    """Bytes of ``"5GB"`` (decimal, as transformers), ``"2GiB"`` (binary) or an int; UCL503 otherwise."""
+    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+        value = int(size)
+    elif isinstance(size, str) and (m := _SIZE.match(size)):
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()]) if m.group(2) else int(float(m.group(1)))
+    else:
+        raise _error(f"max_shard_size {size!r} is not a size: give bytes or a number with KB, MB, GB or TB "
+                     "(decimal, as transformers) or KiB, MiB, GiB, TiB")
+    if value <= 0:
+        raise _error(f"max_shard_size {size!r} must be positive")
+    return value
+
+
+def export_dtype(dtype: Any) -> str | None:
+    """The logical dtype a ``dtype=`` argument names (``"bf16"``, ``"bfloat16"``, ``torch.bfloat16``)."""
+    if dtype is None:
+        return None
+    name = str(dtype).rsplit(".", 1)[-1].lower()
+    name = _ALIASES.get(name, name)
+    if name not in EXPORT_DTYPES:
+        raise _error(f"cannot export weights as {dtype!r}; choose {', '.join(EXPORT_DTYPES)}")
+    return name
+
+
+def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = None,
+              max_shard_size: int | str = "5GB", config: Any = None, verify: bool = True,
+              durable: bool = True) -> IOStats:
+    """Write checkpoint ``ckpt`` (ucl, or a Hugging Face/DeepSpeed/... folder read in place) as a
+    Hugging Face ``save_pretrained`` folder ``out`` (see the module doc). ``out`` appears atomically
+    and must not exist. Returns the statistics; ``details`` names the files and what was left out."""
+    t0 = time.perf_counter()
+    target = export_dtype(dtype)
+    limit = parse_shard_size(max_shard_size)
+    out = check_target(out)
+    src = survey(ckpt)
+    raw = _config_of(src.state, config, ckpt)
+    entries = _entries(src.datasets, target)
+    if not entries:
+        raise _error(f"{ckpt} holds no param/ tensors to export")
+    dropped = _tied_head(raw, entries)
+    written = [e for e in entries if e.name != dropped]
+    shards = _shards(written, limit)
+    names = _shard_names(len(shards))
+    main = _main_dtype(written)
+    raw = dict(raw, dtype=main, torch_dtype=main)  # v5 reads "dtype", older readers "torch_dtype"
+
+    stats = IOStats()
+    tmp = TempDir(out)
+    try:
+        head_digest, digests = _write_shards(src, tmp.path, shards, names, dropped, entries, verify, durable, stats)
+        if dropped is not None:
+            same = [e.name for e in entries if e.name != dropped and digests.get(e.name) == head_digest]
+            if not same:
+                raise _error(f"the config ties the output embedding to the input one (tie_word_embeddings), but the "
+                             f"checkpoint's {dropped} equals no other tensor of its shape; transformers would replace "
+                             f"it with the input embedding. Pass a config with \"tie_word_embeddings\": false")
+        _write_json(os.path.join(tmp.path, CONFIG_NAME), raw, durable)
+        if len(shards) > 1:
+            index = {"metadata": {"total_parameters": sum(e.numel for e in written),
+                                  "total_size": sum(e.nbytes for e in written)},
+                     "weight_map": {e.name: names[i] for i, shard in enumerate(shards) for e in shard}}
+            _write_json(os.path.join(tmp.path, INDEX_NAME), index, durable)
+        if durable:
+            fsync_dir(tmp.path)
+        size = sum(os.path.getsize(os.path.join(tmp.path, f)) for f in os.listdir(tmp.path))
+        publish_dir(tmp.path, out)
+    except BaseException:
+        tmp.discard()
+        raise
+    tmp.release()
+    stats.bytes_written = size
+    stats.datasets_written = len(written)
+    stats.seconds = time.perf_counter() - t0
+    stats.details.update(format="hf", files=names, dtype=main, total_size=sum(e.nbytes for e in written),
+                         tied_dropped=dropped, cast=target is not None,
+                         fp32_master=any(e.key.startswith("fp32/") for e in written))
+    return stats
+
+
+def _config_of(state: dict, config: Any, ckpt: Any) -> dict:
+    """The config.json to write, as a plain dict (not yet with the exported dtype)."""
+    if config is not None:
+        try:
+            raw = read_raw_config(config)
+        except UclError as e:
+            raise _error(f"cannot use config {config!r}: {e}") from None
+    else:
+        hf = state.get("hf") if isinstance(state.get("hf"), dict) else {}
+        raw = hf.get("config")
+        if not isinstance(raw, dict):
+            raise _error(f"{ckpt} carries no Hugging Face config.json (it was not read from a Hugging Face folder); "
+                         "pass config= (--config config.json) with the model's config")
+    try:
+        json.dumps(raw, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise _error(f"the config cannot be written as JSON: {e}") from None
+    return dict(raw)
+
+
+def _entries(datasets: dict[str, tuple[tuple[int, ...], str]], target: str | None) -> list[_Entry]:
+    """The tensors to write, in the checkpoint's order; a cast reads the fp32 master where there is one."""
+    out = []
+    for key, (shape, stored) in datasets.items():
+        kind, name = key.split("/", 1)
+        if kind != "param":
+            continue
+        if target is None or stored not in _FLOATS:
+            out.append(_Entry(name, key, tuple(shape), stored, stored))
+            continue
+        master = datasets.get(f"fp32/{name}")
+        if master is not None and tuple(master[0]) == tuple(shape):
+            key, stored = f"fp32/{name}", master[1]
+        out.append(_Entry(name, key, tuple(shape), stored, target))
+    return out
+
+
+def _tied_head(raw: dict, entries: list[_Entry]) -> str | None:
+    """``lm_head.weight`` when the config ties it to the input embedding and the checkpoint stores it."""
+    if not any(e.name == _TIED_HEAD for e in entries):
+        return None
+    try:
+        tied = load_config(raw).get("tie_word_embeddings", True)
+    except UclError:
+        tied = raw.get("tie_word_embeddings", True)
+    return _TIED_HEAD if tied else None
+
+
+def _shards(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
+    """Tensors in order, a new shard when the next would pass ``limit``; an oversized one alone."""
+    shards: list[list[_Entry]] = []
+    current: list[_Entry] = []
+    size = 0
+    for e in entries:
+        if current and size + e.nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(e)
+        size += e.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _shard_names(n: int) -> list[str]:
+    if n == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def _main_dtype(entries: list[_Entry]) -> str:
+    """The floating dtype most elements have (what transformers records as the model's dtype)."""
+    counts: dict[str, int] = {}
+    for e in entries:
+        if e.dtype in _FLOATS:
+            counts[e.dtype] = counts.get(e.dtype, 0) + e.numel
+    return max(counts, key=lambda d: counts[d]) if counts else "float32"
+
+
+def _file_order(shard: list[_Entry]) -> list[_Entry]:
+    rank = {name: i for i, name in enumerate(_ST_ORDER)}
+    return sorted(shard, key=lambda e: (rank.get(DTYPES[e.dtype].safetensors, len(rank)), e.name.encode()))
+
+
+def _header(ordered: list[_Entry]) -> bytes:
+    """The safetensors header of these tensors, in this data order, padded to a multiple of 8 bytes."""
+    head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in ordered:
+        head[e.name] = {"dtype": DTYPES[e.dtype].safetensors, "shape": list(e.shape),
+                        "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write_shards(src: ExportSource, folder: str, shards: list[list[_Entry]], names: list[str], dropped: str | None,
+                  entries: list[_Entry], verify: bool, durable: bool,
+                  stats: IOStats) -> tuple[bytes | None, dict[str, bytes]]:
+    """Stream every tensor into its shard. With a dropped tied head, also digest the head and the
+    tensors it could equal (same shape and dtype), to compare them afterwards."""
+    ordered = [(i, e) for i, shard in enumerate(shards) for e in _file_order(shard)]
+    head = next((e for e in entries if e.name == dropped), None)
+    twins = set() if head is None else {e.name for e in entries
+                                        if e.name != dropped and e.shape == head.shape and e.dtype == head.dtype}
+    keys = [e.key for _, e in ordered] + ([head.key] if head is not None else [])
+    plan = {e.key: (i, e) for i, e in ordered}
+    digests: dict[str, bytes] = {}
+    head_digest = None
+    fh, current, left = None, -1, 0
+    try:
+        for key, tensor in universal_tensors(src, keys, verify, stats):
+            if head is not None and key == head.key:
+                head_digest = _digest(_converted(tensor, head))
+                continue
+            i, e = plan[key]
+            if i != current:
+                _close(fh, left, names[current] if current >= 0 else "")
+                current = i
+                fh = open(os.path.join(folder, names[i]), "xb")
+                header = _header(_file_order(shards[i]))
+                fh.write(header)
+                left = sum(x.nbytes for x in shards[i])
+            data = _converted(tensor, e)
+            if data.nbytes != e.nbytes:  # the manifest and the tensor read disagree: never write a lying header
+                raise _error(f"{e.key} read as {data.nbytes} bytes, but its manifest entry says {e.nbytes}")
+            fh.write(memoryview(data).cast("B"))
+            left -= data.nbytes
+            if e.name in twins:
+                digests[e.name] = _digest(data)
+        _close(fh, left, names[current] if current >= 0 else "")
+        fh = None
+        for name in names if durable else ():
+            fsync_path(os.path.join(folder, name))
+    finally:
+        if fh is not None:
+            fh.close()
+    return head_digest, digests
+
+
+def _converted(tensor: Any, e: _Entry) -> np.ndarray:
+    """The C-contiguous little-endian storage bytes of ``tensor`` (a torch tensor) in ``e.dtype``."""
+    if e.dtype != e.stored:
+        tensor = tensor.to(torch_dtype(e.dtype))  # torch's cast: round to nearest even, as .to() does
+    return to_numpy(tensor)[0].reshape(-1)
+
+
+def _digest(arr: np.ndarray) -> bytes:
+    return hashlib.blake2b(memoryview(arr).cast("B"), digest_size=32).digest()
+
+
+def _close(fh: Any, left: int, name: str) -> None:
+    if fh is None:
+        return
+    fh.close()
+    if left != 0:
+        raise _error(f"{name}: {left} bytes short of what its header declares")
+
+
+def _write_json(path: str, obj: Any, durable: bool) -> None:
+    # transformers writes config.json and the index with indent=2 and sorted keys
+    with open(path, "x", encoding="utf-8") as fh:
+        fh.write(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
