@@ -298,7 +298,8 @@ def _describe_pipeline(path: str, folder: str, names: list[str], rel) -> Descrip
     for n in list(order) + frozen:
         i, local = where[n]
         params[n] = tuple(_tensor(layers[i].obj.get(local), n).shape)
-        stages_n = ", ".join(str(s) for s in placed[n])
+        # first/last rather than 0/pp-1: the spec then also describes a layout with fewer stages
+        stages_n = ", ".join("first" if s == 0 else "last" if s == pp - 1 else str(s) for s in placed[n])
         spec.append(f"{n} [{', '.join(str(x) for x in params[n])}] : on pp = {stages_n}")
     state = {"format": "deepspeed", "deepspeed": {k: plain(v) for k, v in first.items() if k not in _BULKY},
              "optimizer": {"zero_stage": 1, "param_groups": [
