@@ -289,7 +289,8 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
     md = read_metadata(path)
     _check_items(path, md)
     params, states = _classify(md, classify or classify_paths)
-    frozen = [n for n in params if not any(n == f for _, f in states)]
+    trained = {f for _, f in states}
+    frozen = [n for n in params if n not in trained]
     kinds = _kinds(params, states)
     layouts = {n: _options(params[n]) for n in params}
     for (kind, fqn), t in states.items():

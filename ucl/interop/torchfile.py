@@ -330,14 +330,18 @@ class _Window(io.RawIOBase):
         self._pos = base + pos
         return self._pos
 
-    def readinto(self, buf) -> int:
-        n = max(0, min(len(buf), self._size - self._pos))
-        if n == 0:
-            return 0
+    def read(self, n: int | None = -1) -> bytes:
+        n = self._size - self._pos if n is None or n < 0 else n
+        n = max(0, min(n, self._size - self._pos))
         self._f.seek(self._offset + self._pos)
-        got = self._f.readinto(memoryview(buf)[:n])
-        self._pos += got or 0
-        return got or 0
+        data = self._f.read(n) if n else b""
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
+        buf[:len(data)] = data
+        return len(data)
 
 
 def _check_storages(obj: Any, offsets: dict, sizes: dict, where: str) -> None:
