@@ -33,25 +33,21 @@ with the allow-listed ``torch.save`` reader into ``state['dcp']['objects']``.
 """
 from __future__ import annotations
 
-import io
 import itertools
 import math
 import os
-import pickle
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..dtypes import DTYPES
-from ..errors import StoreError, UclError
-from ..files import check_inside, read_bounded
+from ..errors import StoreError
+from ..files import check_inside
 from ..store.extents import Extent
+from .dcp_metadata import METADATA, Chunk, Metadata, TensorMeta, read_metadata
 from .foreign import Description
 from .torchfile import TensorRef, plain, read_torch_file
 
-METADATA = ".metadata"
-MAX_METADATA_BYTES = 256 << 20
 MAX_OBJECT_BYTES = 16 << 20  # bytes items larger than this are listed, not read
 _MAX_LEVELS = 3  # nested splits of one dim
 _MAX_EMPTY = 64  # empty pieces a dim may have beyond its saved ones
@@ -67,201 +63,6 @@ def _error(msg: str) -> StoreError:
 
 def _bad(msg: str) -> StoreError:
     return StoreError(msg, code="UCL500")
-
-
-# ---- .metadata, unpickled with an allow-list ---------------------------------------------------
-class _Record:
-    """An allow-listed DCP metadata object kept as data: its pickled state as attributes."""
-
-    cls = "?"
-
-    def __init__(self, *args: Any):
-        self.args = args
-        self.state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict) and isinstance(state[1], dict):
-            state = {**state[0], **state[1]}  # (dict, slots)
-        if isinstance(state, dict):
-            for k, v in state.items():
-                if not isinstance(k, str) or k.startswith("__"):
-                    raise _bad(f"{self.cls} carries a malformed attribute {str(k)[:40]!r}")
-                self.__dict__[k] = v
-        else:
-            self.state = state
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.__dict__.get(name, default) if name not in ("args", "state") else default
-
-
-_DCP_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta")} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-_RECORDS = {key: type(key[1], (_Record,), {"cls": f"{key[0]}.{key[1]}"}) for key in _DCP_CLASSES}
-_MEM_FORMAT = ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
-_PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}
-# torch dtypes ucl has no logical dtype for: unpickled as names, refused (UCL412) only if a tensor uses one
-_OTHER_DTYPES = {"complex32", "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fnuz",
-                 "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2"}
-
-
-@dataclass(frozen=True)
-class _Dtype:
-    name: str
-
-
-def _path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise _bad("a pickled path has parts that are not strings")
-    return "/".join(parts)
-
-
-def _layout(name: Any) -> str:
-    if not isinstance(name, str) or len(name) > 64:
-        raise _bad("a pickled torch layout is malformed")
-    return name
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, where: str):
-        super().__init__(io.BytesIO(data))
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _RECORDS:
-            return _RECORDS[(module, name)]
-        if (module, name) == _MEM_FORMAT:
-            return lambda value: ("memory_format", value)
-        if module == "torch" and name == "Size":
-            return tuple
-        if module == "torch" and (name in DTYPES or name in _OTHER_DTYPES):
-            return _Dtype(name)
-        if module == "torch.serialization" and name == "_get_layout":
-            return _layout
-        if module in ("pathlib", "pathlib._local") and name in _PATHS:
-            return _path
-        if module == "collections" and name == "OrderedDict":
-            return dict
-        raise _bad(f"{self.where} needs the class {module}.{name}, which ucl does not load from a file "
-                   "(only the DCP metadata classes, torch.Size and dtypes; docs/interop.md)")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _bad(f"{self.where} refers to a persistent object {str(pid)[:80]}; DCP metadata has none")
-
-
-@dataclass
-class _Chunk:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str = ""
-    offset: int = 0  # of the item (a torch.save archive) in its file
-    length: int = 0
-
-    @property
-    def empty(self) -> bool:
-        return 0 in self.sizes
-
-
-@dataclass
-class _Tensor:
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: list[_Chunk] = field(default_factory=list)
-
-
-@dataclass
-class _Metadata:
-    tensors: dict[str, _Tensor]
-    objects: dict[str, tuple[str, int, int]]  # key -> (file, offset, length)
-    paths: dict[str, tuple]  # flattened key -> path in the nested state dict
-    version: Any
-
-
-def _ints(x: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(x, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                                   for v in x):
-        raise _bad(f"{what} is not a list of non-negative integers ({str(x)[:80]})")
-    return tuple(x)
-
-
-def _rec(x: Any, cls: str, what: str) -> _Record:
-    if not isinstance(x, _Record) or x.cls.rsplit(".", 1)[1] != cls:
-        raise _bad(f"{what} is {getattr(x, 'cls', type(x).__name__)}, not a DCP {cls}")
-    return x
-
-
-def read_metadata(path: str) -> _Metadata:
-    """The ``.metadata`` of the DCP folder ``path``, as plain records (see the module doc)."""
-    mpath = os.path.join(path, METADATA)
-    data = read_bounded(mpath, limit=MAX_METADATA_BYTES, what="DCP metadata file", inside=path, error=_bad)
-    try:
-        md = _MetadataUnpickler(data, mpath).load()
-    except UclError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
-            RecursionError, MemoryError, UnicodeDecodeError, OverflowError) as e:
-        raise _bad(f"{mpath} is not a readable DCP metadata pickle: {type(e).__name__}: {e}") from None
-    md = _rec(md, "Metadata", mpath)
-    sdm, storage = md.get("state_dict_metadata"), md.get("storage_data")
-    if not isinstance(sdm, dict) or not isinstance(storage, dict):
-        raise _bad(f"{mpath}: Metadata has no state_dict_metadata / storage_data dicts (not written by a "
-                   "FileSystemWriter?)")
-    where: dict[tuple, tuple[str, int, int]] = {}
-    for index, info in storage.items():
-        index = _rec(index, "MetadataIndex", f"{mpath}: a storage_data key")
-        info = _rec(info, "_StorageInfo", f"{mpath}: storage_data[{index.get('fqn')!r}]")
-        fqn, off = index.get("fqn"), index.get("offset")
-        rel, start, length = info.get("relative_path"), info.get("offset"), info.get("length")
-        if not isinstance(fqn, str) or not isinstance(rel, str) or not isinstance(start, int) \
-                or not isinstance(length, int) or start < 0 or length < 0:
-            raise _bad(f"{mpath}: a malformed storage_data entry for {str(fqn)[:80]!r}")
-        if info.get("transform_descriptors"):
-            raise _error(f"{mpath}: {fqn!r} was written through stream transforms "
-                         f"{str(info.get('transform_descriptors'))[:80]} (compression); ucl reads only plain "
-                         "items in place")
-        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") or not rel:
-            raise StoreError(f"{mpath}: item {fqn!r} lives in {rel!r}, outside the checkpoint folder", code="UCL416")
-        where[(fqn, None if off is None else _ints(off, f"{mpath}: offset of {fqn!r}"))] = (rel, start, length)
-    tensors: dict[str, _Tensor] = {}
-    objects: dict[str, tuple[str, int, int]] = {}
-    for key, meta in sdm.items():
-        if not isinstance(key, str):
-            raise _bad(f"{mpath}: a state dict key is {type(key).__name__}, not a string")
-        if isinstance(meta, _Record) and meta.cls.endswith(".BytesStorageMetadata"):
-            if (key, None) not in where:
-                raise _bad(f"{mpath}: the object {key!r} has no storage_data entry")
-            objects[key] = where[(key, None)]
-            continue
-        meta = _rec(meta, "TensorStorageMetadata", f"{mpath}: {key!r}")
-        props = _rec(meta.get("properties"), "TensorProperties", f"{mpath}: properties of {key!r}")
-        dt = props.get("dtype") if props.state is None else (props.state[0] if isinstance(props.state, tuple)
-                                                              and props.state else None)
-        if not isinstance(dt, _Dtype):
-            raise _bad(f"{mpath}: {key!r} has no dtype")
-        if dt.name not in DTYPES:
-            raise StoreError(f"{mpath}: {key!r} is torch.{dt.name}, a dtype ucl does not read", code="UCL412")
-        t = tensors[key] = _Tensor(key, dt.name, _ints(meta.get("size"), f"{mpath}: size of {key!r}"))
-        chunks = meta.get("chunks")
-        if not isinstance(chunks, list):
-            raise _bad(f"{mpath}: {key!r} has no chunk list")
-        for c in chunks:
-            c = _rec(c, "ChunkStorageMetadata", f"{mpath}: a chunk of {key!r}")
-            off = _ints(c.get("offsets"), f"{mpath}: chunk offsets of {key!r}")
-            size = _ints(c.get("sizes"), f"{mpath}: chunk sizes of {key!r}")
-            if len(off) != len(t.shape) or len(size) != len(t.shape) or \
-                    any(o + s > n for o, s, n in zip(off, size, t.shape)):
-                raise _error(f"{mpath}: {key!r} {list(t.shape)} has a chunk at {list(off)} of {list(size)}, "
-                             "outside the tensor")
-            loc = where.get((key, off))
-            if loc is None:
-                raise _bad(f"{mpath}: the chunk of {key!r} at {list(off)} has no storage_data entry")
-            t.chunks.append(_Chunk(off, size, *loc))
-    planner = md.get("planner_data")
-    paths = {k: tuple(v) for k, v in planner.items() if isinstance(k, str) and isinstance(v, (tuple, list))} \
-        if isinstance(planner, dict) else {}
-    return _Metadata(tensors, objects, paths, md.get("version"))
 
 
 # ---- detect / describe ---------------------------------------------------------------------------
@@ -317,7 +118,7 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
                        tuple(extents), (), st, (METADATA, *files))
 
 
-def _check_items(path: str, md: _Metadata) -> None:
+def _check_items(path: str, md: Metadata) -> None:
     """Every item lies inside a regular file of the folder: checked before anything is parsed."""
     sizes: dict[str, int] = {}
     items = [(t.key, c.file, c.offset, c.length) for t in md.tensors.values() for c in t.chunks] + \
@@ -355,9 +156,9 @@ def classify_paths(paths: dict[str, tuple]) -> dict[str, tuple[str, str] | None]
     return out
 
 
-def _classify(md: _Metadata, classify: Callable) -> tuple[dict[str, _Tensor], dict[tuple[str, str], _Tensor]]:
-    params: dict[str, _Tensor] = {}
-    states: dict[tuple[str, str], _Tensor] = {}
+def _classify(md: Metadata, classify: Callable) -> tuple[dict[str, TensorMeta], dict[tuple[str, str], TensorMeta]]:
+    params: dict[str, TensorMeta] = {}
+    states: dict[tuple[str, str], TensorMeta] = {}
     places = classify({key: md.paths.get(key) or _guess_path(key) for key in md.tensors})
     other = [key for key in md.tensors if places.get(key) is None]
     if other:
@@ -395,7 +196,7 @@ def _guess_path(key: str) -> tuple:
     return (key,)
 
 
-def _kinds(params: dict[str, _Tensor], states: dict[tuple[str, str], _Tensor]) -> dict[str, str]:
+def _kinds(params: dict[str, TensorMeta], states: dict[tuple[str, str], TensorMeta]) -> dict[str, str]:
     """Each optimizer state kind: 'scalar' (0-d, replicated) or 'follow' (its parameter's layout)."""
     out: dict[str, str] = {}
     for kind in dict.fromkeys(k for k, _ in states):
@@ -429,11 +230,11 @@ class _Option:
         return sum(len(f) for _, f in self.levels)
 
 
-def _boxes(t: _Tensor) -> set[tuple]:
+def _boxes(t: TensorMeta) -> set[tuple]:
     return {(c.offsets, c.sizes) for c in t.chunks if not c.empty}
 
 
-def _offsets(t: _Tensor) -> str:
+def _offsets(t: TensorMeta) -> str:
     shown = [list(c.offsets) for c in t.chunks[:8]]
     return f"{shown}{' ...' if len(t.chunks) > 8 else ''}"
 
@@ -462,7 +263,7 @@ def _factorizations(p: int, depth: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _options(t: _Tensor) -> list[_Option]:
+def _options(t: TensorMeta) -> list[_Option]:
     """The ways to split ``t`` that give exactly its saved (non-empty) chunks."""
     if math.prod(t.shape) == 0 or not t.chunks:
         if not t.chunks:
@@ -508,7 +309,7 @@ def _union(m: Counter, o: Counter) -> Counter:
     return Counter({s: max(m[s], o[s]) for s in set(m) | set(o)})
 
 
-def _choose_mesh(params: dict[str, _Tensor], layouts: dict[str, list[_Option]]
+def _choose_mesh(params: dict[str, TensorMeta], layouts: dict[str, list[_Option]]
                  ) -> tuple[dict[str, dict[tuple[int, int], int]], list[tuple[str, int]]]:
     """One option per parameter, a mesh they all fit (the smallest this greedy finds) and, per
     parameter, the axis of each level: ``{name: {(dim, level): axis index}}`` and ``[(axis, size)]``."""
@@ -546,7 +347,7 @@ def _choose_mesh(params: dict[str, _Tensor], layouts: dict[str, list[_Option]]
 
 
 # ---- the spec ------------------------------------------------------------------------------------
-def _spec(folder: str, params: dict[str, _Tensor], states: dict[tuple[str, str], _Tensor], kinds: dict[str, str],
+def _spec(folder: str, params: dict[str, TensorMeta], states: dict[tuple[str, str], TensorMeta], kinds: dict[str, str],
           frozen: list[str], chosen: dict, axes: list[tuple[str, int]]) -> str:
     lines = [f"# generated by ucl from the PyTorch DCP checkpoint {folder}"]
     if axes:
@@ -585,7 +386,7 @@ def _spec(folder: str, params: dict[str, _Tensor], states: dict[tuple[str, str],
 
 
 # ---- extents: each box the spec puts on a rank is a saved chunk --------------------------------
-def _extents(path: str, model, sm, mesh, by_key: dict[str, _Tensor]) -> list[dict[str, Extent]]:
+def _extents(path: str, model, sm, mesh, by_key: dict[str, TensorMeta]) -> list[dict[str, Extent]]:
     nranks = 1 if mesh.is_universal else mesh.size
     out: list[dict[str, Extent]] = [{} for _ in range(nranks)]
     read: dict[tuple, Extent] = {}
@@ -623,7 +424,7 @@ def _extents(path: str, model, sm, mesh, by_key: dict[str, _Tensor]) -> list[dic
     return out
 
 
-def _chunk_extent(path: str, t: _Tensor, c: _Chunk) -> Extent:
+def _chunk_extent(path: str, t: TensorMeta, c: Chunk) -> Extent:
     where = f"{c.file} item {t.key!r} at {list(c.offsets)}"
     with open(os.path.join(path, c.file), "rb") as f:
         f.seek(c.offset)
@@ -640,7 +441,7 @@ def _chunk_extent(path: str, t: _Tensor, c: _Chunk) -> Extent:
     return Extent(c.file, tf.byte_offset(ref), t.dtype, c.sizes)
 
 
-def _objects(path: str, md: _Metadata) -> dict:
+def _objects(path: str, md: Metadata) -> dict:
     """The bytes items (torch.save'd objects, e.g. param_groups), as JSON-able data nested by their
     state-dict path."""
     out: dict = {}
