@@ -240,6 +240,24 @@ def cmd_import(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    con = _console()
+    src = _checkpoint(args.ckpt)
+    if args.format == "hf":
+        from .export import export_hf
+        stats = export_hf(src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, config=args.config,
+                          durable=not args.no_fsync)
+    elif args.format == "dcp":
+        from .export import export_dcp
+        stats = export_dcp(src, args.out, style=args.style)
+    else:
+        from .export import export_deepspeed_universal
+        stats = export_deepspeed_universal(src, args.out, tag=args.tag, durable=not args.no_fsync)
+    con.print("[green]exported[/] " + _e(f"{src} -> {args.out} ({args.format}): {stats.bytes_written:,} B written, "
+              f"{stats.bytes_read:,} B read in {stats.seconds:.2f} s"))
+    return 0
+
+
 def _itemsize(dtype: str) -> int:
     from .dtypes import itemsize
     return itemsize(dtype)
@@ -474,6 +492,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files")
     p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("export", help="write a checkpoint (ucl, or any folder ucl reads) in another framework's "
+                       "format: Hugging Face safetensors, PyTorch DCP, DeepSpeed universal", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("format", choices=["hf", "dcp", "deepspeed-universal"])
+    p.add_argument("ckpt", metavar="CKPT", help="a ucl checkpoint, or a DeepSpeed, DCP or Hugging Face folder")
+    p.add_argument("out", metavar="OUT", help="must not exist; appears atomically when complete")
+    p.add_argument("--dtype", metavar="DTYPE", help="hf: cast floating weights (bfloat16, float16, float32; "
+                   "float32 takes the fp32 master where there is one)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="hf: largest shard (default 5GB)")
+    p.add_argument("--config", metavar="CONFIG", help="hf: the config.json to write (default: the one the "
+                   "checkpoint carries, from a Hugging Face source)")
+    p.add_argument("--style", choices=["state_dict", "torchtitan"], default="state_dict",
+                   help="dcp: key names of get_state_dict ({model, optim}) or torchtitan's (default state_dict)")
+    p.add_argument("--tag", metavar="TAG", help="deepspeed-universal: the tag folder (default global_step<N>)")
+    p.add_argument("--no-fsync", action="store_true", help="hf, deepspeed-universal: skip fsync of the files")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("inspect", help="show a checkpoint's parameters, shapes, dtypes, layout and sizes")
     p.add_argument("ckpt", metavar="CKPT")

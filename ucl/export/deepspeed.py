@@ -35,6 +35,12 @@ empty group overrides nothing. No loss-scaler state is written (the engine keeps
 ZeRO-3 engines apply ``optimizer_state_dict.param_groups[0]`` to every group, so it is left empty
 (the resuming job's own hyperparameters stay) and its ``state[0].step`` is the first parameter's step.
 
+DeepSpeed 0.19.8 issue (its own ``ds_to_universal`` output has it too): a ZeRO-3 engine's universal load
+stores one step tensor object in every sub-group's optimizer state, and torch's AdamW bumps it in
+place once per group, so with 2+ sub-groups the next step uses a too-large step. Resuming jobs can
+un-share it after ``load_checkpoint``: ``for s in engine.optimizer.optimizer.state.values():
+s["step"] = s["step"].clone()``. ZeRO-1/2 loads are not affected.
+
 Streams: one tensor in memory at a time, plus the frozen parameters and buffers for ``module``.
 """
 from __future__ import annotations
@@ -48,7 +54,7 @@ from typing import Any
 from ..errors import StoreError
 from ..ops.stats import IOStats
 from ..store.atomic import TempDir, fsync_dir, publish_dir
-from .dcp import ExportSource, check_target, survey, universal_tensors
+from .source import ExportSource, check_target, survey, universal_tensors
 
 UC_VERSION = 0.4  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE in 0.19.8
 DS_VERSION = "0.19.8"  # written when the source does not say; DeepSpeed's loader requires some version
@@ -174,8 +180,8 @@ def _model_states(torch, src: ExportSource, ds: dict, steps: Any, module: dict) 
         universal_checkpoint_info={"universal_checkpoint_version": UC_VERSION},
     )
     defaults = dict(buffer_names=[], frozen_param_shapes=None, frozen_param_fragments=None, lr_scheduler=None,
-                    data_sampler=None, random_ltd=None, skipped_steps=0, global_steps=steps if isinstance(steps, int) else 0,
-                    dp_world_size=1, mp_world_size=1,
+                    data_sampler=None, random_ltd=None, skipped_steps=0,
+                    global_steps=steps if isinstance(steps, int) else 0, dp_world_size=1, mp_world_size=1,
                     checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1}, ds_version=DS_VERSION)
     for k, v in defaults.items():
         states.setdefault(k, v)

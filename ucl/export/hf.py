@@ -22,9 +22,11 @@ What is written, as ``save_pretrained`` (transformers 5.23, huggingface_hub 2.4)
 * ``config.json``: ``config`` (a dict, a ``config.json`` path or its folder, a ``PretrainedConfig``),
   else the one a Hugging Face folder read in place (or resharded from one) carries in its state;
   else UCL503. Its ``dtype`` and ``torch_dtype`` become the exported one (the dtype most elements
-  have). With ``tie_word_embeddings`` (transformers' default when absent), a stored
-  ``lm_head.weight`` is left out, as ``save_pretrained`` does, after checking it equals a tensor of
-  its shape and dtype; a different one is refused (UCL503) rather than silently replaced.
+  have). When ucl has a standard spec for its ``model_type``, the tensors are first checked against
+  it with the config's dims (a wrong config is refused, UCL503). With ``tie_word_embeddings``
+  (transformers' default when absent), a stored ``lm_head.weight`` is left out, as
+  ``save_pretrained`` does, after checking it equals a tensor of its shape and dtype; a different
+  one is refused (UCL503) rather than silently replaced.
 
 Streams: one tensor in memory at a time (plus its cast copy). Shard headers are planned from the
 manifest before any tensor is read. Written into a hidden temp folder beside ``out`` and renamed at
@@ -43,12 +45,15 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import DTYPES, to_numpy, to_torch, torch_dtype
+from ..dtypes import DTYPES, to_numpy, torch_dtype
 from ..errors import StoreError, UclError
+from ..interop.hf.check import check_against
+from ..interop.hf_store import known_model_types
+from ..lang.spec import load_spec
 from ..model_config import load_config, read_raw_config
 from ..ops.stats import IOStats
 from ..store.atomic import TempDir, fsync_dir, fsync_path, publish_dir
-from .dcp import ExportSource, check_target, survey, universal_tensors
+from .source import ExportSource, check_target, survey, universal_tensors
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -131,6 +136,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = N
     entries = _entries(src.datasets, target)
     if not entries:
         raise _error(f"{ckpt} holds no param/ tensors to export")
+    _check_config(raw, entries)
     dropped = _tied_head(raw, entries)
     written = [e for e in entries if e.name != dropped]
     shards = _shards(written, limit)
@@ -177,7 +183,7 @@ def _config_of(state: dict, config: Any, ckpt: Any) -> dict:
         try:
             raw = read_raw_config(config)
         except UclError as e:
-            raise _error(f"cannot use config {config!r}: {e}") from None
+            raise _error(f"cannot use the config: {e}") from None
     else:
         hf = state.get("hf") if isinstance(state.get("hf"), dict) else {}
         raw = hf.get("config")
@@ -206,6 +212,24 @@ def _entries(datasets: dict[str, tuple[tuple[int, ...], str]], target: str | Non
             key, stored = f"fp32/{name}", master[1]
         out.append(_Entry(name, key, tuple(shape), stored, target))
     return out
+
+
+def _check_config(raw: dict, entries: list[_Entry]) -> None:
+    """When ucl has a standard spec for the config's ``model_type``, the tensors must be what that
+    spec expects with the config's dims: a wrong ``--config`` fails here, not in ``from_pretrained``."""
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type not in known_model_types():
+        return
+    spec = load_spec(f"stdlib:{model_type}")
+    try:
+        dims = spec.dims_from_config(raw)
+    except UclError as e:
+        raise _error(f"the config does not give the dims of stdlib:{model_type}: {e}") from None
+    shapes = {e.name: e.shape for e in entries}
+    bad = check_against(spec, dims, shapes, frozen=tuple(shapes))
+    if bad:
+        raise _error(f"the tensors do not fit stdlib:{model_type} with the dims of the config ({len(bad)} "
+                     f"problem{'s' * (len(bad) != 1)}); is it the model's own config.json?\n  " + "\n  ".join(bad[:8]))
 
 
 def _tied_head(raw: dict, entries: list[_Entry]) -> str | None:
