@@ -18,6 +18,11 @@ untimed warm-up round; page cache warm (the checkpoint was just read by the warm
                          (fsync before the atomic rename) and with --no-fsync, like cp and DeepSpeed
   ucl export universal   ucl export deepspeed-universal DS OUT, read in place (when ucl has it)
   ucl reshard dp*2       ucl reshard DS OUT --to dp=2*dp, read in place
+and on an FSDP2 DCP checkpoint of the same model (dp=--dp processes, torch's own dcp.save of
+get_state_dict after one AdamW step):
+  dcp cp -r              the DCP folder copied
+  dcp_to_torch_save      torch's own consolidation to one torch.save file
+  ucl reshard dcp->univ  ucl reshard DCP OUT --to universal --no-fsync (read in place)
 Measured: wall time; peak RSS of the whole process tree (VmRSS of the process and all its descendants,
 summed, sampled every 20 ms); bytes dirtied (write_bytes of every finished descendant, from
 getrusage(RUSAGE_CHILDREN).ru_oublock); files and bytes in the output. Reported: median (min-max) over
@@ -83,6 +88,48 @@ def generate(workdir: Path, params_m: float, dp: int) -> Path:
            str(29500 + os.getpid() % 1000), __file__, "--generate-worker", str(out), str(layers)]
     print(f"generating a DeepSpeed ZeRO-1 checkpoint ({layers} blocks, dp={dp}) in {out} ...", flush=True)
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    return out
+
+
+def _dcp_worker(rank: int, world: int, out: str, layers: int, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN)]
+    model = nn.Sequential(nn.Embedding(VOCAB, HIDDEN), *blocks)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for m in model:
+        if any(True for _ in m.parameters()):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randint(0, VOCAB, (1, 16))).float().pow(2).mean().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+    dist.destroy_process_group()
+
+
+def generate_dcp(workdir: Path, params_m: float, world: int) -> Path:
+    layers = _layers_for(params_m)
+    out = workdir / f"dcp_fsdp2_dp{world}_{layers}blocks"
+    if (out / ".metadata").is_file():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    import torch.multiprocessing as tmp
+    print(f"generating an FSDP2 DCP checkpoint ({layers} blocks, dp={world}) in {out} ...", flush=True)
+    tmp.start_processes(_dcp_worker, args=(world, str(out), layers, 29600 + os.getpid() % 1000), nprocs=world,
+                        start_method="spawn")
     return out
 
 
@@ -163,6 +210,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="~20 M parameters, 2 repeats")
     ap.add_argument("--workdir", default="/tmp/ucl-bench-interop")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--no-dcp", action="store_true", help="skip the DCP part")
     ap.add_argument("--generate-worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.generate_worker:
@@ -188,6 +236,16 @@ def main() -> None:
     }
     if _ucl_has("export"):
         ops["ucl export universal"] = ([py, "-m", "ucl", "export", "deepspeed-universal", str(ds), "{out}"], None)
+        ops["ucl export --no-fsync"] = ([py, "-m", "ucl", "export", "deepspeed-universal", str(ds), "{out}",
+                                         "--no-fsync"], None)
+    if not args.no_dcp:
+        dcp_dir = generate_dcp(work, args.params_m, args.dp)
+        to_pt = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+                 "import os; os.makedirs(sys.argv[2]); dcp_to_torch_save(sys.argv[1], sys.argv[2] + '/model.pt')")
+        ops["dcp cp -r"] = (["cp", "-r", str(dcp_dir), "{out}"], None)
+        ops["dcp_to_torch_save"] = ([py, "-c", to_pt, str(dcp_dir), "{out}"], None)
+        ops["ucl reshard dcp->universal"] = ([py, "-m", "ucl", "reshard", str(dcp_dir), "{out}", "--to", "universal",
+                                              "--quiet", "--no-fsync"], None)
     results: dict[str, list[dict]] = {k: [] for k in ops}
     for round_ in range(args.repeat + 1):  # round 0 warms up
         for name, (cmd, e) in ops.items():
@@ -199,16 +257,19 @@ def main() -> None:
     shutil.rmtree(scratch, ignore_errors=True)
 
     med = {k: statistics.median(r["seconds"] for r in v) for k, v in results.items()}
-    print(f"\n{'operation':24} {'wall s (min-max)':>22} {'vs ds_to_univ':>13} {'vs cp -r':>9} {'peak RSS GB':>12} "
+    print(f"\n{'operation':28} {'wall s (min-max)':>22} {'vs baseline':>12} {'vs cp -r':>9} {'peak RSS GB':>12} "
           f"{'dirtied GB':>11} {'files':>6} {'out GB':>7}")
     for name, runs in results.items():
         secs = [r["seconds"] for r in runs]
         last = runs[-1]
-        print(f"{name:24} {med[name]:8.2f} ({min(secs):.2f}-{max(secs):.2f}){'':>4} "
-              f"{med['ds_to_universal'] / med[name]:12.1f}x {med[name] / med['cp -r']:8.1f}x "
+        dcp_side = name.startswith("dcp") or "dcp->" in name
+        base, cp = ("dcp_to_torch_save", "dcp cp -r") if dcp_side else ("ds_to_universal", "cp -r")
+        print(f"{name:28} {med[name]:8.2f} ({min(secs):.2f}-{max(secs):.2f}){'':>4} "
+              f"{med[base] / med[name]:11.1f}x {med[name] / med[cp]:8.1f}x "
               f"{statistics.median(r['peak_rss'] for r in runs) / 1e9:12.2f} "
               f"{statistics.median(r['dirtied'] for r in runs) / 1e9:11.2f} {last['files']:6d} {last['bytes'] / 1e9:7.2f}")
-    print("(vs ds_to_univ: how many times faster than ds_to_universal; vs cp -r: how many times slower than cp -r)")
+    print("(vs baseline: how many times faster than ds_to_universal, or dcp_to_torch_save on the DCP side; "
+          "vs cp -r: how many times slower than cp -r of the same folder)")
     if args.json:
         Path(args.json).write_text(json.dumps({"checkpoint_bytes": size, "results": results}, indent=1))
 
