@@ -54,7 +54,10 @@ class _Record:
 _DCP_CLASSES = {
     ("torch.distributed.checkpoint.metadata", n) for n in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta")} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+        "MetadataIndex", "StorageMeta")} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
+    # the save plans Megatron keeps in Metadata.planner_data (all_local_plans): data, never used
+    ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType",
+                                                          "TensorWriteData")}
 _RECORDS = {key: type(key[1], (_Record,), {"cls": f"{key[0]}.{key[1]}"}) for key in _DCP_CLASSES}
 _MEM_FORMAT = ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
 _PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}

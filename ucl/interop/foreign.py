@@ -50,9 +50,10 @@ class Description:
 
 
 def _describers() -> dict[str, tuple[Callable[[str], bool], Callable[[str], Description]]]:
-    from . import dcp, deepspeed, hf_store
-    return {"deepspeed": (deepspeed.detect, deepspeed.describe), "dcp": (dcp.detect, dcp.describe),
-            "hf": (hf_store.detect, hf_store.describe)}
+    from . import dcp, deepspeed, hf_store, megatron
+    # Megatron's torch_dist folders are DCP folders too: asked first
+    return {"deepspeed": (deepspeed.detect, deepspeed.describe), "megatron": (megatron.detect, megatron.describe),
+            "dcp": (dcp.detect, dcp.describe), "hf": (hf_store.detect, hf_store.describe)}
 
 
 def detect_format(path: str) -> str | None:
