@@ -233,6 +233,8 @@ def main() -> None:
         "ucl import --no-fsync": ([py, "-m", "ucl", "import", str(ds), "{out}", "--quiet", "--no-fsync"], None),
         f"ucl reshard dp={2 * args.dp}": ([py, "-m", "ucl", "reshard", str(ds), "{out}", "--to", f"dp={2 * args.dp}",
                                            "--quiet"], None),
+        "ucl reshard --no-fsync": ([py, "-m", "ucl", "reshard", str(ds), "{out}", "--to", f"dp={2 * args.dp}",
+                                    "--quiet", "--no-fsync"], None),
     }
     if _ucl_has("export"):
         ops["ucl export universal"] = ([py, "-m", "ucl", "export", "deepspeed-universal", str(ds), "{out}"], None)

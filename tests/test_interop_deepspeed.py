@@ -303,3 +303,27 @@ def test_iter_rank_streams_what_load_rank_loads():
     assert list(one) == ["exp_avg/embed.weight"] and one["exp_avg/embed.weight"].shape == (61, 15)
     with pytest.raises(StoreError, match="holds no 'exp_avg/nope'"):
         list(ucl.iter_rank(path, keys=["exp_avg/nope"]))
+
+
+def test_mutated_files_give_ucl_errors_only(tmp_path):
+    """Bytes flipped or cut anywhere in a model-states or optimizer file: a UclError or a (possibly
+    wrong) read, never another exception, and never code run (the payload would create a file)."""
+    import random
+
+    from ucl.errors import UclError
+    from ucl.interop.foreign import forget
+    rng = random.Random(11)
+    files = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+             "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    for i in range(40):
+        folder = _copy("z1_fp32_dp2", tmp_path / f"c{i}")
+        target = folder / "global_step3" / rng.choice(files)
+        data = bytearray(target.read_bytes())
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        target.write_bytes(bytes(data[: rng.randrange(len(data))] if rng.random() < 0.2 else data))
+        forget()
+        try:
+            ucl.load_rank(folder, mesh="universal", rank=0)
+        except UclError:
+            pass

@@ -147,7 +147,7 @@ def _write_tensors(torch, src: ExportSource, zero: str, w: _Writer, verify: bool
         os.makedirs(folder, exist_ok=True)
         w.save(torch, obj, os.path.join(folder, f"{kind}.pt"), tensors=1)
 
-    for key, tensor in universal_tensors(src, wanted, verify, stats):
+    for key, tensor in universal_tensors(src, wanted, verify, stats, reuse=True):  # each written at once
         kind, name = key.split("/", 1)
         if key in master_of:
             fp32 = tensor.float() if tensor.is_floating_point() else tensor
@@ -155,7 +155,7 @@ def _write_tensors(torch, src: ExportSource, zero: str, w: _Writer, verify: bool
             for alias in aliases_of.get(name, ()):  # ds_to_universal writes the tied alias's weight too
                 put(alias, "fp32", {"param": fp32})
         elif kind == "param":  # frozen parameter or buffer: not restored by the engine, kept for users
-            module[name] = tensor
+            module[name] = tensor.clone()  # kept to the end: out of the reused buffer
             put(name, "fp32", {"param": tensor.float() if tensor.is_floating_point() else tensor})
         elif kind == "step":
             step = torch.tensor(float(tensor.item()), dtype=torch.float32)  # DeepSpeed's own type

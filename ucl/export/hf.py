@@ -307,7 +307,7 @@ def _write_shards(src: ExportSource, folder: str, shards: list[list[_Entry]], na
     head_digest = None
     fh, current, left = None, -1, 0
     try:
-        for key, tensor in universal_tensors(src, keys, verify, stats):
+        for key, tensor in universal_tensors(src, keys, verify, stats, reuse=True):  # each written at once
             if head is not None and key == head.key:
                 head_digest = _digest(_converted(tensor, head))
                 continue

@@ -91,9 +91,12 @@ def _groups(model, state: dict, raw: list[dict], trainable: tuple[str, ...]):
     return None
 
 
-def universal_tensors(src: ExportSource, keys: list[str], verify: bool, stats: IOStats) -> Iterator[tuple[str, Any]]:
-    """``iter_rank`` over the universal layout as torch tensors, one at a time."""
-    yield from iter_rank(src.path, mesh="universal", rank=0, keys=keys, as_torch=True, verify=verify, stats=stats)
+def universal_tensors(src: ExportSource, keys: list[str], verify: bool, stats: IOStats,
+                      reuse: bool = False) -> Iterator[tuple[str, Any]]:
+    """``iter_rank`` over the universal layout as torch tensors, one at a time (with ``reuse``, each
+    valid only until the next: see ``iter_rank``)."""
+    yield from iter_rank(src.path, mesh="universal", rank=0, keys=keys, as_torch=True, verify=verify, stats=stats,
+                         reuse=reuse)
 
 
 def check_target(out: str | os.PathLike) -> str:
