@@ -239,3 +239,29 @@ def test_numbers_survive_as_json(tmp_path):
     with ucl.Checkpointer(tmp_path, model, optimizer) as ck:
         _, extra = ck.load()
     assert extra == {"lr": 0.5, "seen": [1, 2]}
+
+
+def test_load_restores_the_snapshot_still_in_host_memory(tmp_path):
+    """persist_every=4: steps 5 and 6 exist only in host memory (tier 0). After a bad step, load()
+    rolls back to step 6 from memory, bit for bit (model, optimizer, RNG), and training goes on as
+    an uninterrupted run would; load(step=4) still reads the disk."""
+    _, _, straight = run(tmp_path / "ref", steps=9, save_at=())
+    model, optimizer = make()
+    with ucl.Checkpointer(tmp_path / "ck", model, optimizer, persist_every=4) as ck:
+        for i in range(6):
+            train_step(model, optimizer, i)
+            ck.save(i + 1, extra={"data_position": i + 1})
+        assert ck.root.latest_step() == 4  # 5 and 6 were not written
+        want = copy.deepcopy(model.state_dict())
+        train_step(model, optimizer, 100)  # a step that must be undone
+        with torch.no_grad():
+            model.norm.weight.fill_(float("nan"))
+        at, extra = ck.load()
+        assert (at, extra) == (6, {"data_position": 6})
+        assert any(e["phase"] == "restore" and e["tier"] == 0 for e in ck.trace.events())
+        for n, v in want.items():
+            assert torch.equal(model.state_dict()[n], v), n
+        losses = [train_step(model, optimizer, i) for i in range(6, 9)]
+        assert losses == straight[6:]
+        at, _ = ck.load(step=4)  # an older step: from disk
+        assert at == 4

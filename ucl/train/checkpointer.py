@@ -27,7 +27,7 @@ from ..lang.spec import Spec, load_spec
 from ..layout.bind import Model
 from ..layout.mesh import as_mesh
 from ..ops.collective import commit_collectively
-from ..ops.dist import initialized_dist
+from ..ops.dist import allgather_json, initialized_dist
 from ..ops.load import load_rank
 from ..ops.prepare import expected_datasets, open_checkpoint
 from ..store.checksum import checksum_of
@@ -178,6 +178,9 @@ class Checkpointer:
         """Restore model, optimizer (state and hyperparameters) and RNG in place from checkpoint
         ``step`` (default: the latest committed), written on any layout. Returns (step, extra)."""
         self.wait()
+        restored = self._load_memory(step)
+        if restored is not None:
+            return restored
         path = self.root.latest() if step is None else self.root.path_for(step)
         if path is None:
             raise StoreError(f"no checkpoint in {self.root.root}", code="UCL404")
@@ -203,6 +206,40 @@ class Checkpointer:
             restore_hyperparameters(self.optimizer, saved.get("optimizer"))
         rng.restore(saved.get("rng"), self._process_rank(), self._world())
         return int(saved.get("step", -1)), saved.get("extra")
+
+    def _load_memory(self, step: int | None) -> tuple[int, Any] | None:
+        """Tier 0: restore from the snapshot still in host memory when it is what ``load`` asks for
+        (``step``, or newer than every committed checkpoint: ``persist_every > 1`` keeps unwritten
+        snapshots there) and the model and optimizer still have its layout; on every rank or on none
+        (ranks agree through the checkpointer's own group). None: read from disk instead."""
+        with self._lock:
+            snap = self._memory
+            if snap is not None:
+                snap.holders.add("load")  # not reclaimed while it is read
+        try:
+            usable = snap is not None and snap.copied.is_set() and self._error is None
+            if usable:
+                latest = self.root.latest_step()
+                usable = snap.step == step if step is not None else latest is None or snap.step > latest
+            layout = derive(self.model, self.optimizer, bound=self._bound, mesh=self._mesh) if usable else None
+            usable = usable and layout.signature == snap.layout.signature
+            if self._world() > 1:
+                usable = all(allgather_json(bool(usable), group=self._group))
+            if not usable:
+                return None
+            t0 = time.perf_counter()
+            import torch
+            with torch.no_grad():
+                for e, off in zip(layout.entries, snap.offsets):
+                    e.tensor.copy_(self._view(snap, e, off))
+            if self.optimizer is not None:
+                restore_hyperparameters(self.optimizer, snap.state.get("optimizer"))
+            rng.restore(snap.state.get("rng"), self._process_rank(), self._world())
+            self.trace.add("restore", t0, time.perf_counter(), step=snap.step, tier=0)
+            return snap.step, snap.state.get("extra")
+        finally:
+            if snap is not None:
+                self._drop(snap, "load")
 
     def close(self) -> None:
         """Wait for pending work, stop the background threads, remove the hook. Idempotent."""

@@ -20,12 +20,13 @@ from ..errors import StoreError, UclError
 MAX_TRACE_BYTES = 256 << 20
 TRACE_GLOB = "trace-rank*.jsonl"
 # phase -> lane (Chrome tid): the training thread, the snapshot copier, the flusher
-LANES = {"blocked": 0, "fence": 0, "snapshot": 1, "flush": 2, "promote": 2}
+LANES = {"blocked": 0, "fence": 0, "restore": 0, "snapshot": 1, "flush": 2, "promote": 2}
 LANE_NAMES = ("training", "snapshot", "flush/promote")
 COLOURS = {"blocked": "#d62728", "fence": "#ff7f0e", "snapshot": "#1f77b4", "flush": "#2ca02c",
-           "promote": "#9467bd"}
+           "promote": "#9467bd", "restore": "#8c564b"}
 LEGEND = {"blocked": "blocked in save()", "fence": "fence (optimizer step waited)", "snapshot": "snapshot copy",
-          "flush": "flush (write + commit)", "promote": "promote (latest, prune, tiers)"}
+          "flush": "flush (write + commit)", "promote": "promote (latest, prune, tiers)",
+          "restore": "load from host memory (tier 0)"}
 
 
 class TraceWarning(UserWarning):

@@ -1,5 +1,5 @@
 """What the checkpointer did and when, per rank: intervals (blocked, fence, snapshot, flush,
-promote) with bytes and the host pool's high-water mark, appended as JSON lines next to the
+promote, restore from host memory) with bytes and the host pool's high-water mark, appended as JSON lines next to the
 checkpoints (``ROOT/trace-rank00000.jsonl``)."""
 from __future__ import annotations
 
