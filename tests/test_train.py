@@ -265,3 +265,40 @@ def test_load_restores_the_snapshot_still_in_host_memory(tmp_path):
         assert losses == straight[6:]
         at, _ = ck.load(step=4)  # an older step: from disk
         assert at == 4
+
+
+def test_an_fsspec_tier_gets_every_checkpoint_and_gives_it_back(tmp_path):
+    """tiers=["memory://..."]: each durable checkpoint is uploaded (manifest last, then latest), older
+    ones pruned to keep; fetch() brings one back as an ordinary local checkpoint; a half-uploaded
+    folder (no manifest) is not a checkpoint and the next promotion of that step completes it."""
+    import uuid
+
+    pytest.importorskip("fsspec")
+    from ucl.store import CheckpointRoot
+    from ucl.train.tiers import RemoteTier
+    url = f"memory://ucl-test-{uuid.uuid4().hex}/run"
+    run(tmp_path / "local", steps=5, save_at=range(1, 6), keep=2, tiers=[url])
+    remote = RemoteTier.open(url)
+    assert remote.steps() == [4, 5] and remote.latest_step() == 5
+    back = remote.fetch(None, str(tmp_path / "fetched"))
+    with ucl.open(back) as ck:
+        assert ck.verify() == []
+    local = CheckpointRoot(tmp_path / "local").latest()
+    a = ucl.load_rank(local, mesh="universal", rank=0)
+    b = ucl.load_rank(back, mesh="universal", rank=0)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    # a promotion killed before its manifest: not a checkpoint; promoting the step again completes it
+    remote.fs.rm_file(f"{remote.root}/step_00000005/manifest.json")
+    assert remote.steps() == [4]
+    remote.promote(local, 5, keep=2)
+    assert remote.steps() == [4, 5]
+    with pytest.raises(ucl.UclError, match="no committed checkpoint of step 3"):
+        remote.fetch(3, str(tmp_path / "nothing"))
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_a_tier_url_fsspec_cannot_open_is_refused(tmp_path):
+    model, optimizer = make()
+    with pytest.raises(ucl.UclError, match="fsspec cannot open") as e:
+        ucl.Checkpointer(tmp_path, model, optimizer, tiers=["nosuchscheme-ucl://bucket/x"])
+    assert e.value.code == "UCL430"

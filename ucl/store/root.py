@@ -33,6 +33,12 @@ class CheckpointRoot:
             raise StoreError(f"step must be a non-negative integer, got {step!r}", code="UCL413")
         return f"step_{step:08d}"
 
+    @staticmethod
+    def step_of(name: str) -> int | None:
+        """The step a directory name (``step_00000100``) stands for, or None."""
+        m = _STEP_RE.match(name)
+        return int(m.group(1)) if m else None
+
     def path_for(self, step: int) -> str:
         return os.path.join(self.root, self.dir_name(step))
 

@@ -35,7 +35,7 @@ from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 from . import rng
 from .optim import hyperparameters, init_state, restore_hyperparameters
-from .tiers import promote
+from .tiers import open_tier, promote_to
 from .derive import TrainLayout, derive
 from .pool import HostPool, Region, layout_bytes
 from .trace import Trace
@@ -76,10 +76,7 @@ class Checkpointer:
         if not isinstance(keep, int) or keep < 1:
             raise UclError(f"keep must be a positive integer, got {keep!r}", code="UCL430")
         self.root = CheckpointRoot(root)
-        self.tiers = [CheckpointRoot(t) for t in (tiers or [])]
-        for t in tiers or []:
-            if "://" in os.fspath(t):
-                raise UclError(f"tier {t}: only local or mounted directories are supported", code="UCL430")
+        self.tiers = [open_tier(t) for t in (tiers or [])]
         self.model, self.optimizer = model, optimizer
         self.keep, self.persist_every, self.pool_bytes, self.debug = keep, persist_every, pool_bytes, debug
         self._bound = self._manual(spec, mesh)
@@ -417,7 +414,7 @@ class Checkpointer:
                 self._hidden = None
             self.root.prune(self.keep)
             for tier in self.tiers:
-                promote(path, tier, snap.step, self.keep)
+                promote_to(tier, path, snap.step, self.keep)
             self.trace.add("promote", t1, time.perf_counter(), step=snap.step)
         if self._world() > 1:
             self._dist.barrier(group=self._group)  # every rank's wait() returns after `latest` moved

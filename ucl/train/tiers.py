@@ -1,12 +1,17 @@
-"""Further directory tiers: a committed checkpoint copied elsewhere, atomically, with its own
-``latest`` and retention."""
+"""Further tiers a committed checkpoint is promoted to after it is durable: a directory (copied
+atomically, with its own ``latest`` and retention) or an fsspec URL (``s3://bucket/run``,
+``gs://...``, ``memory://...``, any filesystem fsspec knows)."""
 from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
+from typing import Any
 
+from ..errors import UclError
 from ..store.atomic import fsync_path, publish_dir, tmp_name
-from ..store.root import CheckpointRoot
+from ..store.manifest import MANIFEST_NAME
+from ..store.root import LATEST_NAME, CheckpointRoot
 
 
 def promote(path: str, tier: CheckpointRoot, step: int, keep: int) -> None:
@@ -22,3 +27,91 @@ def promote(path: str, tier: CheckpointRoot, step: int, keep: int) -> None:
     publish_dir(tmp, final)
     tier.set_latest(step)
     tier.prune(keep)
+
+
+@dataclass
+class RemoteTier:
+    """A tier on an fsspec filesystem. Object stores have no atomic rename of a folder, so a
+    checkpoint's ``manifest.json`` (which makes a folder a checkpoint) is uploaded after every rank
+    file and ``latest`` after that; pruning deletes a victim's manifest first. A promotion killed
+    half-way leaves a folder without a manifest, which is not a checkpoint and is replaced by the
+    next promotion of that step."""
+    url: str
+    fs: Any
+    root: str
+
+    @classmethod
+    def open(cls, url: str) -> "RemoteTier":
+        try:
+            import fsspec
+        except ImportError:
+            raise UclError(f"tier {url}: an fsspec URL needs fsspec (pip install fsspec, plus the filesystem's "
+                           "package, e.g. s3fs)", code="UCL430") from None
+        try:
+            fs, root = fsspec.core.url_to_fs(url)
+        except (ValueError, ImportError) as e:
+            raise UclError(f"tier {url}: fsspec cannot open it: {e}", code="UCL430") from None
+        return cls(url, fs, root.rstrip("/"))
+
+    def _join(self, *parts: str) -> str:
+        return "/".join((self.root, *parts))
+
+    def steps(self) -> list[int]:
+        """Steps whose folder holds a manifest (committed), ascending."""
+        try:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            step = CheckpointRoot.step_of(name)
+            if step is not None and self.fs.exists(self._join(name, MANIFEST_NAME)):
+                out.append(step)
+        return sorted(out)
+
+    def latest_step(self) -> int | None:
+        try:
+            return CheckpointRoot.step_of(self.fs.cat_file(self._join(LATEST_NAME)).decode("utf-8", "replace").strip())
+        except FileNotFoundError:
+            return None
+
+    def promote(self, path: str, step: int, keep: int) -> None:
+        name = CheckpointRoot.dir_name(step)
+        target = self._join(name)
+        if self.fs.exists(self._join(name, MANIFEST_NAME)):
+            return
+        files = sorted(f for f in os.listdir(path) if f != MANIFEST_NAME)
+        self.fs.makedirs(target, exist_ok=True)
+        for f in files + [MANIFEST_NAME]:  # the manifest last: it commits the folder
+            self.fs.put_file(os.path.join(path, f), self._join(name, f))
+        self.fs.pipe_file(self._join(LATEST_NAME), name.encode())
+        for old in self.steps()[:-keep] if keep else []:
+            if old != step:
+                self.fs.rm_file(self._join(CheckpointRoot.dir_name(old), MANIFEST_NAME))  # uncommit first
+                self.fs.rm(self._join(CheckpointRoot.dir_name(old)), recursive=True)
+
+    def fetch(self, step: int | None, dst: str) -> str:
+        """Download checkpoint ``step`` (default: the tier's ``latest``) into the new folder ``dst``."""
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.steps():
+            raise UclError(f"tier {self.url} holds no committed checkpoint"
+                           f"{'' if step is None else f' of step {step}'}", code="UCL430")
+        name = CheckpointRoot.dir_name(step)
+        tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), tmp_name(os.path.basename(dst)))
+        os.makedirs(tmp)
+        for remote in self.fs.ls(self._join(name), detail=False):
+            self.fs.get_file(remote, os.path.join(tmp, remote.rstrip("/").rsplit("/", 1)[-1]))
+        publish_dir(tmp, dst)
+        return dst
+
+
+def open_tier(tier: Any) -> CheckpointRoot | RemoteTier:
+    """A directory tier, or an fsspec one for a URL (``scheme://...``)."""
+    return RemoteTier.open(tier) if "://" in os.fspath(tier) else CheckpointRoot(tier)
+
+
+def promote_to(tier: CheckpointRoot | RemoteTier, path: str, step: int, keep: int) -> None:
+    if isinstance(tier, RemoteTier):
+        tier.promote(path, step, keep)
+    else:
+        promote(path, tier, step, keep)
