@@ -171,7 +171,8 @@ def test_exports_refuse_and_leave_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(dcp, "save", boom)
     with pytest.raises(OSError):
         export_dcp(FIXTURES / "z1_fp32_dp2", tmp_path / "half")
-    monkeypatch.setattr(torch, "save", boom)
+    from ucl.export import torchsave
+    monkeypatch.setattr(torchsave, "save", boom)
     with pytest.raises(OSError):
         export_deepspeed_universal(FIXTURES / "z1_fp32_dp2", tmp_path / "half")
     assert sorted(os.listdir(tmp_path)) == ["taken"]  # no OUT, no temp folder left behind

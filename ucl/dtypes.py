@@ -122,6 +122,18 @@ def torch_dtype(logical: str) -> Any:
     return getattr(torch, check_logical(logical))
 
 
+def to_float32(array: np.ndarray, logical: str) -> np.ndarray:
+    """A storage array of a floating logical dtype as float32, as torch's ``.float()`` gives it
+    (exact for bf16 and fp16, round to nearest even from float64); other dtypes are refused."""
+    if logical == "float32":
+        return array
+    if logical == "bfloat16":  # a bf16 value is the top half of the float32 with the same value
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    if logical in ("float16", "float64"):
+        return array.astype(np.float32)
+    raise _unsupported(f"converting {logical} to float32")
+
+
 def contiguous(arr: np.ndarray) -> np.ndarray:
     """C-contiguous version of ``arr`` that keeps 0-d arrays 0-d (np.ascontiguousarray does not)."""
     return arr if arr.flags.c_contiguous else arr.copy(order="C")

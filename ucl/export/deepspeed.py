@@ -51,9 +51,13 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
+from ..dtypes import to_float32
 from ..errors import StoreError
 from ..ops.stats import IOStats
 from ..store.atomic import TempDir, fsync_dir, publish_dir
+from . import torchsave
 from .source import ExportSource, check_target, survey, universal_tensors
 
 UC_VERSION = 0.4  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE in 0.19.8
@@ -67,8 +71,6 @@ def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, 
     universal checkpoint folder ``out`` (see the module doc), ``tag`` defaulting to
     ``global_step<global_steps>``. Resume with ``engine.load_checkpoint(out)`` and
     ``"checkpoint": {"load_universal": true}``. ``out`` appears atomically; it must not exist."""
-    import torch
-
     t0 = time.perf_counter()
     out = check_target(out)
     src = survey(ckpt)
@@ -87,11 +89,11 @@ def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, 
         zero = os.path.join(tmp.path, tag, "zero")
         os.makedirs(zero)
         written = _Writer(durable)
-        module, first_step = _write_tensors(torch, src, zero, written, verify, stats)
-        states = _model_states(torch, src, ds, steps, module)
+        module, first_step = _write_tensors(src, zero, written, verify, stats)
+        states = _model_states(src, ds, steps, module)
         for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-            written.save(torch, states, os.path.join(tmp.path, tag, name))
-        written.save(torch, _optimizer_state(torch, src, ds, first_step), os.path.join(zero, "optimizer_state.pt"))
+            written.save(states, os.path.join(tmp.path, tag, name))
+        written.save(_optimizer_state(src, ds, first_step), os.path.join(zero, "optimizer_state.pt"))
         with open(os.path.join(tmp.path, "latest_universal"), "w") as f:
             f.write(tag)
             f.flush()
@@ -114,22 +116,17 @@ def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, 
 
 
 class _Writer:
-    """torch.save into a file, fsynced when durable; counts what it wrote."""
+    """A ``torch.save``-format file (written without torch), fsynced when durable; counts what it wrote."""
 
     def __init__(self, durable: bool):
         self.durable, self.bytes, self.tensors = durable, 0, 0
 
-    def save(self, torch, obj: Any, path: str, tensors: int = 0) -> None:
-        with open(path, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            if self.durable:
-                os.fsync(f.fileno())
-            self.bytes += f.tell()
+    def save(self, obj: Any, path: str, tensors: int = 0) -> None:
+        self.bytes += torchsave.save(obj, path, durable=self.durable)
         self.tensors += tensors
 
 
-def _write_tensors(torch, src: ExportSource, zero: str, w: _Writer, verify: bool, stats: IOStats):
+def _write_tensors(src: ExportSource, zero: str, w: _Writer, verify: bool, stats: IOStats):
     """Every ``zero/<name>/<kind>.pt``, one tensor at a time; returns (module of frozen tensors in
     training dtype, the first step seen)."""
     master_of = {k: n for n, k in src.master.items()}
@@ -145,32 +142,42 @@ def _write_tensors(torch, src: ExportSource, zero: str, w: _Writer, verify: bool
     def put(name: str, kind: str, obj: Any) -> None:
         folder = os.path.join(zero, name)
         os.makedirs(folder, exist_ok=True)
-        w.save(torch, obj, os.path.join(folder, f"{kind}.pt"), tensors=1)
+        w.save(obj, os.path.join(folder, f"{kind}.pt"), tensors=1)
 
-    for key, tensor in universal_tensors(src, wanted, verify, stats, reuse=True):  # each written at once
+    for key, array in universal_tensors(src, wanted, verify, stats, reuse=True, as_torch=False):  # each written at once
         kind, name = key.split("/", 1)
+        dtype = src.datasets[key][1]
         if key in master_of:
-            fp32 = tensor.float() if tensor.is_floating_point() else tensor
+            fp32 = _float(array, dtype)
             put(name, "fp32", {"param": fp32, "cat_dim": 0})
             for alias in aliases_of.get(name, ()):  # ds_to_universal writes the tied alias's weight too
                 put(alias, "fp32", {"param": fp32})
         elif kind == "param":  # frozen parameter or buffer: not restored by the engine, kept for users
-            module[name] = tensor.clone()  # kept to the end: out of the reused buffer
-            put(name, "fp32", {"param": tensor.float() if tensor.is_floating_point() else tensor})
-        elif kind == "step":
-            step = torch.tensor(float(tensor.item()), dtype=torch.float32)  # DeepSpeed's own type
+            module[name] = torchsave.Tensor(array.copy(), dtype)  # kept to the end: out of the reused buffer
+            put(name, "fp32", {"param": _float(array, dtype)})
+        elif kind == "step":  # DeepSpeed's own type: a 0-d float32 tensor
+            value = float(to_float32(array, dtype)) if dtype in _FLOATS else float(array)
+            step = torchsave.Tensor(np.array(value, dtype=np.float32), "float32")
             first_step = step if first_step is None else first_step
             put(name, "step", step)
         else:
-            put(name, kind, {"param": tensor.float() if tensor.is_floating_point() else tensor, "cat_dim": 0})
+            put(name, kind, {"param": _float(array, dtype), "cat_dim": 0})
     return {n: module[n] for n in src.frozen if n in module}, first_step
 
 
-def _model_states(torch, src: ExportSource, ds: dict, steps: Any, module: dict) -> dict:
+_FLOATS = ("float32", "float64", "float16", "bfloat16")
+
+
+def _float(array: np.ndarray, dtype: str) -> torchsave.Tensor:
+    """As torch's ``.float()`` on a floating tensor; other dtypes as they are."""
+    return torchsave.Tensor(to_float32(array, dtype), "float32") if dtype in _FLOATS else torchsave.Tensor(array, dtype)
+
+
+def _model_states(src: ExportSource, ds: dict, steps: Any, module: dict) -> dict:
     """What DeepSpeed's engine reads from ``mp_rank_00_model_states.pt`` on a universal load (global_steps,
     skipped_steps, dp/mp world sizes, lr_scheduler; everything else comes back as client state)."""
     groups = src.groups if src.groups is not None else (src.trainable,)
-    shapes = {n: torch.Size(src.datasets[src.master[n]][0]) for n in src.trainable}
+    shapes = {n: torchsave.Size(src.datasets[src.master[n]][0]) for n in src.trainable}
     states = {k: v for k, v in ds.items() if k not in ("module", "optimizer", "param_shapes")}
     states.update(
         module=OrderedDict(module),
@@ -188,7 +195,7 @@ def _model_states(torch, src: ExportSource, ds: dict, steps: Any, module: dict) 
     return states
 
 
-def _optimizer_state(torch, src: ExportSource, ds: dict, first_step) -> dict:
+def _optimizer_state(src: ExportSource, ds: dict, first_step) -> dict:
     """``zero/optimizer_state.pt``: the global optimizer state both loaders read (see the module doc)."""
     hyper = [_hyper(g) for g in src.hyperparameters]
     hyper += [{} for _ in range(max(0, len(src.trainable) - len(hyper)))]
@@ -197,7 +204,8 @@ def _optimizer_state(torch, src: ExportSource, ds: dict, first_step) -> dict:
         "ds_version": str(ds.get("ds_version") or DS_VERSION),
         "param_groups": hyper,
         "optimizer_state_dict": {"state": {0: {"step": first_step if first_step is not None else
-                                                  torch.tensor(0.0)}}, "param_groups": [{}]},
+                                                  torchsave.Tensor(np.array(0.0, np.float32), "float32")}},
+                                 "param_groups": [{}]},
     }
     if isinstance(stage, int):
         sd["zero_stage"] = stage

@@ -92,11 +92,11 @@ def _groups(model, state: dict, raw: list[dict], trainable: tuple[str, ...]):
 
 
 def universal_tensors(src: ExportSource, keys: list[str], verify: bool, stats: IOStats,
-                      reuse: bool = False) -> Iterator[tuple[str, Any]]:
-    """``iter_rank`` over the universal layout as torch tensors, one at a time (with ``reuse``, each
-    valid only until the next: see ``iter_rank``)."""
-    yield from iter_rank(src.path, mesh="universal", rank=0, keys=keys, as_torch=True, verify=verify, stats=stats,
-                         reuse=reuse)
+                      reuse: bool = False, as_torch: bool = True) -> Iterator[tuple[str, Any]]:
+    """``iter_rank`` over the universal layout, one tensor at a time (torch tensors, or storage arrays
+    when not ``as_torch``; with ``reuse``, each valid only until the next: see ``iter_rank``)."""
+    yield from iter_rank(src.path, mesh="universal", rank=0, keys=keys, as_torch=as_torch, verify=verify,
+                         stats=stats, reuse=reuse)
 
 
 def check_target(out: str | os.PathLike) -> str:
