@@ -486,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC", help="the framework's checkpoint folder (DeepSpeed: the root holding "
                    "'latest', or a tag folder)")
     p.add_argument("dst", metavar="DST", help="must not exist; appears atomically when complete")
-    p.add_argument("--from", dest="format", choices=["deepspeed", "dcp", "megatron", "hf"], default=None,
+    p.add_argument("--from", dest="format", choices=["deepspeed", "dcp", "megatron", "megatron-legacy", "hf"], default=None,
                    help="the source's format (default: detected)")
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N", help="processes (default: min(2, cores))")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

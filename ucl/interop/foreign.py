@@ -19,7 +19,7 @@ from ..errors import StoreError
 from ..store.extents import NO_CHECKSUM, Extent, ExtentCheckpoint
 from ..store.manifest import Manifest
 
-FORMATS = ("deepspeed", "dcp", "megatron", "hf")
+FORMATS = ("deepspeed", "dcp", "megatron", "megatron-legacy", "hf")
 _CACHE: OrderedDict[tuple, tuple[tuple, "Description"]] = OrderedDict()
 _MAX_CACHED = 8
 
@@ -50,9 +50,10 @@ class Description:
 
 
 def _describers() -> dict[str, tuple[Callable[[str], bool], Callable[[str], Description]]]:
-    from . import dcp, deepspeed, hf_store, megatron
+    from . import dcp, deepspeed, hf_store, megatron, megatron_legacy
     # Megatron's torch_dist folders are DCP folders too: asked first
     return {"deepspeed": (deepspeed.detect, deepspeed.describe), "megatron": (megatron.detect, megatron.describe),
+            "megatron-legacy": (megatron_legacy.detect, megatron_legacy.describe),
             "dcp": (dcp.detect, dcp.describe), "hf": (hf_store.detect, hf_store.describe)}
 
 

@@ -50,7 +50,10 @@ RECORD_CLASSES = frozenset({
     ("argparse", "Namespace"),
 })
 # enums pickled as a call with their value: the value stands for the member
-ENUM_CLASSES = frozenset({("deepspeed.runtime.zero.config", "ZeroStageEnum")})
+ENUM_CLASSES = frozenset({("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                          ("megatron.core.transformer.enums", "AttnBackend"),  # Megatron-LM args
+                          ("megatron.core.transformer.enums", "AttnMaskType"),
+                          ("megatron.core.enums", "ModelType")})
 
 
 def _error(msg: str) -> StoreError:
