@@ -275,8 +275,10 @@ def test_missing_rank_file_is_named(tmp_path):
     assert e.value.code == "UCL502"
 
 
-def test_a_tag_folder_works_too_and_latest_cannot_escape(tmp_path):
+def test_a_tag_folder_works_too_and_latest_cannot_escape(tmp_path, loaded):
     assert dict(describe(FIXTURES / "z1_fp32_dp2" / "global_step3").mesh) == {"dp": 2}
+    tag = ucl.load_rank(FIXTURES / "z1_fp32_dp2" / "global_step3", mesh="universal", rank=0)
+    assert all(_same(tag[k], v) for k, v in loaded["z1_fp32_dp2"].items())
     folder = _copy("z1_fp32_dp2", tmp_path)
     (folder / "latest").write_text("../../etc")
     with pytest.raises(StoreError) as e:
@@ -327,3 +329,27 @@ def test_mutated_files_give_ucl_errors_only(tmp_path):
             ucl.load_rank(folder, mesh="universal", rank=0)
         except UclError:
             pass
+
+
+def test_a_moved_latest_is_seen_at_once(tmp_path):
+    """The description cache follows `latest`: pointing it at another tag reads that tag."""
+    folder = _copy("z1_fp32_dp2", tmp_path)
+    first = describe(folder)
+    shutil.copytree(folder / "global_step3", folder / "global_step9")
+    (folder / "latest").write_text("global_step9")
+    again = describe(folder)
+    assert again is not first and all(e.file.startswith("global_step9") for e in again.extents[0].values())
+
+
+def test_malformed_values_are_named_errors(tmp_path):
+    """A param_shapes size that is a string, not a number: a named error (UCL502), no traceback."""
+    folder = _copy("z1_fp32_dp2", tmp_path)
+    pt = folder / "global_step3" / "mp_rank_00_model_states.pt"
+    with zipfile.ZipFile(pt) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    assert b"K=K\x0f" in data  # embed.weight's (61, 15) as two BININT1
+    at = data.rfind(b"K=K\x0f")  # the last one: in param_shapes, after the module's tensors
+    _rewrite_pickle(pt, lambda data: data[:at] + b"X\x01\x00\x00\x00xK\x0f" + data[at + 4:])
+    with pytest.raises(StoreError) as e:
+        describe(folder)
+    assert e.value.code == "UCL502" and "malformed" in str(e.value)

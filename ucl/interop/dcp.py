@@ -90,6 +90,8 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
     md = read_metadata(path)
     _check_items(path, md)
     params, states = _classify(md, classify or classify_paths)
+    if not params:
+        raise _error(f"{path}: the checkpoint holds no tensors (only other objects); nothing to read in place")
     trained = {f for _, f in states}
     frozen = [n for n in params if n not in trained]
     kinds = _kinds(params, states)
@@ -453,7 +455,7 @@ def _objects(path: str, md: Metadata) -> dict:
                 value = plain(read_torch_file(os.path.join(path, rel), inside=path, offset=offset, length=length).obj)
             except StoreError as e:
                 value = {"unread": str(e)}
-        parts = [str(p) for p in md.paths.get(key, (key,))]
+        parts = [str(p) for p in md.paths.get(key, (key,))] or [key]
         node = out
         for p in parts[:-1]:
             nxt = node.setdefault(p, {})

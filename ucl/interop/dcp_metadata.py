@@ -41,7 +41,7 @@ class _Record:
             state = {**state[0], **state[1]}  # (dict, slots)
         if isinstance(state, dict):
             for k, v in state.items():
-                if not isinstance(k, str) or k.startswith("__"):
+                if not isinstance(k, str) or k.startswith("__") or k in ("cls", "get", "args", "state"):
                     raise _bad(f"{self.cls} carries a malformed attribute {str(k)[:40]!r}")
                 self.__dict__[k] = v
         else:
@@ -181,7 +181,7 @@ def read_metadata(path: str) -> Metadata:
             raise _error(f"{mpath}: {fqn!r} was written through stream transforms "
                          f"{str(info.get('transform_descriptors'))[:80]} (compression); ucl reads only plain "
                          "items in place")
-        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") or not rel:
+        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") or not rel or "\0" in rel:
             raise StoreError(f"{mpath}: item {fqn!r} lives in {rel!r}, outside the checkpoint folder", code="UCL416")
         where[(fqn, None if off is None else _ints(off, f"{mpath}: offset of {fqn!r}"))] = (rel, start, length)
     tensors: dict[str, TensorMeta] = {}

@@ -143,7 +143,7 @@ def describe(path: str) -> Description:
                 spec.append(_state_line(["param"], names_d, f"dtype {dtype}"))
         for g, names_g in enumerate(groups):
             spec.append(_state_line(kinds, names_g, f"flat over dp pad to multiple_of({_ALIGN} * dp)"))
-            _zero12_group(g, names_g, shapes, dp, optims, osd, kinds, extents, rel(optim[0]).rsplit("/", 1)[0])
+            _zero12_group(g, names_g, shapes, dp, optims, osd, kinds, extents, os.path.dirname(rel(optim[0])))
         for r in range(dp):
             for n in list(shapes) + list(frozen_shapes) + buffers:
                 extents[r][f"param/{n}"] = _extent(states, module.get(n), rel(states_name), n, shapes.get(n) or
@@ -183,7 +183,9 @@ def describe(path: str) -> Description:
         params[n] = frozen_shapes.get(n) or tuple(_tensor(module.get(n), n).shape)
     for n, shape in params.items():
         spec.append(f"{n} [{', '.join(str(x) for x in shape)}] : replicate")
-    read = (rel(states_name),) + tuple(rel(optim[r]) for r in range(dp))
+    read = (("latest",) if tag else ()) + (rel(states_name),) + tuple(rel(optim[r]) for r in range(dp))
+    if stage == 3:  # frozen fragments and buffers come from every rank's model states
+        read += tuple(rel(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(1, dp))
     return Description("deepspeed", "\n".join(spec) + "\n", f"deepspeed-zero{stage}", {}, (("dp", dp),), params,
                        tuple(frozen), tuple(extents), tuple(rel(optim[r]) for r in range(dp)), state, read)
 

@@ -88,7 +88,12 @@ def describe(path: str | os.PathLike, format: str | None = None) -> Description:
     if hit is not None and hit[0] == _identity(path, hit[1].read):
         _CACHE.move_to_end(key)
         return hit[1]
-    desc = describers[format][1](path)
+    try:
+        desc = describers[format][1](path)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError) as e:
+        # a file that says something no reader expects: named, never a traceback
+        raise StoreError(f"{path} is not a {format} checkpoint ucl can read: its metadata is malformed "
+                         f"({type(e).__name__}: {str(e)[:200]})", code="UCL502") from None
     _CACHE[key] = (_identity(path, desc.read), desc)
     while len(_CACHE) > _MAX_CACHED:
         _CACHE.popitem(last=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import os
 import pickle
 import stat
@@ -60,15 +61,22 @@ def _error(msg: str) -> StoreError:
     return StoreError(msg, code="UCL500")
 
 
+class _NoState:
+    """A pickle's BUILD must not rewrite a record after its checks (frozen dataclasses do not stop it)."""
+
+    def __setstate__(self, state):
+        raise _error("a pickle tried to set the state of a tensor or storage reference")
+
+
 @dataclass(frozen=True)
-class StorageRef:
+class StorageRef(_NoState):
     key: str
     dtype: str  # logical
     numel: int
 
 
 @dataclass(frozen=True)
-class TensorRef:
+class TensorRef(_NoState):
     """A tensor of a torch file, by location: ``shape`` elements of ``dtype`` starting
     ``offset`` elements into storage ``storage``, with element ``stride``."""
     storage: StorageRef
@@ -178,7 +186,8 @@ class _Unpickler(pickle.Unpickler):
         if module == "torch" and name == "device":
             return lambda *a: "device:" + ":".join(str(x) for x in a)
         if module == "builtins" and name in ("set", "frozenset", "slice", "complex", "bytearray"):
-            return {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "bytearray": bytearray}[name]
+            return {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex,
+                    "bytearray": _bytearray}[name]
         if module == "_codecs" and name == "encode":
             return _latin1_encode
         if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "_reconstruct":
@@ -186,7 +195,7 @@ class _Unpickler(pickle.Unpickler):
         if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "scalar":
             return _np_scalar
         if module == "numpy" and name == "ndarray":
-            return np.ndarray
+            return _NDARRAY
         if module == "numpy" and name == "dtype":
             return _np_dtype
         if (module, name) in RECORD_CLASSES:
@@ -213,26 +222,77 @@ def _latin1_encode(text, encoding="latin1"):
     return text.encode("latin1")
 
 
+def _bytearray(data=b"", *rest):
+    if not isinstance(data, (bytes, str)):  # bytearray(n) would allocate n zeroed bytes
+        raise _error("a pickle asked for a bytearray of a given size")
+    return bytearray(data, *rest) if isinstance(data, str) else bytearray(data)
+
+
+# numpy objects (RNG states, metrics) are rebuilt as inert records of validated, plain numbers: a
+# real numpy dtype or array would let the pickle's BUILD install any state on it (fields out of
+# bounds, huge shapes) before ucl looks at it
+_NUMERIC = frozenset("biufc")
+_NDARRAY = ("numpy-ndarray",)
+
+
+class NumpyDtype:
+    """A numeric numpy dtype named by a pickle; its pickled state may only say the byte order."""
+
+    def __init__(self, spec):
+        if not isinstance(spec, str) or len(spec) > 8:
+            raise _error(f"a pickle asked for the numpy dtype {str(spec)[:40]!r}")
+        try:
+            dtype = np.dtype(spec)
+        except TypeError:
+            raise _error(f"a pickle asked for the numpy dtype {spec!r}") from None
+        if not dtype.isbuiltin or dtype.kind not in _NUMERIC:
+            raise _error(f"a pickle asked for the numpy dtype {spec!r}; ucl reads plain numeric ones only")
+        self.dtype = dtype
+
+    def __setstate__(self, state):
+        if not isinstance(state, tuple) or len(state) < 2 or state[1] not in ("<", "|", "=", ">"):
+            raise _error("a pickle holds a malformed numpy dtype state")
+        if any(x is not None for x in state[2:5]) if len(state) >= 5 else False:
+            raise _error("a pickle gives a numpy dtype fields or a subarray; ucl reads plain numeric ones only")
+        self.dtype = self.dtype.newbyteorder(state[1]) if state[1] == ">" else self.dtype
+
+
 def _np_dtype(spec, align=False, copy=False):
-    if not isinstance(spec, str) or len(spec) > 8:
-        raise _error(f"a pickle asked for the numpy dtype {spec!r}")
-    dtype = np.dtype(spec)
-    if dtype.hasobject:
-        raise _error("a pickle asked for a numpy array of Python objects")
-    return dtype
+    return NumpyDtype(spec)
+
+
+class NumpyArray:
+    """A numpy array a pickle holds, validated: ``array`` is its data, its size bounded by the
+    bytes the pickle really holds."""
+
+    def __init__(self):
+        self.array = None
+
+    def __setstate__(self, state):
+        try:
+            _version, shape, dtype, fortran, raw = state
+        except (TypeError, ValueError):
+            raise _error("a pickle holds a malformed numpy array state") from None
+        if not isinstance(dtype, NumpyDtype) or not isinstance(raw, (bytes, bytearray)) or \
+                not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise _error("a pickle holds a malformed numpy array")
+        if int(np.prod(shape, dtype=object)) * dtype.dtype.itemsize != len(raw):
+            raise _error(f"a pickled numpy array of shape {shape} holds {len(raw)} bytes")
+        flat = np.frombuffer(bytes(raw), dtype.dtype)
+        self.array = flat.reshape(shape, order="F" if fortran else "C")
 
 
 def _np_reconstruct(cls, shape, dtype_code):
-    if cls is not np.ndarray:
-        raise _error("a pickle asked to rebuild a numpy array subclass")
-    return np.ndarray.__new__(np.ndarray, shape, dtype_code)
+    # numpy pickles every array as _reconstruct(ndarray, (0,), b'b') followed by its state
+    if cls is not _NDARRAY or shape != (0,) or dtype_code not in (b"b", "b"):
+        raise _error("a pickle asked to build a numpy array other than the way numpy pickles one")
+    return NumpyArray()
 
 
 def _np_scalar(dtype, data=None):
-    if not isinstance(dtype, np.dtype) or dtype.hasobject or not isinstance(data, bytes) \
-            or len(data) != dtype.itemsize:
+    if not isinstance(dtype, NumpyDtype) or not isinstance(data, bytes) or len(data) != dtype.dtype.itemsize:
         raise _error("a pickle holds a malformed numpy scalar")
-    return np.frombuffer(data, dtype)[0]
+    return np.frombuffer(data, dtype.dtype)[0].item()
 
 
 @dataclass(frozen=True)
@@ -277,10 +337,13 @@ def read_torch_file(path: str, inside: str | None = None, *, offset: int = 0, le
             if len(pkl) != 1:
                 raise _error(f"{where} is not a torch.save zip archive (no single <prefix>/data.pkl)")
             prefix = pkl[0][:-len("data.pkl")]
+            packed = [n for n, i in infos.items() if i.compress_type != zipfile.ZIP_STORED]
+            if packed:  # torch.save stores every member; a compressed one could be a decompression bomb
+                raise _error(f"{where}: member {packed[0]} is compressed; torch.save files store every member")
             if infos[pkl[0]].file_size > MAX_PICKLE_BYTES:
                 raise _error(f"{where}: data.pkl is {infos[pkl[0]].file_size:,} bytes, beyond the limit")
             order = infos.get(prefix + "byteorder")
-            if order is not None and z.read(order).strip() not in (b"little",):
+            if order is not None and (order.file_size > 16 or z.read(order).strip() not in (b"little",)):
                 raise _error(f"{where} was written big-endian; ucl reads little-endian files only")
             data = z.read(pkl[0])
             obj = _Unpickler(data, where).load()
@@ -357,6 +420,9 @@ def _check_storages(obj: Any, offsets: dict, sizes: dict, where: str) -> None:
         seen.add(id(x))
         if isinstance(x, TensorRef):
             s = x.storage
+            if type(s) is not StorageRef or type(x.offset) is not int or not isinstance(x.shape, tuple):
+                raise _error(f"{where}: a malformed tensor reference")
+            _rebuild_tensor(s, x.offset, x.shape, x.stride)  # its view checked again: inside its storage
             if s.key not in offsets:
                 raise _error(f"{where}: storage {s.key} is referenced but missing from the archive")
             if s.numel * itemsize(s.dtype) != sizes[s.key]:
@@ -370,25 +436,37 @@ def _check_storages(obj: Any, offsets: dict, sizes: dict, where: str) -> None:
             stack.extend([x.state, x.args])
 
 
-def plain(obj: Any) -> Any:
+MAX_PLAIN_DEPTH = 64  # nesting a manifest's state keeps; deeper is summarised, never recursed into
+
+
+def plain(obj: Any, depth: int = 0) -> Any:
     """``obj`` as JSON-friendly data for a manifest's state: tensors become a short description,
-    records their state, numpy values lists."""
+    records their state, numpy values lists, non-finite floats None (JSON has none)."""
+    if depth > MAX_PLAIN_DEPTH:
+        return "(nested too deep)"
     if isinstance(obj, TensorRef):
         return {"tensor": list(obj.shape), "dtype": obj.dtype}
     if isinstance(obj, Record):
-        return {"class": obj.cls, "state": plain(obj.state)} if obj.state is not None else {"class": obj.cls}
+        return {"class": obj.cls, "state": plain(obj.state, depth + 1)} if obj.state is not None else {"class": obj.cls}
     if isinstance(obj, dict):
-        return {str(k): plain(v) for k, v in obj.items()}
+        return {str(k): plain(v, depth + 1) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return [plain(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return obj.tolist() if obj.size <= 4096 else {"array": list(obj.shape), "dtype": str(obj.dtype)}
+        return [plain(v, depth + 1) for v in obj]
+    if isinstance(obj, NumpyArray):
+        a = obj.array
+        if a is None or a.size > 4096:
+            return {"array": [] if a is None else list(a.shape), "dtype": "" if a is None else str(a.dtype)}
+        return plain(a.tolist(), depth + 1)
+    if isinstance(obj, NumpyDtype):
+        return str(obj.dtype)
     if isinstance(obj, np.generic):
-        return obj.item()
+        return plain(obj.item(), depth + 1)
     if isinstance(obj, (bytes, bytearray)):
         return {"bytes": len(obj)}
-    if isinstance(obj, float) and obj != obj:
+    if isinstance(obj, float) and not math.isfinite(obj):
         return None
+    if isinstance(obj, complex):
+        return [plain(obj.real), plain(obj.imag)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return repr(obj)[:200]

@@ -231,7 +231,14 @@ class ExtentCheckpoint:
         with self._lock:
             fd = self._fds.get(rel)
             if fd is None:
-                fd = self._fds[rel] = os.open(os.path.join(self.path, rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                # checked again when opened (a file swapped since the checkpoint was opened: a link
+                # out of the folder, a FIFO); non-blocking so a FIFO cannot hang the open
+                self._file_size(rel)
+                fd = os.open(os.path.join(self.path, rel), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise StoreError(f"{os.path.join(self.path, rel)} is not a regular file", code="UCL416")
+                self._fds[rel] = fd
             return fd
 
     def _pread(self, e: Extent, at: int, out: np.ndarray) -> None:
