@@ -302,3 +302,17 @@ def test_shard_sizes_parse_like_transformers():
                  ("2TB", 2 * 10**12), ("7kb", 7000), (" 3 MB ", 3 * 10**6)):
         assert parse_shard_size(s) == n, s
     assert parse_shard_size("1GiB") == 2**30 and parse_shard_size(12345) == 12345 and parse_shard_size("99") == 99
+
+
+def test_moe_folder_read_in_place_exports_loadable_fused_experts(tmp_path):
+    """An MoE save_pretrained folder (experts saved one by one) read in place and exported: the
+    fused expert tensors load in transformers with no missing keys and the same logits."""
+    from transformers import AutoModelForCausalLM
+    model = H.build("qwen3_moe")
+    model.save_pretrained(tmp_path / "src", safe_serialization=True)
+    export_hf(tmp_path / "src", tmp_path / "out")
+    back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values())
+    x = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, back.eval()(x).logits)
