@@ -52,8 +52,8 @@ def _layers_for(params_m: float) -> int:
     return max(1, round((params_m * 1e6 - VOCAB * HIDDEN) / per_block))
 
 
-def _generate_worker(out: str, layers: int) -> None:  # runs under torch.distributed.run
-    import deepspeed
+def _model(layers: int):
+    """The benchmark model (seeded): an embedding and ``layers`` blocks of Linear, GELU, Linear."""
     import torch
     from torch import nn
     torch.manual_seed(0)
@@ -61,7 +61,13 @@ def _generate_worker(out: str, layers: int) -> None:  # runs under torch.distrib
     blocks = []
     for _ in range(layers):
         blocks += [nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN)]
-    model = nn.Sequential(nn.Embedding(VOCAB, HIDDEN), *blocks)
+    return nn.Sequential(nn.Embedding(VOCAB, HIDDEN), *blocks)
+
+
+def _generate_worker(out: str, layers: int) -> None:  # runs under torch.distributed.run
+    import deepspeed
+    import torch
+    model = _model(layers)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
@@ -95,18 +101,12 @@ def _dcp_worker(rank: int, world: int, out: str, layers: int, port: int) -> None
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch import nn
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    blocks = []
-    for _ in range(layers):
-        blocks += [nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN)]
-    model = nn.Sequential(nn.Embedding(VOCAB, HIDDEN), *blocks)
+    model = _model(layers)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     for m in model:
         if any(True for _ in m.parameters()):

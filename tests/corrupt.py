@@ -11,3 +11,22 @@ def flip_byte(path, key: str, offset: int = 100) -> None:
         b = fh.read(1)
         fh.seek(start + offset)
         fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def rewrite_pickle(pt, edit) -> None:
+    """Replace the ``data.pkl`` of the ``torch.save`` file ``pt`` by ``edit(data)``, other members kept."""
+    import zipfile
+    with zipfile.ZipFile(pt) as z:
+        items = [(i, z.read(i.filename)) for i in z.infolist()]
+    with zipfile.ZipFile(pt, "w", zipfile.ZIP_STORED) as z:
+        for info, data in items:
+            z.writestr(info, edit(data) if info.filename.endswith("data.pkl") else data)
+
+
+def scramble(path, rng) -> None:
+    """Flip 1 to 4 random bytes of the file ``path``, and one time in five cut it short (``rng``: a
+    ``random.Random``)."""
+    data = bytearray(path.read_bytes())
+    for _ in range(rng.randint(1, 4)):
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    path.write_bytes(bytes(data[: rng.randrange(len(data))] if rng.random() < 0.2 else data))

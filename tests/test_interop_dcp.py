@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import ucl
+from corrupt import scramble
 from ucl.errors import StoreError
 from ucl.interop import dcp
 from ucl.interop.foreign import describe, detect_format
@@ -232,11 +233,7 @@ def test_mutated_files_give_ucl_errors_only(tmp_path):
     rng = random.Random(7)
     for i in range(40):
         folder = shutil.copytree(FIXTURES / "fsdp2_dp2", tmp_path / f"c{i}")
-        target = folder / rng.choice([".metadata", "__0_0.distcp", "__1_0.distcp"])
-        data = bytearray(target.read_bytes())
-        for _ in range(rng.randint(1, 4)):
-            data[rng.randrange(len(data))] = rng.randrange(256)
-        target.write_bytes(bytes(data[: rng.randrange(len(data))] if rng.random() < 0.2 else data))
+        scramble(folder / rng.choice([".metadata", "__0_0.distcp", "__1_0.distcp"]), rng)
         forget()
         try:
             ucl.load_rank(folder, mesh="universal", rank=0)

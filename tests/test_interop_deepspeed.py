@@ -7,7 +7,6 @@ computed one step after the save. None of it is made by ucl, and DeepSpeed is no
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 import ucl
+from corrupt import rewrite_pickle, scramble
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
 from ucl.interop.foreign import describe
@@ -209,14 +209,6 @@ def _copy(name: str, tmp_path: Path) -> Path:
     return dst
 
 
-def _rewrite_pickle(pt: Path, edit) -> None:
-    with zipfile.ZipFile(pt) as z:
-        items = [(i, z.read(i.filename)) for i in z.infolist()]
-    with zipfile.ZipFile(pt, "w", zipfile.ZIP_STORED) as z:
-        for info, data in items:
-            z.writestr(info, edit(data) if info.filename.endswith("data.pkl") else data)
-
-
 class _Boom:
     def __reduce__(self):
         return (os.system, ("touch /tmp/ucl-pwned-by-pickle",))
@@ -227,7 +219,7 @@ def test_a_pickle_that_runs_code_is_refused_and_runs_nothing(tmp_path):
     pt = folder / "global_step3" / "mp_rank_00_model_states.pt"
     if os.path.exists("/tmp/ucl-pwned-by-pickle"):
         os.remove("/tmp/ucl-pwned-by-pickle")
-    _rewrite_pickle(pt, lambda data: pickle.dumps({"module": {}, "evil": _Boom()}, protocol=2))
+    rewrite_pickle(pt, lambda data: pickle.dumps({"module": {}, "evil": _Boom()}, protocol=2))
     with pytest.raises(StoreError, match=r"posix\.system|os\.system") as e:
         ucl.load_rank(folder, mesh="universal", rank=0)
     assert e.value.code == "UCL500"
@@ -319,11 +311,7 @@ def test_mutated_files_give_ucl_errors_only(tmp_path):
              "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     for i in range(40):
         folder = _copy("z1_fp32_dp2", tmp_path / f"c{i}")
-        target = folder / "global_step3" / rng.choice(files)
-        data = bytearray(target.read_bytes())
-        for _ in range(rng.randint(1, 4)):
-            data[rng.randrange(len(data))] = rng.randrange(256)
-        target.write_bytes(bytes(data[: rng.randrange(len(data))] if rng.random() < 0.2 else data))
+        scramble(folder / "global_step3" / rng.choice(files), rng)
         forget()
         try:
             ucl.load_rank(folder, mesh="universal", rank=0)
@@ -349,7 +337,7 @@ def test_malformed_values_are_named_errors(tmp_path):
         data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
     assert b"K=K\x0f" in data  # embed.weight's (61, 15) as two BININT1
     at = data.rfind(b"K=K\x0f")  # the last one: in param_shapes, after the module's tensors
-    _rewrite_pickle(pt, lambda data: data[:at] + b"X\x01\x00\x00\x00xK\x0f" + data[at + 4:])
+    rewrite_pickle(pt, lambda data: data[:at] + b"X\x01\x00\x00\x00xK\x0f" + data[at + 4:])
     with pytest.raises(StoreError) as e:
         describe(folder)
     assert e.value.code == "UCL502" and "malformed" in str(e.value)

@@ -11,13 +11,13 @@ import os
 import pickle
 import re
 import shutil
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import ucl
+from corrupt import rewrite_pickle
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
 from ucl.interop.foreign import describe, detect_format
@@ -202,14 +202,6 @@ def test_a_rank_folder_the_args_do_not_name_is_refused(tmp_path):
     assert e.value.code == "UCL502"
 
 
-def _rewrite_pickle(pt: Path, edit) -> None:
-    with zipfile.ZipFile(pt) as z:
-        items = [(i, z.read(i.filename)) for i in z.infolist()]
-    with zipfile.ZipFile(pt, "w", zipfile.ZIP_STORED) as z:
-        for info, data in items:
-            z.writestr(info, edit(data) if info.filename.endswith("data.pkl") else data)
-
-
 class _Boom:
     def __reduce__(self):
         return (os.system, (f"touch {PWNED}",))
@@ -220,7 +212,7 @@ def test_a_pickle_needing_a_forbidden_class_is_refused_and_runs_nothing(tmp_path
     shutil.copytree(FIXTURES / "tp2", folder)
     if os.path.exists(PWNED):
         os.remove(PWNED)
-    _rewrite_pickle(folder / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt",
+    rewrite_pickle(folder / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt",
                     lambda data: pickle.dumps({"args": None, "model": {}, "evil": _Boom()}, protocol=2))
     with pytest.raises(StoreError, match=r"posix\.system|os\.system") as e:
         ucl.load_rank(folder, mesh="pp=1,tp=2", rank=0)

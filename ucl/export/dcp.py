@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import StoreError
 from ..ops.stats import IOStats
-from ..store.atomic import TempDir, publish_dir
+from ..store.atomic import staged_dir
 from .source import check_target, survey, universal_tensors
 
 _STYLES = {"state_dict": ("model.", "optim."), "torchtitan": ("", "optimizer.")}
@@ -79,17 +79,11 @@ def export_dcp(ckpt: str | os.PathLike, out: str | os.PathLike, *, style: str = 
                     # JSON turned tuples (Adam's betas) into lists; torch optimizers hold tuples
                     optim_sd[f"param_groups.{n}.{k}"] = tuple(v) if isinstance(v, list) else v
     state_dict = _nest(model_prefix, model_sd) | _nest(optim_prefix, optim_sd)
-    tmp = TempDir(out)
-    try:
+    with staged_dir(out) as folder:
         with warnings.catch_warnings():  # no_dist is what we ask for: torch's "assuming single process" note is noise
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp.path), no_dist=True)
-        written = _size(tmp.path)
-        publish_dir(tmp.path, out)
-    except BaseException:
-        tmp.discard()
-        raise
-    tmp.release()
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+        written = _size(folder)
     stats.bytes_written = written
     stats.datasets_written = len(model_sd) + sum(1 for k in optim_sd if k.startswith("state."))
     stats.seconds = time.perf_counter() - t0

@@ -56,7 +56,7 @@ import numpy as np
 from ..dtypes import to_float32
 from ..errors import StoreError
 from ..ops.stats import IOStats
-from ..store.atomic import TempDir, fsync_dir, publish_dir
+from ..store.atomic import fsync_dir, staged_dir
 from . import torchsave
 from .source import ExportSource, check_target, survey, universal_tensors
 
@@ -84,29 +84,23 @@ def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, 
             raise StoreError(f"parameter name {name!r} cannot be a folder name under zero/", code="UCL503")
 
     stats = IOStats()
-    tmp = TempDir(out)
-    try:
-        zero = os.path.join(tmp.path, tag, "zero")
+    with staged_dir(out) as folder:
+        zero = os.path.join(folder, tag, "zero")
         os.makedirs(zero)
         written = _Writer(durable)
         module, first_step = _write_tensors(src, zero, written, verify, stats)
         states = _model_states(src, ds, steps, module)
         for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-            written.save(states, os.path.join(tmp.path, tag, name))
+            written.save(states, os.path.join(folder, tag, name))
         written.save(_optimizer_state(src, ds, first_step), os.path.join(zero, "optimizer_state.pt"))
-        with open(os.path.join(tmp.path, "latest_universal"), "w") as f:
+        with open(os.path.join(folder, "latest_universal"), "w") as f:
             f.write(tag)
             f.flush()
             if durable:
                 os.fsync(f.fileno())
         if durable:
-            for d, _, _ in os.walk(tmp.path):
+            for d, _, _ in os.walk(folder):
                 fsync_dir(d)
-        publish_dir(tmp.path, out)
-    except BaseException:
-        tmp.discard()
-        raise
-    tmp.release()
     stats.bytes_written = written.bytes
     stats.datasets_written = written.tensors
     stats.seconds = time.perf_counter() - t0

@@ -52,7 +52,7 @@ from ..interop.hf_store import known_model_types
 from ..lang.spec import load_spec
 from ..model_config import load_config, read_raw_config
 from ..ops.stats import IOStats
-from ..store.atomic import TempDir, fsync_dir, fsync_path, publish_dir
+from ..store.atomic import fsync_dir, fsync_path, staged_dir
 from .source import ExportSource, check_target, survey, universal_tensors
 
 SINGLE_NAME = "model.safetensors"
@@ -145,29 +145,23 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = N
     raw = dict(raw, dtype=main, torch_dtype=main)  # v5 reads "dtype", older readers "torch_dtype"
 
     stats = IOStats()
-    tmp = TempDir(out)
-    try:
-        head_digest, digests = _write_shards(src, tmp.path, shards, names, dropped, entries, verify, durable, stats)
+    with staged_dir(out) as folder:
+        head_digest, digests = _write_shards(src, folder, shards, names, dropped, entries, verify, durable, stats)
         if dropped is not None:
             same = [e.name for e in entries if e.name != dropped and digests.get(e.name) == head_digest]
             if not same:
                 raise _error(f"the config ties the output embedding to the input one (tie_word_embeddings), but the "
                              f"checkpoint's {dropped} equals no other tensor of its shape; transformers would replace "
                              f"it with the input embedding. Pass a config with \"tie_word_embeddings\": false")
-        _write_json(os.path.join(tmp.path, CONFIG_NAME), raw, durable)
+        _write_json(os.path.join(folder, CONFIG_NAME), raw, durable)
         if len(shards) > 1:
             index = {"metadata": {"total_parameters": sum(e.numel for e in written),
                                   "total_size": sum(e.nbytes for e in written)},
                      "weight_map": {e.name: names[i] for i, shard in enumerate(shards) for e in shard}}
-            _write_json(os.path.join(tmp.path, INDEX_NAME), index, durable)
+            _write_json(os.path.join(folder, INDEX_NAME), index, durable)
         if durable:
-            fsync_dir(tmp.path)
-        size = sum(os.path.getsize(os.path.join(tmp.path, f)) for f in os.listdir(tmp.path))
-        publish_dir(tmp.path, out)
-    except BaseException:
-        tmp.discard()
-        raise
-    tmp.release()
+            fsync_dir(folder)
+        size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
     stats.bytes_written = size
     stats.datasets_written = len(written)
     stats.seconds = time.perf_counter() - t0

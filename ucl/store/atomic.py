@@ -8,6 +8,7 @@ whose lock cannot is in use: :func:`collect_garbage` (``ucl gc``) removes the fi
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -132,6 +133,21 @@ class TempDir:
             self.release()
         except Exception:
             pass
+
+
+@contextlib.contextmanager
+def staged_dir(final: str):
+    """A locked temp folder beside ``final`` (yields its path) that becomes ``final`` by one atomic
+    rename when the block ends without error, and is removed when it raises: ``final`` appears
+    whole or not at all."""
+    tmp = TempDir(final)
+    try:
+        yield tmp.path
+        publish_dir(tmp.path, final)
+    except BaseException:
+        tmp.discard()
+        raise
+    tmp.release()
 
 
 def _hold_lock(folder: str) -> int | None:

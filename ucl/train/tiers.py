@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UclError
-from ..store.atomic import fsync_path, publish_dir, tmp_name
+from ..store.atomic import fsync_path, staged_dir
 from ..store.manifest import MANIFEST_NAME
 from ..store.root import LATEST_NAME, CheckpointRoot
 
@@ -20,11 +20,10 @@ def promote(path: str, tier: CheckpointRoot, step: int, keep: int) -> None:
     final = tier.path_for(step)
     if os.path.exists(final):
         return
-    tmp = os.path.join(tier.root, tmp_name(os.path.basename(final)))
-    shutil.copytree(path, tmp)
-    for name in os.listdir(tmp):
-        fsync_path(os.path.join(tmp, name))
-    publish_dir(tmp, final)
+    with staged_dir(final) as folder:
+        shutil.copytree(path, folder, dirs_exist_ok=True)
+        for name in os.listdir(folder):
+            fsync_path(os.path.join(folder, name))
     tier.set_latest(step)
     tier.prune(keep)
 
@@ -97,11 +96,9 @@ class RemoteTier:
             raise UclError(f"tier {self.url} holds no committed checkpoint"
                            f"{'' if step is None else f' of step {step}'}", code="UCL430")
         name = CheckpointRoot.dir_name(step)
-        tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), tmp_name(os.path.basename(dst)))
-        os.makedirs(tmp)
-        for remote in self.fs.ls(self._join(name), detail=False):
-            self.fs.get_file(remote, os.path.join(tmp, remote.rstrip("/").rsplit("/", 1)[-1]))
-        publish_dir(tmp, dst)
+        with staged_dir(dst) as folder:
+            for remote in self.fs.ls(self._join(name), detail=False):
+                self.fs.get_file(remote, os.path.join(folder, remote.rstrip("/").rsplit("/", 1)[-1]))
         return dst
 
 
