@@ -28,7 +28,11 @@ What is written, as ``save_pretrained`` (transformers 5.23, huggingface_hub 2.4)
   ``save_pretrained`` does, after checking it equals a tensor of its shape and dtype; a different
   one is refused (UCL503) rather than silently replaced.
 
-Streams: one tensor in memory at a time (plus its cast copy). Shard headers are planned from the
+* Megatron's names (megatron-core ``torch_dist``, Megatron-LM legacy, ``stdlib:megatron_gpt``) are
+  mapped to the config's model type (llama, mistral, qwen2) with their fusions undone, by the
+  declarative table of :mod:`ucl.export.renames`; such a folder needs ``config``.
+
+Streams: one source tensor in memory at a time (plus its cast copy). Shard headers are planned from the
 manifest before any tensor is read. Written into a hidden temp folder beside ``out`` and renamed at
 the end; an existing ``out`` is refused (UCL503).
 """
@@ -52,7 +56,8 @@ from ..interop.hf_store import known_model_types
 from ..lang.spec import load_spec
 from ..model_config import load_config, read_raw_config
 from ..ops.stats import IOStats
-from ..store.atomic import fsync_dir, fsync_path, staged_dir
+from ..store.atomic import fsync_dir, staged_dir
+from .renames import Renamed, mapping_for, rename
 from .source import ExportSource, check_target, survey, universal_tensors
 
 SINGLE_NAME = "model.safetensors"
@@ -83,6 +88,7 @@ class _Entry:
     shape: tuple[int, ...]
     stored: str  # logical dtype of the dataset
     dtype: str  # logical dtype written
+    renamed: Renamed | None = None  # the part of the dataset it is, when a framework's names are mapped
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +139,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = N
     out = check_target(out)
     src = survey(ckpt)
     raw = _config_of(src.state, config, ckpt)
-    entries = _entries(src.datasets, target)
+    entries = _entries(src.datasets, target, raw)
     if not entries:
         raise _error(f"{ckpt} holds no param/ tensors to export")
     _check_config(raw, entries)
@@ -191,20 +197,25 @@ def _config_of(state: dict, config: Any, ckpt: Any) -> dict:
     return dict(raw)
 
 
-def _entries(datasets: dict[str, tuple[tuple[int, ...], str]], target: str | None) -> list[_Entry]:
-    """The tensors to write, in the checkpoint's order; a cast reads the fp32 master where there is one."""
+def _entries(datasets: dict[str, tuple[tuple[int, ...], str]], target: str | None, config: dict) -> list[_Entry]:
+    """The tensors to write, in the checkpoint's order (or Hugging Face's, when a framework's names
+    are mapped to the config's model type); a cast reads the fp32 master where there is one."""
+    params = {key.split("/", 1)[1]: (tuple(shape), stored) for key, (shape, stored) in datasets.items()
+              if key.startswith("param/")}
+    mapping = mapping_for({n: shape for n, (shape, _) in params.items()}, config)
+    parts = rename(mapping, {n: shape for n, (shape, _) in params.items()}, config) if mapping else \
+        [None] * len(params)
+    sources = [p.source for p in parts] if mapping else list(params)
     out = []
-    for key, (shape, stored) in datasets.items():
-        kind, name = key.split("/", 1)
-        if kind != "param":
-            continue
-        if target is None or stored not in _FLOATS:
-            out.append(_Entry(name, key, tuple(shape), stored, stored))
-            continue
-        master = datasets.get(f"fp32/{name}")
-        if master is not None and tuple(master[0]) == tuple(shape):
-            key, stored = f"fp32/{name}", master[1]
-        out.append(_Entry(name, key, tuple(shape), stored, target))
+    for name, part in zip(sources, parts):
+        shape, stored = params[name]
+        key = f"param/{name}"
+        if target is not None and stored in _FLOATS:
+            master = datasets.get(f"fp32/{name}")
+            if master is not None and tuple(master[0]) == shape:
+                key, stored = f"fp32/{name}", master[1]
+        written = stored if target is None or stored not in _FLOATS else target
+        out.append(_Entry(part.target if part else name, key, part.shape if part else shape, stored, written, part))
     return out
 
 
@@ -289,45 +300,61 @@ def _header(ordered: list[_Entry]) -> bytes:
 def _write_shards(src: ExportSource, folder: str, shards: list[list[_Entry]], names: list[str], dropped: str | None,
                   entries: list[_Entry], verify: bool, durable: bool,
                   stats: IOStats) -> tuple[bytes | None, dict[str, bytes]]:
-    """Stream every tensor into its shard. With a dropped tied head, also digest the head and the
-    tensors it could equal (same shape and dtype), to compare them afterwards."""
-    ordered = [(i, e) for i, shard in enumerate(shards) for e in _file_order(shard)]
+    """Write every shard's header, then stream the checkpoint's tensors once, in its own order, each
+    into its place (a source tensor may feed several exported ones: Megatron's ``linear_qkv``). With
+    a dropped tied head, also digest the head and the tensors it could equal (same shape and dtype),
+    to compare them afterwards."""
     head = next((e for e in entries if e.name == dropped), None)
     twins = set() if head is None else {e.name for e in entries
                                         if e.name != dropped and e.shape == head.shape and e.dtype == head.dtype}
-    keys = [e.key for _, e in ordered] + ([head.key] if head is not None else [])
-    plan = {e.key: (i, e) for i, e in ordered}
+    places: dict[str, tuple[int, int]] = {}  # exported name -> (shard, byte offset in its file)
+    left: list[int] = []  # bytes each shard still expects
+    fds: list[int] = []
     digests: dict[str, bytes] = {}
     head_digest = None
-    fh, current, left = None, -1, 0
     try:
-        for key, tensor in universal_tensors(src, keys, verify, stats, reuse=True):  # each written at once
-            if head is not None and key == head.key:
-                head_digest = _digest(_converted(tensor, head))
-                continue
-            i, e = plan[key]
-            if i != current:
-                _close(fh, left, names[current] if current >= 0 else "")
-                current = i
-                fh = open(os.path.join(folder, names[i]), "xb")
-                header = _header(_file_order(shards[i]))
-                fh.write(header)
-                left = sum(x.nbytes for x in shards[i])
-            data = _converted(tensor, e)
-            if data.nbytes != e.nbytes:  # the manifest and the tensor read disagree: never write a lying header
-                raise _error(f"{e.key} read as {data.nbytes} bytes, but its manifest entry says {e.nbytes}")
-            fh.write(memoryview(data).cast("B"))
-            left -= data.nbytes
-            if e.name in twins:
-                digests[e.name] = _digest(data)
-        _close(fh, left, names[current] if current >= 0 else "")
-        fh = None
-        for name in names if durable else ():
-            fsync_path(os.path.join(folder, name))
+        for i, shard in enumerate(shards):
+            ordered = _file_order(shard)
+            header = _header(ordered)
+            fds.append(os.open(os.path.join(folder, names[i]), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+            _pwrite_all(fds[i], memoryview(header), 0)
+            offset = len(header)
+            for e in ordered:
+                places[e.name] = (i, offset)
+                offset += e.nbytes
+            left.append(offset - len(header))
+        wanted: dict[str, list[_Entry]] = {}
+        for e in [e for shard in shards for e in shard] + ([head] if head is not None else []):
+            wanted.setdefault(e.key, []).append(e)
+        keys = [k for k in src.datasets if k in wanted]  # the checkpoint's order: its files are swept in order
+        for key, tensor in universal_tensors(src, keys, verify, stats, reuse=True):
+            for e in wanted[key]:
+                data = _converted(e.renamed.take(tensor) if e.renamed is not None else tensor, e)
+                if data.nbytes != e.nbytes:  # the manifest and the tensor read disagree: never write a lying header
+                    raise _error(f"{e.key} read as {data.nbytes} bytes, but its manifest entry says {e.nbytes}")
+                if e is head:
+                    head_digest = _digest(data)
+                    continue
+                i, offset = places[e.name]
+                _pwrite_all(fds[i], memoryview(data).cast("B"), offset)
+                left[i] -= data.nbytes
+                if e.name in twins:
+                    digests[e.name] = _digest(data)
+        short = [f"{names[i]} ({n} bytes)" for i, n in enumerate(left) if n]
+        if short:
+            raise _error(f"{', '.join(short)} short of what the header declares")
+        for fd in fds if durable else ():
+            os.fsync(fd)
     finally:
-        if fh is not None:
-            fh.close()
+        for fd in fds:
+            os.close(fd)
     return head_digest, digests
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def _converted(tensor: Any, e: _Entry) -> np.ndarray:
@@ -339,14 +366,6 @@ def _converted(tensor: Any, e: _Entry) -> np.ndarray:
 
 def _digest(arr: np.ndarray) -> bytes:
     return hashlib.blake2b(memoryview(arr).cast("B"), digest_size=32).digest()
-
-
-def _close(fh: Any, left: int, name: str) -> None:
-    if fh is None:
-        return
-    fh.close()
-    if left != 0:
-        raise _error(f"{name}: {left} bytes short of what its header declares")
 
 
 def _write_json(path: str, obj: Any, durable: bool) -> None:
