@@ -3,6 +3,7 @@ optimizer buffers) on TP2·PP2·DP2, against `cp -r` of the same directory measu
 
     python bench/reshard.py [--size-gb 2] [--repeat 3] [--workdir DIR]
     python bench/reshard.py --procs 1,2,4 [--to pp=1,dp=2,tp=4] [--size-gb 2] [--repeat 3]
+    python bench/reshard.py --growth [--size-gb 1] [--repeat 3]
 
 Each operation runs as its own process (like a user would run it), after one warm-up, so the
 source is in the page cache ("warm"); medians with min-max are printed, plus ratios to `cp -r`,
@@ -45,17 +46,19 @@ SPEC = (LLAMA_MEGATRON.replace("state param : dtype bfloat16", "state param : dt
 
 
 def dims_for(size_gb: float) -> dict:
-    # fp32 weights replicated over dp=2 plus two fp32 moments: 16 bytes per parameter
-    d = dict(vocab=32000, hidden=1024, heads=16, kv_heads=8, ffn=2816, layers=2)
-    per_layer = (2048 * 1024 + 1024 * 1024 + 2 * 2816 * 1024 + 1024 * 2816 + 2 * 1024)
-    fixed = 2 * 32000 * 1024
+    # fp32 weights replicated over dp=2 plus two fp32 moments: 16 bytes per parameter; below 1 GB a
+    # narrower model with a smaller vocabulary, so that the size is still reached by whole layers
+    hidden, ffn, vocab = (1024, 2816, 32000) if size_gb >= 1 else (512, 1408, 8192)
+    d = dict(vocab=vocab, hidden=hidden, heads=16, kv_heads=8, ffn=ffn, layers=2)
+    per_layer = 2 * hidden * hidden + hidden * hidden + 3 * ffn * hidden + 2 * hidden  # qkv (GQA), proj, fc1, fc2, norms
+    fixed = 2 * vocab * hidden
     d["layers"] = max(2, int(round((size_gb * 2**30 / 16 - fixed) / per_layer / 2)) * 2)
     return d
 
 
-def build_source(path: Path, dims: dict) -> ucl.Mesh:
+def build_source(path: Path, dims: dict, mesh: ucl.Mesh | None = None) -> ucl.Mesh:
     model = ucl.load_spec(SPEC).bind(dims, llama_params(dims))
-    mesh = ucl.Mesh(pp=2, dp=2, tp=2)
+    mesh = mesh or ucl.Mesh(pp=2, dp=2, tp=2)
     rng = np.random.default_rng(0)
     fields = dict(spec=SPEC, spec_name="bench:llama_megatron_fp32", dims=dims, mesh=mesh.to_json(),
                   params={n: list(s) for n, s in model.params.items()}, frozen=[], state={"step": 1})
@@ -110,6 +113,38 @@ def repeated(cmd, work: Path, repeat: int) -> tuple[list[float], str]:
     return times, last
 
 
+def growth(args, work: Path) -> None:
+    """Time against size, and against the source's rank count at equal bytes, each as a ratio to
+    `cp -r` of the same source measured right before it (warm cache, page-cache writes)."""
+    cli = [sys.executable, "-m", "ucl.cli", "reshard"]
+    targets = ("pp=1,dp=2,tp=4", "universal")
+
+    def row(label: str, src: Path) -> None:
+        size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+        cp, _ = repeated(lambda out: ["cp", "-r", str(src), str(out)], work, args.repeat)
+        cells = [f"{label:<22} {size / 2**30:6.2f} {statistics.median(cp):7.2f}"]
+        for to in targets:
+            t, _ = repeated(lambda out: cli + [str(src), str(out), "--to", to, "--quiet", "--no-fsync"], work, args.repeat)
+            cells.append(f"{statistics.median(t):7.2f} ({min(t):.2f}-{max(t):.2f}) {statistics.median(t) / statistics.median(cp):5.2f}x")
+        print("  ".join(cells), flush=True)
+
+    head = f"{'source':<22} {'GiB':>6} {'cp -r s':>7}  " + "  ".join(f"{'-> ' + t:<26}" for t in targets)
+    print(f"\ntime vs size (source TP2·PP2·DP2; medians of {args.repeat} warm runs, min-max, x cp -r)\n{head}")
+    for gb in (0.25, 0.5, 1.0, 2.0):
+        src = work / f"src-{gb}"
+        build_source(src, dims_for(gb))
+        row(f"{gb} GB", src)
+        shutil.rmtree(src)
+    print(f"\ntime vs source ranks at equal bytes ({args.size_gb} GB of weights and moments, dp=1)\n{head}")
+    dims = dims_for(args.size_gb * 2 / 3)  # dims_for counts dp=2 copies of the weights: same bytes at dp=1
+    for mesh in (ucl.Mesh(pp=1, dp=1, tp=1), ucl.Mesh(pp=1, dp=1, tp=2), ucl.Mesh(pp=2, dp=1, tp=2),
+                 ucl.Mesh(pp=2, dp=1, tp=4), ucl.Mesh(pp=2, dp=1, tp=8)):
+        src = work / f"src-{mesh.size}"
+        build_source(src, dims, mesh)
+        row(f"{mesh.size} ranks ({mesh})", src)
+        shutil.rmtree(src)
+
+
 def scaling(args, src: Path, size: int, work: Path) -> None:
     """The distributed reshard with 1, 2, 4... torchrun processes vs `cp -r`, all in this run."""
     import re
@@ -149,8 +184,16 @@ def main() -> None:
     ap.add_argument("--procs", default=None, metavar="N,N,...", help="measure the distributed reshard under "
                     "torchrun with these numbers of processes instead")
     ap.add_argument("--to", default="pp=1,dp=2,tp=4", metavar="MESH", help="the target of --procs")
+    ap.add_argument("--growth", action="store_true", help="time vs size (0.25-2 GB) and vs source rank count "
+                    "at equal bytes, each against cp -r")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ucl-bench-", dir=args.workdir))
+    os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    if args.growth:
+        try:
+            return growth(args, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     py = sys.executable
     env_cli = [py, "-m", "ucl.cli"]
     os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
