@@ -115,9 +115,8 @@ def test_padded_vocabulary_is_cut_to_the_config(tmp_path):
     torch.testing.assert_close(_logits(out, ids)[same_ids], truth["logits"][same_ids][..., :90], rtol=1e-5, atol=1e-5)
 
 
-def test_per_layer_names_map_like_stacked_ones(tmp_path):
-    """Megatron-LM legacy and stdlib:megatron_gpt checkpoints name each layer; cast on the way (bf16)."""
-    mt = _megatron_tensors(tmp_path)
+def _per_layer(tmp_path, mt: dict, state=None) -> str:
+    """The Megatron tensors named per layer (as Megatron-LM legacy and stdlib:megatron_gpt do), saved by ucl."""
     tensors = {}
     for name, t in mt.items():
         if name.startswith("decoder.layers."):
@@ -129,7 +128,42 @@ def test_per_layer_names_map_like_stacked_ones(tmp_path):
     spec = ucl.load_spec("mesh dp\n** : replicate\n")
     model = spec.bind({}, {n: tuple(t.shape) for n, t in tensors.items()})
     ckpt = str(tmp_path / "per_layer")
-    ucl.save(ckpt, {0: {f"param/{n}": t.numpy() for n, t in tensors.items()}}, model=model, mesh="dp=1")
+    ucl.save(ckpt, {0: {f"param/{n}": t.numpy() for n, t in tensors.items()}}, model=model, mesh="dp=1", state=state)
+    return ckpt
+
+
+# what Megatron-LM's arguments say of the fixture's model (pretrain_gpt.py names)
+ARGS = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 48, "num_attention_heads": 4, "kv_channels": 8,
+        "group_query_attention": True, "num_query_groups": 2, "max_position_embeddings": 16,
+        "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_base": 10000, "padded_vocab_size": 96,
+        "swiglu": True, "untie_embeddings_and_output_weights": True, "add_bias_linear": False, "add_qkv_bias": False,
+        "normalization": "RMSNorm", "norm_epsilon": 1e-05, "qk_layernorm": False}
+
+
+def test_megatron_lm_arguments_give_the_config(tmp_path):
+    ckpt = _per_layer(tmp_path, _megatron_tensors(tmp_path), state={"megatron": {"args": ARGS}})
+    out = str(tmp_path / "hf")
+    export_hf(ckpt, out)  # no config: derived from the run's arguments
+    with open(os.path.join(out, "config.json")) as fh:
+        cfg = json.load(fh)
+    assert cfg["model_type"] == "llama" and cfg["num_key_value_heads"] == 2 and cfg["tie_word_embeddings"] is False
+    truth = load_file(os.path.join(FIX, "logits.safetensors"))
+    torch.testing.assert_close(_logits(out, truth["input_ids"]), truth["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_lm_arguments_of_another_architecture_are_refused(tmp_path):
+    legacy = os.path.join(HERE, "fixtures", "megatron_legacy", "tp2")  # LayerNorm, biases
+    with pytest.raises(UclError) as e:
+        export_hf(legacy, str(tmp_path / "hf"))
+    msg = str(e.value)
+    assert e.value.code == "UCL503" and "normalization is 'LayerNorm'" in msg and "add_bias_linear" in msg
+    assert "--config" in msg and not os.path.exists(tmp_path / "hf")
+
+
+def test_per_layer_names_map_like_stacked_ones(tmp_path):
+    """Megatron-LM legacy and stdlib:megatron_gpt checkpoints name each layer; cast on the way (bf16)."""
+    mt = _megatron_tensors(tmp_path)
+    ckpt = _per_layer(tmp_path, mt)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     export_hf(ckpt, a, config=CONFIG, dtype="bfloat16")
     export_hf(SRC, b, config=CONFIG, dtype="bfloat16")

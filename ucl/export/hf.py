@@ -30,7 +30,9 @@ What is written, as ``save_pretrained`` (transformers 5.23, huggingface_hub 2.4)
 
 * Megatron's names (megatron-core ``torch_dist``, Megatron-LM legacy, ``stdlib:megatron_gpt``) are
   mapped to the config's model type (llama, mistral, qwen2) with their fusions undone, by the
-  declarative table of :mod:`ucl.export.renames`; such a folder needs ``config``.
+  declarative table of :mod:`ucl.export.renames`; the config is ``config``, else the one the run's
+  saved Megatron-LM arguments describe (llama, or qwen2 with QKV biases; refused if no such model
+  type has the run's architecture).
 
 Streams: one source tensor in memory at a time (plus its cast copy). Shard headers are planned from the
 manifest before any tensor is read. Written into a hidden temp folder beside ``out`` and renamed at
@@ -57,7 +59,7 @@ from ..lang.spec import load_spec
 from ..model_config import load_config, read_raw_config
 from ..ops.stats import IOStats
 from ..store.atomic import fsync_dir, staged_dir
-from .renames import Renamed, mapping_for, rename
+from .renames import Renamed, config_from_megatron, mapping_for, rename
 from .source import ExportSource, check_target, survey, universal_tensors
 
 SINGLE_NAME = "model.safetensors"
@@ -187,9 +189,13 @@ def _config_of(state: dict, config: Any, ckpt: Any) -> dict:
     else:
         hf = state.get("hf") if isinstance(state.get("hf"), dict) else {}
         raw = hf.get("config")
+        megatron = state.get("megatron") if isinstance(state.get("megatron"), dict) else {}
+        if not isinstance(raw, dict) and isinstance(megatron.get("args"), dict):
+            raw = config_from_megatron(megatron["args"])  # a Megatron-LM run's saved arguments
         if not isinstance(raw, dict):
-            raise _error(f"{ckpt} carries no Hugging Face config.json (it was not read from a Hugging Face folder); "
-                         "pass config= (--config config.json) with the model's config")
+            raise _error(f"{ckpt} carries no Hugging Face config.json (it was not read from a Hugging Face folder, "
+                         "nor saved by Megatron-LM with its arguments); pass config= (--config config.json) "
+                         "with the model's config")
     try:
         json.dumps(raw, allow_nan=False)
     except (TypeError, ValueError) as e:

@@ -155,6 +155,45 @@ TARGETS = {"llama": MEGATRON_GPT_TO_LLAMA, "mistral": MEGATRON_GPT_TO_LLAMA, "qw
 _IGNORED = re.compile(r"(^|\.)_extra_state$")  # Transformer Engine's FP8 metadata, not weights
 
 
+def config_from_megatron(args: Mapping[str, Any]) -> dict:
+    """The Hugging Face config of the model a Megatron-LM run trained (its saved ``args``): ``llama``,
+    or ``qwen2`` with ``--add-qkv-bias``. The vocabulary is Megatron's padded one (nothing is cut;
+    pass a config with the tokenizer's ``vocab_size`` to cut it). Runs whose architecture no such
+    model type has (LayerNorm, learned positions, linear biases, ...) are refused with the reasons."""
+    def arg(name: str, default: Any = None) -> Any:
+        return args.get(name, default)
+
+    why = []
+    wants = {"normalization": "RMSNorm", "position_embedding_type": "rope", "swiglu": True, "add_bias_linear": False}
+    why += [f"{k} is {arg(k)!r} (Hugging Face llama needs {v!r})" for k, v in wants.items() if arg(k) != v]
+    if arg("rotary_percent", 1.0) != 1.0:
+        why.append(f"rotary_percent is {arg('rotary_percent')} (llama rotates whole heads)")
+    for flag in ("qk_layernorm", "num_experts", "multi_latent_attention", "apply_layernorm_1p"):
+        if arg(flag):
+            why.append(f"{flag} is set")
+    numbers = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_layers", "padded_vocab_size")
+    why += [f"{n} is missing" for n in numbers if not isinstance(arg(n), int) or isinstance(arg(n), bool)]
+    if why:
+        raise _error("cannot derive a Hugging Face config from the Megatron-LM arguments: " + "; ".join(why)
+                     + ". Pass the config.json of the model to export to (--config)")
+    heads, hidden = arg("num_attention_heads"), arg("hidden_size")
+    qwen = bool(arg("add_qkv_bias"))
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"], "model_type": "qwen2" if qwen else "llama",
+        "vocab_size": arg("padded_vocab_size"), "hidden_size": hidden, "intermediate_size": arg("ffn_hidden_size"),
+        "num_hidden_layers": arg("num_layers"), "num_attention_heads": heads,
+        "num_key_value_heads": arg("num_query_groups") if arg("group_query_attention") else heads,
+        "hidden_act": "silu", "max_position_embeddings": arg("max_position_embeddings") or arg("seq_length"),
+        "rms_norm_eps": float(arg("norm_epsilon", 1e-5)), "rope_theta": float(arg("rotary_base", 10000)),
+        "tie_word_embeddings": not arg("untie_embeddings_and_output_weights", False),
+    }
+    if arg("kv_channels") and arg("kv_channels") != hidden // heads:
+        config["head_dim"] = arg("kv_channels")
+    if not qwen:
+        config.update(attention_bias=False, mlp_bias=False)
+    return config
+
+
 def mapping_for(names: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> NameMap | None:
     """The mapping an export of tensors ``names`` (universal name -> shape) to ``config``'s model
     type needs; None when the names are already the target's. A framework's names with no mapping to
