@@ -263,7 +263,7 @@ def test_unknown_model_type(tmp_path):
     assert "'bert'" in msg and "llama" in msg and "qwen2" in msg and "megatron" not in msg
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])  # qwen2_moe: layer 0 dense (mlp_only_layers)
 def test_moe_experts_saved_one_by_one_read_as_the_fused_tensors(arch, tmp_path):
     """save_pretrained writes one tensor per expert; read in place they are the model's own fused
     in-memory tensors (oracle: the transformers model's state_dict), in place and resharded."""
