@@ -25,9 +25,11 @@ names them.
 Modules: ``zero`` (ZeRO-1/2/3, and the dispatch), ``pipeline`` (PipelineModule checkpoints:
 ``layer_NN-model_states.pt`` per layer, ``on pp = ...`` placements), ``tp`` (AutoTP
 checkpoints: ``mp_rank_TT`` files per tensor-parallel rank, each parameter's split read from
-DeepSpeed's own ``universal_checkpoint_info['affine_map']``), ``common`` (what they share).
-Refused (UCL502, saying why): tensor-parallel checkpoints without ``universal_checkpoint_info``
-(older DeepSpeed), MoE expert files, parameters aligned inside the flat buffer.
+DeepSpeed's own ``universal_checkpoint_info['affine_map']``), ``moe`` (``deepspeed.moe`` layers:
+``layer_L_expert_E`` files, experts ``index e of N over ep``, mesh ``edp, ep``), ``common`` (what
+they share). Refused (UCL502, saying why): tensor-parallel checkpoints without
+``universal_checkpoint_info`` (older DeepSpeed), parameters aligned inside the flat buffer, MoE with
+tensor or pipeline parallelism, D + E rank order, AutoEP or ZeRO-3, frozen experts or expert buffers.
 """
 from .zero import describe, detect
 

@@ -12,6 +12,7 @@ from ..foreign import Description
 from ..torchfile import TensorRef, plain, read_torch_file
 from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, group_state, NAME, OPTIM,
                      state_line, TAG, weight_dtype, zero12_group, zero3_group)
+from .moe import describe_moe, EXPERT_FILE, is_moe
 from .pipeline import describe_pipeline
 from .tp import describe_autotp
 
@@ -48,7 +49,7 @@ def describe(path: str) -> Description:
     folder = os.path.join(path, tag)
     names = sorted(os.listdir(folder))
     rel = lambda n: os.path.join(tag, n) if tag else n  # noqa: E731
-    if any(n.startswith("layer_") for n in names):
+    if any(n.startswith("layer_") for n in names) and not any(EXPERT_FILE.match(n) for n in names):
         return describe_pipeline(path, folder, names, rel)
     states_name = "mp_rank_00_model_states.pt" if "mp_rank_00_model_states.pt" in names else \
         "zero_pp_rank_0_mp_rank_00_model_states.pt"
@@ -59,6 +60,8 @@ def describe(path: str) -> Description:
     dp, mp = ms.get("dp_world_size"), ms.get("mp_world_size", 1)
     if not isinstance(dp, int) or dp < 1:
         raise error(f"{states_name} has no usable dp_world_size ({dp!r})")
+    if is_moe(names, ms):
+        return describe_moe(path, folder, names, rel, ms, states, states_name, dp)
     if mp != 1:
         if isinstance(ms.get("universal_checkpoint_info"), dict) and \
                 isinstance(ms["universal_checkpoint_info"].get("affine_map"), dict):
