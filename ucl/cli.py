@@ -222,11 +222,24 @@ def _reshard_bytes(src: str, to) -> int:
 
 
 def cmd_import(args) -> int:
+    from .ops.convert import placements
+    con = _console()
+    src = _checkpoint(args.src)
+    spec = dims = None
+    if args.spec is not None:
+        from .lang.spec import load_spec
+        spec = load_spec(args.spec)
+        dims = _dims(spec, args.dims) if args.dims is not None or spec.dims else {}
+    elif args.dims is not None:
+        raise UclError("--dims is read with --spec only", code="UCL009")
+    with placements(src, spec, dims):
+        return _import(args, con, src, spec, dims)
+
+
+def _import(args, con, src, spec, dims) -> int:
     from .ops.convert import import_checkpoint
     from .ops.prepare import mesh_of, open_checkpoint
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-    con = _console()
-    src = _checkpoint(args.src)
     with open_checkpoint(src, args.format) as ck:
         fmt, mesh = getattr(ck, "format", "ucl"), mesh_of(ck)
         total = sum(int(_prod(e["shape"])) * _itemsize(e["dtype"]) for ds in ck.manifest.datasets for e in ds.values())
@@ -234,7 +247,7 @@ def cmd_import(args) -> int:
                   console=con, transient=True, disable=args.quiet) as bar:
         task = bar.add_task(_e(f"import {fmt} ({mesh})"), total=total)
         stats = import_checkpoint(src, args.dst, format=fmt, workers=args.workers, durable=not args.no_fsync,
-                                  progress=lambda n: bar.advance(task, n))
+                                  progress=lambda n: bar.advance(task, n), spec=spec, dims=dims)
     con.print("[green]imported[/] " + _e(f"{fmt} checkpoint {src} -> {args.dst} ({mesh}): {stats.datasets_written} "
               f"datasets, {stats.bytes_written:,} B written, {stats.bytes_read:,} B read in {stats.seconds:.2f} s"))
     return 0
@@ -489,6 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="format", choices=["deepspeed", "dcp", "megatron", "megatron-legacy", "hf"], default=None,
                    help="the source's format (default: detected)")
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N", help="processes (default: min(2, cores))")
+    p.add_argument("--spec", metavar="SPEC", help="DeepSpeed tensor-parallel checkpoints whose files do not say "
+                   "where each shard lies: a spec with `mesh tp, dp` and a rule with a shape per parameter "
+                   "(the optimizer state's layout stays generated)")
+    p.add_argument("--dims", metavar="DIMS", help="the dims of --spec (name=value,... or a config.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files")
     p.set_defaults(func=cmd_import)

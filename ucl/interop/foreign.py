@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -49,6 +50,36 @@ class Description:
                         state=self.state)
 
 
+@dataclass(frozen=True)
+class UserSpec:
+    """Parameter placements a user supplies for a checkpoint whose files do not record them
+    (``ucl import --spec SPEC --dims DIMS``): spec text declaring the mesh and the parameters'
+    rules, and its dims. The reader still generates everything its files do say (the optimizer
+    state's layout)."""
+    text: str
+    dims: tuple[tuple[str, int], ...] = ()
+    filename: str = "<spec>"
+
+
+_USER: dict[str, UserSpec] = {}  # folder -> the placements describing it uses (see user_placements)
+
+
+@contextmanager
+def user_placements(path: str | os.PathLike, user: UserSpec):
+    """Within the block, describing the folder ``path`` uses ``user``: an operation that reopens the
+    folder by path (a reshard and its forked workers) reads it with the user's placements."""
+    key = os.path.abspath(os.fspath(path))
+    before = _USER.get(key)
+    _USER[key] = user
+    try:
+        yield
+    finally:
+        if before is None:
+            _USER.pop(key, None)
+        else:
+            _USER[key] = before
+
+
 def _describers() -> dict[str, tuple[Callable[[str], bool], Callable[[str], Description]]]:
     from . import dcp, deepspeed, hf_store, megatron, megatron_legacy
     # Megatron's torch_dist folders are DCP folders too: asked first
@@ -66,9 +97,12 @@ def detect_format(path: str) -> str | None:
     return None
 
 
-def describe(path: str | os.PathLike, format: str | None = None) -> Description:
-    """The :class:`Description` of a foreign checkpoint folder (format detected when None)."""
+def describe(path: str | os.PathLike, format: str | None = None, user: UserSpec | None = None) -> Description:
+    """The :class:`Description` of a foreign checkpoint folder (format detected when None);
+    ``user``: placements the files do not record (default: those of an enclosing
+    :func:`user_placements`; DeepSpeed tensor-parallel checkpoints only)."""
     path = os.path.abspath(os.fspath(path))
+    user = user if user is not None else _USER.get(path)
     if not os.path.isdir(path):
         raise StoreError(f"checkpoint {path} {'is not a folder' if os.path.lexists(path) else 'does not exist'}",
                          code="UCL404")
@@ -83,13 +117,16 @@ def describe(path: str | os.PathLike, format: str | None = None) -> Description:
         raise StoreError(f"unknown checkpoint format {format!r}; formats: ucl, {', '.join(FORMATS)}", code="UCL501")
     elif not describers[format][0](path):
         raise StoreError(f"{path} is not a {format} checkpoint folder", code="UCL501")
-    key = (path, format)
+    if user is not None and format != "deepspeed":
+        raise StoreError(f"{path}: a spec for the parameter placements is read for DeepSpeed tensor-parallel "
+                         f"checkpoints only, not {format}", code="UCL502")
+    key = (path, format, user)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] == _identity(path, hit[1].read):
         _CACHE.move_to_end(key)
         return hit[1]
     try:
-        desc = describers[format][1](path)
+        desc = describers[format][1](path) if user is None else describers[format][1](path, user)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError) as e:
         # a file that says something no reader expects: named, never a traceback
         raise StoreError(f"{path} is not a {format} checkpoint ucl can read: its metadata is malformed "
@@ -100,9 +137,10 @@ def describe(path: str | os.PathLike, format: str | None = None) -> Description:
     return desc
 
 
-def open_foreign(path: str | os.PathLike, format: str | None = None) -> ExtentCheckpoint:
-    """A foreign checkpoint folder opened for reading in place."""
-    desc = describe(path, format)
+def open_foreign(path: str | os.PathLike, format: str | None = None,
+                 user: UserSpec | None = None) -> ExtentCheckpoint:
+    """A foreign checkpoint folder opened for reading in place (``user``: see :func:`describe`)."""
+    desc = describe(path, format, user)
     return ExtentCheckpoint(os.path.abspath(os.fspath(path)), desc.manifest(), desc.extents, desc.format)
 
 

@@ -3,8 +3,13 @@ ordinary ucl checkpoint in the source's own layout (docs/interop.md)."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Mapping
 
+from ..errors import UclError
+from ..interop.foreign import UserSpec, user_placements
+from ..lang.spec import load_spec, Spec
 from .prepare import mesh_of, open_checkpoint
 from .reshard import reshard
 from .stats import IOStats
@@ -12,12 +17,29 @@ from .stats import IOStats
 
 def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, format: str | None = None,
                       workers: int | None = None, durable: bool = True,
-                      progress: Callable[[int], None] | None = None) -> IOStats:
+                      progress: Callable[[int], None] | None = None,
+                      spec: str | Path | Spec | None = None, dims: Mapping[str, int] | None = None) -> IOStats:
     """Write ucl checkpoint ``dst`` holding the DeepSpeed, DCP, Megatron or Hugging Face checkpoint
     ``src`` (``format`` detected when None) in the layout ``src`` was saved in, with the spec,
     parameters and non-tensor state its reader derived; ``dst`` appears atomically. ``reshard``,
     ``load_rank`` and ``verify`` then treat it like any ucl checkpoint (and they also read ``src``
-    directly, without importing it)."""
-    with open_checkpoint(src, format) as ckpt:
-        mesh, format = mesh_of(ckpt), getattr(ckpt, "format", "ucl")
-    return reshard(src, dst, mesh, workers=workers, durable=durable, progress=progress, format=format)
+    directly, without importing it). ``spec`` (text, a ``.ucl`` path or ``stdlib:NAME``) and its
+    ``dims``: the parameter placements of a DeepSpeed tensor-parallel checkpoint whose files do not
+    record them (mesh ``tp, dp``, a rule with a shape per parameter; the optimizer state's layout
+    stays generated from the files)."""
+    with placements(src, spec, dims):
+        with open_checkpoint(src, format) as ckpt:
+            mesh, format = mesh_of(ckpt), getattr(ckpt, "format", "ucl")
+        return reshard(src, dst, mesh, workers=workers, durable=durable, progress=progress, format=format)
+
+
+def placements(src: str | os.PathLike, spec: str | Path | Spec | None, dims: Mapping[str, int] | None = None):
+    """A context in which reading the foreign folder ``src`` takes its parameter placements from
+    ``spec`` (nothing changes when ``spec`` is None)."""
+    if spec is None:
+        if dims:
+            raise UclError("dims are given without a spec for the parameter placements", code="UCL009")
+        return nullcontext()
+    s = load_spec(spec)
+    user = UserSpec(s.text, tuple((str(k), int(v)) for k, v in (dims or {}).items()), s.filename)
+    return user_placements(src, user)

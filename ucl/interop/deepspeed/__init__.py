@@ -26,10 +26,15 @@ Modules: ``zero`` (ZeRO-1/2/3, and the dispatch), ``pipeline`` (PipelineModule c
 ``layer_NN-model_states.pt`` per layer, ``on pp = ...`` placements), ``tp`` (AutoTP
 checkpoints: ``mp_rank_TT`` files per tensor-parallel rank, each parameter's split read from
 DeepSpeed's own ``universal_checkpoint_info['affine_map']``), ``moe`` (``deepspeed.moe`` layers:
-``layer_L_expert_E`` files, experts ``index e of N over ep``, mesh ``edp, ep``), ``common`` (what
-they share). Refused (UCL502, saying why): tensor-parallel checkpoints without
-``universal_checkpoint_info`` (older DeepSpeed), parameters aligned inside the flat buffer, MoE with
-tensor or pipeline parallelism, D + E rank order, AutoEP or ZeRO-3, frozen experts or expert buffers.
+``layer_L_expert_E`` files, experts ``index e of N over ep``, mesh ``edp, ep``), ``mds``
+(Megatron-DeepSpeed style TP: ``mp_rank_TT`` files of a model that splits itself, placed by the
+pattern form of ``universal_checkpoint_info`` as ``ds_to_universal`` reads it), ``user`` (TP
+checkpoints with no ``universal_checkpoint_info``, placed by the user's spec: ``ucl import --spec``),
+``tp`` also holds what AutoTP, ``mds`` and ``user`` share; ``common`` (what all share). Refused
+(UCL502, saying why): tensor-parallel checkpoints without ``universal_checkpoint_info`` and no user
+spec, averaged or sub-param patterns ucl cannot place, parameters aligned inside the flat buffer,
+MoE with tensor or pipeline parallelism, D + E rank order, AutoEP or ZeRO-3, frozen experts or
+expert buffers.
 """
 from .zero import describe, detect
 

@@ -1,10 +1,13 @@
-"""DeepSpeed AutoTP (tensor-parallel) checkpoints, placed by DeepSpeed's own ``universal_checkpoint_info``."""
+"""Tensor-parallel DeepSpeed checkpoints (``mp_rank_TT`` files, no pipeline): the files, the ZeRO
+state and the extents, shared by AutoTP (placed by DeepSpeed's ``affine_map``, here) and
+Megatron-DeepSpeed style checkpoints (placed by the pattern table, ``mds.py``)."""
 from __future__ import annotations
 
 import math
 import os
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ...store.extents import Extent
 from ..foreign import Description
@@ -13,30 +16,73 @@ from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, g
                      state_line, weight_dtype, zero12_group)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a parameter's tp shards lie: its global (unpadded) shape, the spec layout that says
+    it, and the dim split over tp (None for a replica, or a split of a factor or parts)."""
+    full: tuple[int, ...]
+    layout: str
+    split_dim: int | None
+
+
+# (name, tp-local shape on every tp rank, is a buffer) -> its placement
+Placer = Callable[[str, list[tuple], bool], Placement]
+
+
 def describe_autotp(path: str, folder: str, names: list[str], rel, first: dict, dp: int, tp: int) -> Description:
-    """An AutoTP checkpoint (``"tensor_parallel": {"autotp_size": tp}``, ZeRO-0/1/2, no pipeline):
-    ``mp_rank_TT_model_states.pt`` per tp rank (``module``: that rank's shards; ``param_shapes``:
-    the tp-local shapes), ``[bf16_]zero_pp_rank_D_mp_rank_TT_optim_states.pt`` per (dp, tp) rank:
-    each tp rank's groups are flat buffers of its local shards as without TP. Where each shard lies
-    in the full tensor is DeepSpeed's own ``universal_checkpoint_info['affine_map']`` (saved in every
-    model states file since AutoTP's universal-checkpoint support): ucl reads one even contiguous
-    split of one dim (column/row/vocab parallel) or a replica; anything else (sub-params such as a
-    fused [gate; up], uneven shards) is refused. Mesh ``tp, dp``; rank ``t * dp + d`` reads
-    ``mp_rank_TT`` and ``zero_pp_rank_D_mp_rank_TT``."""
+    """An AutoTP checkpoint (``"tensor_parallel": {"autotp_size": tp}``, ZeRO-0/1/2, no pipeline).
+    Where each shard lies in the full tensor is DeepSpeed's own
+    ``universal_checkpoint_info['affine_map']`` (saved in every model states file since AutoTP's
+    universal-checkpoint support): ucl reads one even contiguous split of one dim (column/row/vocab
+    parallel) or a replica; anything else (sub-params such as a fused [gate; up], uneven shards) is
+    refused."""
     uci = first["universal_checkpoint_info"]
-    pdims = first.get("checkpoint_parallel_dimensions") or {}
-    if pdims.get("pp_degree", 1) != 1 or pdims.get("tp_degree", tp) != tp:
-        raise error(f"{folder}: mp_world_size={tp} with checkpoint_parallel_dimensions {pdims!r}; ucl reads AutoTP "
-                     "checkpoints without a pipeline (tp_degree == mp_world_size, pp_degree == 1)")
     if uci.get("parameter_with_sub_params"):
         raise error(f"{folder}: AutoTP split some parameters into sub-params "
                      f"({list(uci['parameter_with_sub_params'])[:4]}); ucl does not read that layout yet")
+    amap = as_dict(uci["affine_map"].get("params"), "universal_checkpoint_info affine_map params")
+
+    def place(n: str, shards: list[tuple], is_buffer: bool) -> Placement:
+        hits = [v for k, v in amap.items() if re.fullmatch(str(k), n)]
+        if not hits and is_buffer and len(set(shards)) == 1:
+            return Placement(shards[0], "replicate", None)  # AutoTP does not split buffers
+        if len(hits) != 1:
+            raise error(f"{n}: {len(hits)} entries of DeepSpeed's affine_map match it; ucl needs exactly one to "
+                         "know where each tp rank's shard lies")
+        dim, full = _affine_split(n, as_dict(hits[0], f"affine_map of {n}"), shards, tp)
+        return Placement(full, "replicate" if dim is None else f"split {dim} over tp", dim)
+
+    def extra(placements: dict[str, Placement]) -> tuple[str, dict]:
+        return "autotp", {"tp": tp, "split_dims": {n: p.split_dim for n, p in placements.items()},
+                          **{k: plain(v) for k, v in uci.items() if k != "affine_map"}}
+
+    return describe_tp(path, folder, names, rel, first, dp, tp, place, "AutoTP", "deepspeed-autotp", extra)
+
+
+def describe_tp(path: str, folder: str, names: list[str], rel, first: dict, dp: int, tp: int, place: Placer,
+                flavor: str, spec_name: str, extra: Callable[[dict], tuple[str, dict]],
+                user: tuple[str, dict] | None = None) -> Description:
+    """``mp_rank_TT_model_states.pt`` per tp rank (``module``: that rank's shards; ``param_shapes``:
+    the tp-local shapes), ``[bf16_]zero_pp_rank_D_mp_rank_TT_optim_states.pt`` per (dp, tp) rank:
+    each tp rank's groups are flat buffers of its local shards as without TP; ``place`` says where
+    each shard lies. Mesh ``tp, dp`` (sizes from ``mp_world_size`` and ``dp_world_size``); rank
+    ``t * dp + d`` reads ``mp_rank_TT`` and ``zero_pp_rank_D_mp_rank_TT``. ``user``: (spec text
+    declaring ``mesh tp, dp`` and the parameters' rules, its dims): its rules stand for the
+    generated ones, the state lines are generated and appended."""
+    pdims = first.get("checkpoint_parallel_dimensions") or {}
+    if pdims.get("pp_degree", 1) != 1 or pdims.get("tp_degree", tp) != tp:
+        raise error(f"{folder}: mp_world_size={tp} with checkpoint_parallel_dimensions {pdims!r}; ucl reads {flavor} "
+                     "checkpoints without a pipeline (tp_degree == mp_world_size, pp_degree == 1)")
     states_names = [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
     for n in states_names:
         if n not in names:
-            raise error(f"{folder} lacks {n} (mp_world_size={tp}); an AutoTP checkpoint has one per tp rank")
+            raise error(f"{folder} lacks {n} (mp_world_size={tp}); a {flavor} checkpoint has one per tp rank")
     states = [read_torch_file(os.path.join(folder, n), inside=path) for n in states_names]
     mss = [as_dict(st.obj, n) for st, n in zip(states, states_names)]
+    for t, m in enumerate(mss):
+        if m.get("mp_world_size") != tp or m.get("dp_world_size") != dp:
+            raise error(f"{states_names[t]}: mp_world_size {m.get('mp_world_size')!r}, dp_world_size "
+                         f"{m.get('dp_world_size')!r}; mp_rank_00 says {tp} and {dp}")
     optim: dict[tuple[int, int], str] = {}
     for n in names:
         m = OPTIM.match(n)
@@ -53,7 +99,7 @@ def describe_autotp(path: str, folder: str, names: list[str], rel, first: dict, 
     if stage == 0 and "single_partition_of_fp32_groups" in osd[0][0]:
         stage = 1
     if stage not in (1, 2) or any("single_partition_of_fp32_groups" not in o for row in osd for o in row):
-        raise error(f"{folder}: ucl reads AutoTP checkpoints with ZeRO-1/2 flat optimizer state only "
+        raise error(f"{folder}: ucl reads {flavor} checkpoints with ZeRO-1/2 flat optimizer state only "
                      f"(zero_stage {stage})")
     groups = [list(g) for g in as_list(mss[0].get("param_shapes"), "param_shapes")]
     local: list[dict[str, tuple]] = []
@@ -70,27 +116,18 @@ def describe_autotp(path: str, folder: str, names: list[str], rel, first: dict, 
     for n in list(local[0]) + frozen_names + buffers:
         if not NAME.match(n):
             raise error(f"parameter name {n!r} cannot be written in a spec")
-    amap = as_dict(uci["affine_map"].get("params"), "universal_checkpoint_info affine_map params")
-    splits: dict[str, int | None] = {}
-    params: dict[str, tuple] = {}
+    placements: dict[str, Placement] = {}
     for n in list(local[0]) + frozen_names + buffers:
         shards = [tuple(as_tensor(mod.get(n), f"{states_names[t]}: {n}").shape) for t, mod in enumerate(modules)]
         if n in local[0] and any(local[t][n] != shards[t] for t in range(tp)):
             raise error(f"{n}: param_shapes and the module disagree on its tp-local shape")
-        hits = [v for k, v in amap.items() if re.fullmatch(str(k), n)]
-        if not hits and n in buffers and len(set(shards)) == 1:
-            splits[n], params[n] = None, shards[0]  # AutoTP does not split buffers
-            continue
-        if len(hits) != 1:
-            raise error(f"{n}: {len(hits)} entries of DeepSpeed's affine_map match it; ucl needs exactly one to "
-                         "know where each tp rank's shard lies")
-        splits[n], params[n] = _affine_split(n, as_dict(hits[0], f"affine_map of {n}"), shards, tp)
+        placements[n] = place(n, shards, n in buffers)
     weights = weight_dtype(modules[0], local[0])
     kinds = (["fp32"] if weights != "float32" else []) + ["exp_avg", "exp_avg_sq"]
-    spec = [f"# generated by ucl from the DeepSpeed AutoTP ZeRO-{stage} checkpoint {os.path.basename(path)}",
-            "mesh tp, dp"]
+    spec = [f"# generated by ucl from the DeepSpeed {flavor} ZeRO-{stage} checkpoint {os.path.basename(path)}",
+            "mesh tp, dp"] if user is None else [user[0].rstrip("\n"), f"# ZeRO-{stage} state generated by ucl"]
     by_dtype: dict[str, list[str]] = {}
-    for n in params:
+    for n in placements:
         by_dtype.setdefault(as_tensor(modules[0].get(n), n).dtype, []).append(n)
     for dtype, names_d in by_dtype.items():
         spec.append(f"state param : dtype {dtype}" if dtype == weights
@@ -108,28 +145,27 @@ def describe_autotp(path: str, folder: str, names: list[str], rel, first: dict, 
                 step = group_state(osd[t][d], g, optim[(d, t)]).get("step")
                 for n in names_g:
                     mine[d][f"step/{n}"] = extent(optims[t][d], step, rel(optim[(d, t)]), f"step of group {g}", ())
-        for n in params:
+        for n in placements:
             ref = as_tensor(modules[t].get(n), n)
             for d in range(dp):
                 mine[d][f"param/{n}"] = extent(states[t], ref, rel(states_names[t]), n, tuple(ref.shape))
-    for n, shape in params.items():
-        how = "replicate" if splits[n] is None else f"split {splits[n]} over tp"
-        spec.append(f"{n} [{', '.join(str(x) for x in shape)}] : {how}")
+    if user is None:  # else the user's rules say it
+        for n, p in placements.items():
+            spec.append(f"{n} [{', '.join(str(x) for x in p.full)}] : {p.layout}")
+    key, info = extra(placements)
     state = {"format": "deepspeed", "deepspeed": {k: plain(v) for k, v in first.items() if k not in BULKY},
              "optimizer": {"zero_stage": stage, "param_groups": [
                  {**{k: plain(v) for k, v in g.items() if k != "params"}, "names": groups[i] if i < len(groups) else []}
                  for i, g in enumerate(as_dict(osd[0][0].get("base_optimizer_state"), "base optimizer state")
                                        .get("param_groups", []))],
                  "loss_scaler": plain(osd[0][0].get("loss_scaler"))},
-             "autotp": {"tp": tp, "split_dims": dict(splits),
-                        **{k: plain(v) for k, v in uci.items() if k != "affine_map"}}}
+             key: info}
     files = tuple(rel(optim[(d, t)]) for t in range(tp) for d in range(dp))
     read = (("latest",) if rel("x") != "x" else ()) + tuple(rel(n) for n in states_names) + files
     frozen = tuple(frozen_names + buffers)
-    return Description("deepspeed", "\n".join(spec) + "\n", f"deepspeed-autotp-zero{stage}", {},
+    params = {n: p.full for n, p in placements.items()}
+    return Description("deepspeed", "\n".join(spec) + "\n", f"{spec_name}-zero{stage}", dict(user[1]) if user else {},
                        (("tp", tp), ("dp", dp)), params, frozen, tuple(extents), files, state, read)
-
-
 def _affine_split(name: str, entry: dict, shards: list[tuple], tp: int) -> tuple[int | None, tuple]:
     """(the dim AutoTP split evenly over tp, or None for a replica; the full shape) from DeepSpeed's
     affine_map entry: per rank one piece, its shard whole, at ``t * shard[dim]`` along ``dim``."""

@@ -8,13 +8,15 @@ import os
 from ...errors import StoreError
 from ...files import read_bounded
 from ...store.extents import Extent
-from ..foreign import Description
+from ..foreign import Description, UserSpec
 from ..torchfile import TensorRef, plain, read_torch_file
 from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, group_state, NAME, OPTIM,
                      state_line, TAG, weight_dtype, zero12_group, zero3_group)
+from .mds import describe_mds, is_pattern_form
 from .moe import describe_moe, EXPERT_FILE, is_moe
 from .pipeline import describe_pipeline
 from .tp import describe_autotp
+from .user import describe_user
 
 
 def _tag_folder(path: str) -> str | None:
@@ -41,7 +43,8 @@ def detect(path: str) -> bool:
     return _tag_folder(path) is not None
 
 
-def describe(path: str) -> Description:
+def describe(path: str, user: UserSpec | None = None) -> Description:
+    """``user``: the parameter placements of a tensor-parallel checkpoint whose files do not say them."""
     tag = _tag_folder(path)
     if tag is None:
         raise StoreError(f"{path} is not a DeepSpeed checkpoint (no 'latest' naming a tag folder, no "
@@ -50,6 +53,7 @@ def describe(path: str) -> Description:
     names = sorted(os.listdir(folder))
     rel = lambda n: os.path.join(tag, n) if tag else n  # noqa: E731
     if any(n.startswith("layer_") for n in names) and not any(EXPERT_FILE.match(n) for n in names):
+        _no_user(user, folder, "a pipeline checkpoint")
         return describe_pipeline(path, folder, names, rel)
     states_name = "mp_rank_00_model_states.pt" if "mp_rank_00_model_states.pt" in names else \
         "zero_pp_rank_0_mp_rank_00_model_states.pt"
@@ -61,14 +65,23 @@ def describe(path: str) -> Description:
     if not isinstance(dp, int) or dp < 1:
         raise error(f"{states_name} has no usable dp_world_size ({dp!r})")
     if is_moe(names, ms):
+        _no_user(user, folder, "an MoE checkpoint")
         return describe_moe(path, folder, names, rel, ms, states, states_name, dp)
     if mp != 1:
-        if isinstance(ms.get("universal_checkpoint_info"), dict) and \
-                isinstance(ms["universal_checkpoint_info"].get("affine_map"), dict):
+        uci = ms.get("universal_checkpoint_info")
+        if isinstance(uci, dict) and isinstance(uci.get("affine_map"), dict):
+            _no_user(user, folder, "an AutoTP checkpoint (DeepSpeed's affine_map places its shards)")
             return describe_autotp(path, folder, names, rel, ms, dp, mp)
-        raise error(f"{folder} is tensor-parallel (mp_world_size={mp}) without AutoTP's universal_checkpoint_info "
-                     "(its affine_map says where each rank's shard lies); its parameters' split dims are not in "
-                     "DeepSpeed's files, so ucl cannot import it")
+        if is_pattern_form(uci):  # Megatron-DeepSpeed's pattern table
+            _no_user(user, folder, "a checkpoint whose universal_checkpoint_info patterns place its shards")
+            return describe_mds(path, folder, names, rel, ms, dp, mp)
+        if user is not None:
+            return describe_user(path, folder, names, rel, ms, dp, mp, user)
+        raise error(f"{folder} is tensor-parallel (mp_world_size={mp}) without a universal_checkpoint_info ucl "
+                     "reads (AutoTP's affine_map, or Megatron-DeepSpeed's parameter patterns) saying where each "
+                     "rank's shard lies; its parameters' split dims are not in DeepSpeed's files: give them as a spec "
+                     "(ucl import --spec SPEC --dims DIMS)")
+    _no_user(user, folder, f"not tensor-parallel (mp_world_size={mp})")
     optim = {}
     for n in names:
         m = OPTIM.match(n)
@@ -166,3 +179,10 @@ def describe(path: str) -> Description:
         read += tuple(rel(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(1, dp))
     return Description("deepspeed", "\n".join(spec) + "\n", f"deepspeed-zero{stage}", {}, (("dp", dp),), params,
                        tuple(frozen), tuple(extents), tuple(rel(optim[r]) for r in range(dp)), state, read)
+
+
+def _no_user(user: UserSpec | None, folder: str, what: str) -> None:
+    if user is not None:
+        raise error(f"{folder} is {what}: DeepSpeed's files say where every shard lies, so ucl reads them and takes "
+                     "no spec for the parameters (--spec is for tensor-parallel checkpoints without "
+                     "universal_checkpoint_info)")
