@@ -1,6 +1,7 @@
 """Loading one rank of any layout straight from a checkpoint of any other layout."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -15,13 +16,14 @@ from ..layout.bind import Model
 from ..plan.buffers import Arena
 from ..plan.execute import covered_elements, rank_datasets, rank_rows, run_copies
 from ..store.source import StoreSource
+from .read_once import connect, identity, share_of
 from .prepare import check_stored, mesh_of, model_of, open_checkpoint, plan_between, plan_for
 from .stats import IOStats
 
 
 def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Model | None = None,
               as_torch: bool = False, verify: bool = True, stats: IOStats | None = None,
-              out: Mapping[str, Any] | None = None) -> dict[str, Any]:
+              out: Mapping[str, Any] | None = None, read_once: bool = False, group: Any = None) -> dict[str, Any]:
     """Rank ``rank``'s tensors for layout ``mesh`` (a Mesh or a string like ``"tp=4"``), resharded
     on the fly from whatever layout the checkpoint has: only the hyperslabs this rank needs are read
     (with ``verify``, rounded out to the checksum chunks around them, each verified). Keys are
@@ -33,29 +35,64 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
     local shards, optimizer state): each must have the key's shape and dtype; a CPU contiguous one
     is read into directly (whole datasets without a bounce buffer), others (GPU) are filled by one
     copy at the end. They are returned as given, with new arrays for keys ``out`` lacks. If the
-    load fails (e.g. a checksum mismatch), tensors in ``out`` may be partly overwritten."""
+    load fails (e.g. a checksum mismatch), tensors in ``out`` may be partly overwritten.
+
+    ``read_once=True``: a collective call under an initialised ``torch.distributed`` job, one process
+    per rank of ``mesh``, each passing its own ``rank`` and the same path, mesh and model. Datasets
+    that several ranks hold identically (replicas in the target layout) are read from storage by
+    one of them, shared out evenly, and sent to the others over ``group`` (a gloo group of
+    ``mesh.size`` processes; default: one made over the whole world on first use, 300 s timeout). A
+    failure on any process (a checksum mismatch...) raises on every one (docs/distributed.md)."""
     t0 = time.perf_counter()
-    mesh = as_mesh(mesh)
-    if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < mesh.size:
-        raise MeshError(f"rank {rank} is outside {mesh} ({mesh.size} ranks)", code="UCL303")
-    with open_checkpoint(path) as ckpt:
-        source_model = model_of(ckpt)
-        if model is None or model.spec.text == source_model.spec.text:
-            plan = plan_for(source_model, mesh_of(ckpt), mesh, ranks=[rank])  # this rank's part only
-        else:
-            plan = plan_between(source_model, mesh_of(ckpt), model, mesh, ranks=[rank])
-        check_stored(ckpt, source_model, np.unique(plan.copies["src_rank"]))
-        t1 = time.perf_counter()
-        rows = rank_rows(plan, rank)
-        datasets = {d["key"]: d for d in rank_datasets(plan, rank)}
-        out = out or {}
-        targets, later = _targets(datasets, covered_elements(plan, rows), out, mesh, rank)
-        source = StoreSource(ckpt, Arena(), verify=verify)
-        run_copies(plan, rows, source, targets)
+    link = connect(group) if read_once else None
+    failure = ident = share = None
+    with contextlib.ExitStack() as stack:
+        try:  # under read_once every failure up to the exchange is reported to all processes first
+            mesh = as_mesh(mesh)
+            if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < mesh.size:
+                raise MeshError(f"rank {rank} is outside {mesh} ({mesh.size} ranks)", code="UCL303")
+            if link is not None:
+                link.check_size(mesh)
+            ckpt = stack.enter_context(open_checkpoint(path))
+            source_model = model_of(ckpt)
+            if model is None or model.spec.text == source_model.spec.text:
+                target = source_model
+                plan = plan_for(source_model, mesh_of(ckpt), mesh, ranks=[rank])  # this rank's part only
+            else:
+                target = model
+                plan = plan_between(source_model, mesh_of(ckpt), model, mesh, ranks=[rank])
+            check_stored(ckpt, source_model, np.unique(plan.copies["src_rank"]))
+            t1 = time.perf_counter()
+            rows = rank_rows(plan, rank)
+            datasets = {d["key"]: d for d in rank_datasets(plan, rank)}
+            out = out or {}
+            covered = covered_elements(plan, rows)
+            targets, later = _targets(datasets, covered, out, mesh, rank)
+            mine = targets
+            source = StoreSource(ckpt, Arena(), verify=verify)
+            if link is None:
+                run_copies(plan, rows, source, targets)
+            else:  # only what this process reads for itself and its replica sets
+                share = share_of(target, mesh, int(rank), targets)
+                ident = identity(ckpt, target, mesh)
+                mine = {k: v for k, v in targets.items() if k in share.reads}
+        except Exception as e:
+            if link is None:
+                raise
+            failure = e
+        sent = received = 0
+        if link is not None:
+            link.settle(rank, ident, failure)  # every process prepared, or every one raises
+            by_key = _rows_by_key(plan, rows)
+            sent, received = link.transfer(share, targets, lambda key: run_copies(
+                plan, by_key.get(key, rows[:0]), source, {key: targets[key]}))
         if stats is not None:
             stats.compile_seconds += t1 - t0
             stats.bytes_read += source.bytes_read
-            stats.bytes_needed += int(plan.bytes_read_per_rank()[rank])
+            stats.bytes_needed += int(plan.bytes_read_per_rank()[rank]) if link is None else \
+                sum(covered.get(k, 0) * a.itemsize for k, a in mine.items())
+            stats.bytes_sent += sent
+            stats.bytes_received += received
             stats.seconds += time.perf_counter() - t0
     for key, tensor in later.items():  # GPU (or non-contiguous) destinations: one copy each
         tensor.copy_(to_torch(targets[key], datasets[key]["dtype"]))
@@ -90,14 +127,10 @@ def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: 
         if unknown:
             raise StoreError(f"rank {rank} of {mesh} holds no {unknown[0]!r}"
                              f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}", code="UCL408")
-        slot_keys = np.array([sl.key for sl in plan.slots], dtype=object)
-        row_keys = slot_keys[plan.copies["dst_slot"][rows]]
-        by_key: dict[str, list[int]] = {}
-        for row, key in zip(rows.tolist(), row_keys.tolist()):
-            by_key.setdefault(key, []).append(row)
+        by_key = _rows_by_key(plan, rows)
         source, warm = StoreSource(ckpt, Arena(), verify=verify), Arena() if reuse else None
         for key in wanted:
-            d, mine = datasets[key], np.asarray(by_key.get(key, []), dtype=np.int64)
+            d, mine = datasets[key], by_key.get(key, rows[:0])
             full = covered_elements(plan, mine).get(key, 0) == math.prod(d["shape"])
             shape, dtype = tuple(d["shape"]), storage_dtype(d["dtype"])
             arr = warm.array(shape, dtype, zero=not full) if warm is not None else \
@@ -106,6 +139,16 @@ def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: 
             yield key, (to_torch(arr, d["dtype"]) if as_torch else arr)
         if stats is not None:
             stats.bytes_read += source.bytes_read
+
+
+def _rows_by_key(plan, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Target dataset key -> the ``rows`` that write it, in plan order."""
+    slot_keys = np.array([sl.key for sl in plan.slots], dtype=object)
+    row_keys = slot_keys[plan.copies["dst_slot"][rows]]
+    by_key: dict[str, list[int]] = {}
+    for row, key in zip(rows.tolist(), row_keys.tolist()):
+        by_key.setdefault(key, []).append(row)
+    return {k: np.asarray(v, dtype=np.int64) for k, v in by_key.items()}
 
 
 def _targets(datasets: dict[str, dict], covered: dict[str, int], out: Mapping[str, Any], mesh: Mesh, rank: int):
