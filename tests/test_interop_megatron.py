@@ -12,7 +12,6 @@ import pytest
 
 import ucl
 from ucl.dtypes import to_numpy
-from ucl.errors import StoreError
 from ucl.interop.foreign import describe
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
@@ -67,7 +66,8 @@ def test_detected_as_megatron_with_its_common_state():
     assert {"param", "fp32", "exp_avg", "exp_avg_sq"} <= kinds
 
 
-def test_dp_reshardable_buckets_are_refused_with_the_reason():
-    with pytest.raises(StoreError, match="dp_reshardable") as e:
-        ucl.load_rank(FIXTURES / "dp2_optim", mesh="universal", rank=0)
-    assert e.value.code == "UCL502"
+def test_dp_reshardable_folders_are_read_weights_and_buckets():
+    # the buckets themselves: tests/test_interop_megatron_dp_reshardable.py
+    d = describe(FIXTURES / "dp2_optim")
+    assert d.mesh == (("dp", 2),) and d.state["megatron"]["common"]["iteration"] == 1
+    assert {"param/decoder.layers.1.mlp.linear_fc1.weight", "fp32/@flat0", "exp_avg_sq/@flat0"} <= set(d.extents[1])

@@ -17,9 +17,10 @@ this module only says which tensor is which:
 
 The default ``dp_reshardable`` distributed optimizer saves each data-parallel bucket as one 1-D
 tensor per kind whose chunks are the ranks' irregular shard ranges
-(``optimizer.distributed.dp_group_idx_G...bucket_idx_B.{param,exp_avg,exp_avg_sq}``); those are
-refused (UCL502) with the reason, the weights of such a folder being readable on their own only
-through Megatron's own loader. ``common.pt`` and ``metadata.json`` go into ``state['megatron']``.
+(``optimizer.distributed.dp_group_idx_G...bucket_idx_B.{param,exp_avg,exp_avg_sq}``): such a folder
+is described by :mod:`ucl.interop.megatron_buckets` instead (one parameter per layer, mesh ``dp``,
+Megatron's buffer layout as ``flat over dp reverse align 64 ...`` statements, checked against every
+saved chunk). ``common.pt`` and ``metadata.json`` go into ``state['megatron']``.
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ import os
 from ..errors import StoreError
 from ..files import parse_json, read_bounded
 from .dcp import describe_dcp
-from .dcp_metadata import METADATA
+from .dcp_metadata import METADATA, read_metadata
 from .foreign import Description
+from .megatron_buckets import describe_buckets, has_buckets
 from .torchfile import plain, read_torch_file
 
 META_JSON = "metadata.json"
@@ -70,6 +72,11 @@ def describe(path: str) -> Description:
     if os.path.exists(os.path.join(path, COMMON)):
         common = plain(read_torch_file(os.path.join(path, COMMON), inside=path).obj)
     state = {"megatron": {"metadata": meta, "common": common}}
+    md = read_metadata(path)
+    if has_buckets(md):  # the dp_reshardable distributed optimizer
+        d = describe_buckets(path, md, state)
+        return Description(d.format, d.spec, d.spec_name, d.dims, d.mesh, d.params, d.frozen, d.extents, d.files,
+                           d.state, d.read + ((COMMON,) if common else ()) + (META_JSON,))
     d = describe_dcp(path, "megatron", state=state, classify=classify)
     return Description(d.format, d.spec, "megatron-torch_dist", d.dims, d.mesh, d.params, d.frozen, d.extents,
                        d.files, d.state, d.read + ((COMMON,) if common else ()) + (META_JSON,))
@@ -78,11 +85,10 @@ def describe(path: str) -> Description:
 def classify(paths: dict[str, tuple]) -> dict[str, tuple[str, str] | None]:
     """(kind, parameter) of each tensor key of a torch_dist folder (see the module doc)."""
     buckets = sorted(k for k in paths if k.startswith(_BUCKETS))
-    if buckets:
+    if buckets:  # describe() hands such folders to megatron_buckets; the DCP grid cannot say them
         raise _error(f"the distributed optimizer state is saved as data-parallel buckets ({len(buckets)} tensors, "
-                     f"e.g. {json.dumps(buckets[0])}): Megatron's dp_reshardable format, whose per-rank ranges "
-                     "follow its gradient buffers; ucl reads the fully_reshardable format (save with "
-                     "--dist-ckpt-optim-fully-reshardable) or the weights of a folder without optimizer state")
+                     f"e.g. {json.dumps(buckets[0])}): Megatron's dp_reshardable format, which "
+                     "ucl.interop.megatron_buckets describes, not a chunk grid")
     out: dict[str, tuple[str, str] | None] = {}
     for key in paths:
         if key.startswith(_OPTIMIZER_STATE):

@@ -29,8 +29,12 @@ The description:
   specs ignore them). A tensor in a file that no rule places on that rank is an error, never
   dropped.
 
-Weights only: every parameter is frozen, so no optimizer state is expected; an ``optimizer`` key
-or a ``distrib_optim.pt`` is noted in the state but not read. ``args`` (as plain data),
+Weights, and with ``--use-distributed-optimizer`` the optimizer state: when every rank folder holds
+a ``distrib_optim.pt``, each rank's ``fp32/@flat0``, ``exp_avg/@flat0``, ``exp_avg_sq/@flat0`` are
+read from it in place (:mod:`ucl.interop.megatron_legacy_optim`: the layout of
+``stdlib:megatron_gpt``'s distributed-optimizer statement at data-parallel size 1, checked against
+the file's buffer size) and the ``optimizer`` key (param groups, ``step``) goes into the state.
+Without it every parameter is frozen and an ``optimizer`` key is noted, not read. ``args`` (as plain data),
 ``iteration``, ``checkpoint_version`` and what else the rank-0 file holds (the RNG state
 summarized) go into ``state['megatron']``.
 """
@@ -47,12 +51,13 @@ from ..lang.spec import Spec, load_spec
 from ..layout.lower import lower
 from ..layout.mesh import Mesh
 from ..store.extents import Extent
+from . import megatron_legacy_optim as optim
 from .foreign import Description
 from .torchfile import Record, TensorRef, TorchFile, plain, read_torch_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
-DISTRIB_OPTIM = "distrib_optim.pt"
+DISTRIB_OPTIM = optim.DISTRIB_OPTIM
 _RANK_DIR = re.compile(r"^mp_rank_\d+(_\d+){0,2}$")
 _NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
 _EXTRA = "._extra_state"
@@ -237,8 +242,16 @@ def describe(path: str) -> Description:
                      f"(make_vocab_size_divisible_by={args.get('make_vocab_size_divisible_by')!r}); {spec_name} "
                      "pads the vocabulary to multiple_of(128 * tp) and cannot describe this padding")
     spec_text, spec = _with_dtypes(base, spec_name, dims, params, stored, path)
+    # --use-distributed-optimizer: each rank's distrib_optim.pt (see megatron_legacy_optim)
+    optim_files = {(rk.pp, rk.tp): os.path.join(os.path.dirname(rk.rel), DISTRIB_OPTIM) for rk in ranks}
+    present = [f for f in optim_files.values() if os.path.isfile(os.path.join(path, f))]
+    if present and len(present) != len(optim_files):
+        raise _error(f"{folder}: {len(present)} of the {len(optim_files)} rank folders hold {DISTRIB_OPTIM}")
+    if present:
+        optim.refuse_unsupported(args, folder, vpp, pp, not dims.get("untied", 1), spec_name)
+    frozen = () if present else tuple(params)
     try:
-        model = spec.bind(dims, params, frozen=tuple(params))
+        model = spec.bind(dims, params, frozen=frozen)
         mesh = Mesh((("pp", pp), ("tp", tp)))
         shard_map = lower(model, mesh)
     except UclError as e:
@@ -254,8 +267,17 @@ def describe(path: str) -> Description:
         rk = by_rank[(c["pp"], c["tp"])]
         table: dict[str, Extent] = {}
         left = dict(rk.tensors)
+        if present:
+            position = {n: i for i, n in enumerate(params)}
+            held = sorted(rk.tensors, key=lambda n: position[_global_name(n, layer_prefix, rk.pp, chunk, pp)])
+            buffers, _ = optim.read(path, optim_files[(rk.pp, rk.tp)], [rk.tensors[n].numel for n in held], args)
         for key, (shape, dtype) in sorted(shard_map.rank_datasets(r).items()):
             kind, _, local = key.partition("/")
+            mkind = next((m for m, k in optim.KINDS.items() if k == kind), None)
+            if present and local == "@flat0" and mkind is not None:
+                tf, t = buffers[mkind]
+                table[key] = optim.extent(optim_files[(rk.pp, rk.tp)], tf, t, shape[0])
+                continue
             ref = left.pop(local, None) if kind == "param" else None
             if ref is None:
                 problems.append(f"{rk.rel} lacks {local!r} {list(shape)} {dtype}, which {spec_name} puts on that rank")
@@ -273,9 +295,12 @@ def describe(path: str) -> Description:
                      f"{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(problems[:8]))
 
     state = {"format": "megatron-legacy", "megatron": _state(head, args, sub, tracker, path, ranks, dims)}
-    read = ((TRACKER,) if tracker is not None else ()) + tuple(files)
+    if present:
+        state["megatron"].update(weights_only=False, optimizer=plain(head.get("optimizer")),
+                                 distrib_optim=f"{len(present)} {DISTRIB_OPTIM} file(s), read in place")
+    read = ((TRACKER,) if tracker is not None else ()) + tuple(files) + tuple(present)
     return Description("megatron-legacy", spec_text, spec_name, dims, (("pp", pp), ("tp", tp)), params,
-                       tuple(params), tuple(extents), tuple(files), state, read)
+                       frozen, tuple(extents), tuple(files), state, read)
 
 
 def _dict(obj: Any, where: str) -> dict:

@@ -32,10 +32,15 @@ NO_CHECKSUM = "none"  # the checksum of a dataset a foreign framework wrote
 
 @dataclass(frozen=True)
 class Piece:
-    """``nbytes`` bytes at byte ``offset`` of ``file`` (relative to the checkpoint folder)."""
+    """``nbytes`` bytes at byte ``offset`` of ``file`` (relative to the checkpoint folder); with
+    ``file`` :data:`ZEROS` (``""``), ``nbytes`` zero bytes that no file holds (padding a framework
+    did not save or saved as garbage, e.g. Megatron's distributed-optimizer buckets)."""
     file: str
     offset: int
     nbytes: int
+
+
+ZEROS = ""  # the file of a Piece of zeros
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,8 @@ class ExtentCheckpoint:
         for rank, table in enumerate(self._extents):
             for key, e in table.items():
                 for p in e.parts():
+                    if p.file == ZEROS and e.pieces:
+                        continue
                     if p.file not in sizes:
                         sizes[p.file] = self._file_size(p.file)
                     if p.offset < 0 or p.nbytes < 0 or p.offset + p.nbytes > sizes[p.file]:
@@ -136,6 +143,8 @@ class ExtentCheckpoint:
         for rank in range(self.nranks) if ranks is None else ranks:
             for key, e in self._table(rank).items():
                 for p in e.parts():
+                    if p.file == ZEROS and e.pieces:
+                        continue
                     try:
                         if p.offset + p.nbytes > self._file_size(p.file):
                             problems.append(f"{self._where(rank, key)} runs past the end of {p.file}")
@@ -251,7 +260,10 @@ class ExtentCheckpoint:
         while done < len(view):
             p, inside = e.pieces[i], at + done - starts[i]
             n = min(p.nbytes - inside, len(view) - done)
-            self._pread_file(p.file, p.offset + inside, view[done:done + n])
+            if p.file == ZEROS:
+                view[done:done + n] = bytes(n)
+            else:
+                self._pread_file(p.file, p.offset + inside, view[done:done + n])
             done, i = done + n, i + 1
 
     def _pread_file(self, rel: str, offset: int, view: memoryview) -> None:
