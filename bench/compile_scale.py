@@ -3,21 +3,24 @@
 fp32 master + Adam moments in ZeRO-1 flat buffers over dp).
 
     python bench/compile_scale.py            # both cases
-    python bench/compile_scale.py --only 70b
+    python bench/compile_scale.py --only 405b --repeat 5
 
-Prints compile seconds (median of --repeat runs, with min-max), plan rows and plan memory, and as
-a baseline the time to merely enumerate every (rank, tensor) pair in Python in the same run.
+Every measurement runs in a fresh Python process (cold caches; its peak RSS is its own): the
+whole plan, and one target rank's plan (``compile(..., ranks=[r])``, what ``load_rank`` compiles),
+then in that same process two more ranks' (lowering cached on the model: warm), one on another
+pipeline stage (its tensors' proofs still to do) and one on the same stage. Prints medians
+with min-max, plan rows stored and expanded (one per target rank), plan memory, and as a baseline
+the time to merely enumerate every (rank, tensor) pair in Python in the same run.
 """
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import resource
 import statistics
+import subprocess
+import sys
 import time
-
-import ucl
-from ucl.demo import LLAMA_MEGATRON as SPEC, llama_params as params_of
 
 CASES = {
     "70b": (dict(vocab=128256, hidden=8192, heads=64, kv_heads=8, ffn=28672, layers=80),
@@ -27,52 +30,98 @@ CASES = {
 }
 
 
-def run(name: str, repeat: int) -> None:
+def _model(name: str):
+    import ucl
+    from ucl.demo import LLAMA_MEGATRON as SPEC, llama_params
     dims, src, dst = CASES[name]
-    params = params_of(dims)
-    src_mesh, dst_mesh = ucl.Mesh.parse(src), ucl.Mesh.parse(dst)
     spec_text = SPEC
     if dims["layers"] % 16:  # 126 layers: shorter first and last stages, as Megatron configures them
         spec_text = spec_text.replace(
             "index i of layers over pp",
             "index i of layers over pp first (layers - (pp - 2) * ceil_div(layers, pp)) / 2 "
             "last (layers - (pp - 2) * ceil_div(layers, pp)) / 2")
-    times, plan = [], None
-    for _ in range(repeat):
-        text = spec_text
-        spec = ucl.load_spec(text)
-        gc.collect()
+    return ucl.load_spec(spec_text).bind(dims, llama_params(dims)), ucl.Mesh.parse(src), ucl.Mesh.parse(dst)
+
+
+def child(name: str, what: str) -> dict:
+    """One measurement, in this (fresh) process."""
+    import ucl
+    t0 = time.perf_counter()
+    model, src, dst = _model(name)
+    out = {"bind": time.perf_counter() - t0}
+    if what == "full":
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = ucl.compile(model, src, dst)
+        out["seconds"], out["cpu"] = time.perf_counter() - t0, time.process_time() - c0
+        out.update(stored=plan.stored_rows, expanded=plan.rows, nbytes=plan.nbytes(), tensors=len(model.tensors),
+                   bytes_read=plan.bytes_read, amplification=plan.read_amplification,
+                   peak=plan.peak_memory_bound())
+    else:
+        r1, r2 = dst.size // 2 + 3, dst.size - 5  # two ranks on different pipeline stages
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = ucl.compile(model, src, dst, ranks=[r1])
+        out["seconds"], out["cpu"] = time.perf_counter() - t0, time.process_time() - c0
         t0 = time.perf_counter()
-        model = spec.bind(dims, params)
-        plan = ucl.compile(model, src_mesh, dst_mesh)
-        times.append(time.perf_counter() - t0)
-        from ucl.layout.algebra import dim_layout
-        dim_layout.cache_clear()  # every repeat starts cold
+        ucl.compile(model, src, dst, ranks=[r2])
+        out["warm"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ucl.compile(model, src, dst, ranks=[r1 + 1])  # same stage as r1: its proofs are cached too
+        out["warm_same"] = time.perf_counter() - t0
+        out.update(stored=plan.stored_rows, expanded=plan.rows)
+    out["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    return out
+
+
+def _spawn(name: str, what: str) -> dict:
+    p = subprocess.run([sys.executable, __file__, "--child", what, "--only", name], check=True,
+                       capture_output=True, text=True)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _med(xs, unit="s", fmt="{:.2f}") -> str:
+    return f"median {fmt.format(statistics.median(xs))} {unit} (min {fmt.format(min(xs))}, max {fmt.format(max(xs))})"
+
+
+def run(name: str, repeat: int) -> None:
+    dims, src, dst = CASES[name]
+    full = [_spawn(name, "full") for _ in range(repeat)]
+    one = [_spawn(name, "rank") for _ in range(repeat)]
     # Baseline: a bare Python loop over every (target rank, tensor) pair, doing nothing.
+    f0 = full[0]
+    from ucl.layout.mesh import Mesh
+    n_ranks = Mesh.parse(dst).size
     t0 = time.perf_counter()
     n = 0
-    for _r in range(dst_mesh.size):
-        for _t in range(len(model.tensors)):
+    for _r in range(n_ranks):
+        for _t in range(f0["tensors"]):
             n += 1
     baseline = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    med = statistics.median(times)
-    print(f"[{name}] {len(params)} params, {len(model.tensors)} tensors, {src} ({src_mesh.size} ranks) -> {dst} "
-          f"({dst_mesh.size} ranks)")
-    print(f"  compile: median {med:.2f} s (min {min(times):.2f}, max {max(times):.2f}, {repeat} runs, cold caches)")
-    print(f"  plan rows: {len(plan.copies['tensor']):,} copies + {len(plan.fills['dst_rank']):,} fills; "
-          f"plan memory {plan.nbytes() / 2**20:.1f} MiB; peak RSS {rss:.0f} MiB")
-    print(f"  baseline: empty loop over {n:,} (rank, tensor) pairs: {baseline:.2f} s -> compile/baseline "
-          f"{med / baseline:.1f}x")
-    print(f"  reads {plan.bytes_read / 2**40:.2f} TiB, amplification {plan.read_amplification:.2f}x, "
-          f"peak memory bound {plan.peak_memory_bound() / 2**20:.0f} MiB")
+    med = statistics.median(x["seconds"] for x in full)
+    print(f"[{name}] {f0['tensors']} tensors, {src} ({Mesh.parse(src).size} ranks) -> {dst} ({n_ranks} ranks); "
+          f"{repeat} fresh processes each")
+    print(f"  full plan: compile {_med([x['seconds'] for x in full])} (CPU {_med([x['cpu'] for x in full])}); peak RSS "
+          f"{_med([x['rss'] for x in full], 'MiB', '{:.0f}')}")
+    print(f"    rows: {f0['stored']:,} stored, {f0['expanded']:,} expanded (one per target rank, "
+          f"{f0['expanded'] / max(f0['stored'], 1):.1f}x); plan memory {f0['nbytes'] / 2**20:.1f} MiB")
+    print(f"  one rank (ranks=[r]): compile {_med([x['seconds'] for x in one])} cold (CPU "
+          f"{_med([x['cpu'] for x in one])}); then, model lowered: a rank of another stage "
+          f"{_med([x['warm'] for x in one], fmt='{:.3f}')}, of the same stage {_med([x['warm_same'] for x in one], fmt='{:.3f}')}; "
+          f"{one[0]['expanded']:,} rows; peak RSS {_med([x['rss'] for x in one], 'MiB', '{:.0f}')}")
+    print(f"  baseline: empty loop over {n:,} (rank, tensor) pairs: {baseline:.2f} s -> full compile/baseline "
+          f"{med / baseline:.2f}x, one rank cold/baseline {statistics.median(x['seconds'] for x in one) / baseline:.3f}x")
+    print(f"  reads {f0['bytes_read'] / 2**40:.2f} TiB, amplification {f0['amplification']:.2f}x, "
+          f"peak memory bound {f0['peak'] / 2**20:.0f} MiB")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=sorted(CASES))
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--child", choices=("full", "rank"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.only, args.child)))
+        return
     for name in ([args.only] if args.only else ["70b", "405b"]):
         run(name, args.repeat)
 

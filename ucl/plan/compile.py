@@ -13,30 +13,10 @@ from ..layout.bind import Model
 from ..layout.boxes import Slot
 from ..layout.lower import ShardMap, lower
 from ..layout.mesh import Mesh, as_mesh
-from .ir import BOX_COLUMNS, COPY_COLUMNS, FILL_COLUMNS, Plan
+from .ir import DATASET_COLUMNS, FILL_BOX_COLUMNS, FILL_COLUMNS, Plan
+from .ranksets import RankSets
 
 # ---- compilation ---------------------------------------------------------------------------------
-class _Rows:
-    def __init__(self):
-        self.cols: dict[str, list[np.ndarray]] = {}
-
-    def add(self, **cols):
-        for k, v in cols.items():
-            self.cols.setdefault(k, []).append(v)
-
-    def build(self, names2d, names1d, K) -> dict[str, np.ndarray]:
-        """Concatenate column by column, dropping each column's pieces as it goes (peak memory)."""
-        out = {}
-        for k in list(names1d) + list(names2d):
-            pieces = self.cols.pop(k, None)
-            if pieces:
-                out[k] = np.concatenate(pieces).astype(I64, copy=False)
-            else:
-                out[k] = np.zeros((0, K) if k in names2d else 0, dtype=I64)
-            del pieces
-        return out
-
-
 def _pad_cols(a: np.ndarray, K: int, fill: int) -> np.ndarray:
     """(rows, nd) -> (rows, K) with leading columns set to ``fill``."""
     rows, nd = a.shape
@@ -45,14 +25,33 @@ def _pad_cols(a: np.ndarray, K: int, fill: int) -> np.ndarray:
     return np.concatenate([np.full((rows, K - nd), fill, dtype=I64), a], axis=1)
 
 
-def _bbox(piece) -> tuple[np.ndarray, np.ndarray]:
-    lo = np.array([d.segs[:, 0].min() if len(d.segs) else 0 for d in piece], dtype=I64)
-    hi = np.array([(d.segs[:, 0] + d.segs[:, 2]).max() if len(d.segs) else 0 for d in piece], dtype=I64)
-    return lo, hi
+def _bbox(piece) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Global bounding box of a piece: runs are sorted globally (docs of ucl.layout.algebra)."""
+    lo, hi = [], []
+    for d in piece:
+        s = d.segs
+        if len(s):
+            first, last = s[0], s[-1]
+            lo.append(int(first[0]))
+            hi.append(int(last[0] + last[2]))
+        else:
+            lo.append(0)
+            hi.append(0)
+    return tuple(lo), tuple(hi)
+
+
+def _volume(piece) -> int:
+    v = 1
+    for d in piece:
+        s = d.segs
+        v *= int(s[0, 2]) if len(s) == 1 else int(s[:, 2].sum())
+    return v
 
 
 def _fill_boxes(piece) -> np.ndarray:
     """Local boxes of a piece that are padding: (rows, nd, 2) of (local start, length)."""
+    if not any(len(d.fills) for d in piece):  # the common case: no padding at all
+        return np.zeros((0, len(piece), 2), dtype=I64)
     per_dim, any_fill = [], False
     for d in piece:
         runs = [np.concatenate([d.segs[:, 1:3], np.zeros((len(d.segs), 1), dtype=I64)], axis=1),
@@ -113,80 +112,198 @@ def _compile(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Model | None 
         r = T.ranks(fixed)
         return r if wanted is None else r[np.isin(r, wanted)]
 
+    # Rows go to the set of target ranks sharing the coordinates ``fixed`` (replicas), stored once.
+    sets: list[np.ndarray] = []
+    set_of_fixed: dict[tuple, int] = {}
+    set_of_ranks: dict[bytes, int] = {}
+
+    def rank_set(fixed) -> int:
+        """Id of the set of target ranks with coordinates ``fixed``; -1 if none is wanted."""
+        key = tuple(sorted(fixed.items()))
+        i = set_of_fixed.get(key)
+        if i is None:
+            ranks = target_ranks(fixed)
+            i = -1 if not len(ranks) else set_of_ranks.setdefault(ranks.tobytes(), len(sets))
+            if i == len(sets):
+                sets.append(ranks)
+            set_of_fixed[key] = i
+        return i
+
     K = max([len(t.shape) for t in model.tensors] + [1])
     slot_ids: dict[Slot, int] = {}
 
     def sid(slot: Slot) -> int:
         return slot_ids.setdefault(slot, len(slot_ids))
 
-    copies, fills = _Rows(), _Rows()
-    geometry: dict[tuple, tuple] = {}  # (target piece, source pieces) -> rows; layers repeat geometry
+    geometry: dict[tuple, int] = {}  # (target piece, source pieces) -> geometry id; layers repeat geometry
+    geos = _Geometries(K)
     source_ids: dict[tuple, int] = {}
-    for t in model.tensors:
-        sources = _dedup_sources(S, t if src_model is model else _matching_source(src_model, t))
+    source_of_list: dict[int, int] = {}  # id of a (cached, alive) source list -> its source_ids entry
+    sig_of: dict[int, tuple] = {}  # id of a target piece -> its signature
+    src_ranks, src_slots, src_base = [], [], 0  # every tensor's deduplicated sources, one after another
+    uses = _Uses()  # (geometry, tensor, rank set, target slot, sources) per target piece
+    if few is None:
+        todo = ((t, T.holdings[t.id]) for t in model.tensors)
+    else:  # only the tensors the wanted ranks hold, found through an index (cached on the model)
+        held_ids = _matching(T, "holdings",
+                             lambda: [(t.id, j) for t in model.tensors for j in range(len(T.holdings[t.id]))],
+                             lambda e: T.holdings[e[0]][e[1]].fixed, [c for _, c in few])
+        by_tensor: dict[int, list] = {}
+        for tid, j in held_ids:
+            by_tensor.setdefault(tid, []).append(T.holdings[tid][j])
+        todo = ((model.tensors[tid], hs) for tid, hs in sorted(by_tensor.items()))
+    for t, holdings in todo:
+        held = [(h, d) for h in holdings for d in (rank_set(h.fixed),) if d >= 0]
+        if wanted is not None and not held:
+            continue  # a part of the plan (one rank's load) proves only the tensors it moves
+        st = t if src_model is model else _matching_source(src_model, t)
+        sources = _dedup_sources(S, st)
         if not T.mesh.is_universal:
             _dedup_sources(T, t, "target")  # P1 for the target too: no element may be dropped
-        src_key = source_ids.setdefault(tuple(_sig(p) for _, _, p, _, _ in sources), len(source_ids))
-        src_rank = np.array([r for _, _, _, r, _ in sources], dtype=I64)
-        src_slot = np.array([sid(s) for _, _, _, _, s in sources], dtype=I64)
+        src_key = source_of_list.get(id(sources))  # kinds of one flat statement share the list
+        if src_key is None:
+            src_key = source_of_list[id(sources)] = source_ids.setdefault(
+                tuple([_sig(p) for _, _, p, _, _ in sources]), len(source_ids))
+        src_ranks.append(np.array([r for _, _, _, r, _ in sources], dtype=I64))
+        src_holdings = S.holdings[st.id]
+        src_slots.append(np.array([sid(src_holdings[j].slot) for _, _, _, _, j in sources], dtype=I64))
         src_lo = src_hi = None
-        for h in T.holdings[t.id]:
-            ranks = target_ranks(h.fixed)
-            nr = len(ranks)
-            if not nr:
-                continue
+        for h, dset in held:
             dslot = sid(h.slot)
             for piece in h.pieces:
-                key = (_sig(piece), src_key)
+                psig = sig_of.get(id(piece))  # pieces outlive the compile (the ShardMap holds them)
+                if psig is None:
+                    psig = sig_of[id(piece)] = _sig(piece)
+                key = (psig, src_key)
                 geo = geometry.get(key)
                 if geo is None:
                     if src_lo is None:
                         src_lo = np.array([lo for lo, _, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
                         src_hi = np.array([hi for _, hi, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
-                    g, dl, sl, n, idx = _coalesce(*_piece_rows(t, piece, sources, src_lo, src_hi))
-                    fb = _fill_boxes(piece)
-                    geo = geometry[key] = (_pad_cols(g, K, 0), _pad_cols(dl, K, 0), _pad_cols(sl, K, 0),
-                                           _pad_cols(n, K, 1), idx, _pad_cols(fb[:, :, 0], K, 0), _pad_cols(fb[:, :, 1], K, 1))
-                g, dl, sl, n, idx, fstart, fsize = geo
-                m = len(g)
-                if m:
-                    copies.add(tensor=np.full(m * nr, t.id), src_rank=np.tile(src_rank[idx], nr),
-                               src_slot=np.tile(src_slot[idx], nr), dst_rank=np.repeat(ranks, m),
-                               dst_slot=np.full(m * nr, dslot), src_start=np.tile(sl, (nr, 1)),
-                               dst_start=np.tile(dl, (nr, 1)), global_start=np.tile(g, (nr, 1)),
-                               size=np.tile(n, (nr, 1)))
-                m = len(fstart)
-                if m:
-                    fills.add(tensor=np.full(m * nr, t.id), dst_rank=np.repeat(ranks, m),
-                              dst_slot=np.full(m * nr, dslot), dst_start=np.tile(fstart, (nr, 1)),
-                              size=np.tile(fsize, (nr, 1)))
-    for f in T.flat_fills:
-        ranks = target_ranks(f.fixed)
-        m = len(ranks)
-        fills.add(tensor=np.full(m, -1), dst_rank=ranks, dst_slot=np.full(m, sid(f.slot)),
-                  dst_start=_pad_cols(np.full((m, 1), f.start, dtype=I64), K, 0),
-                  size=_pad_cols(np.full((m, 1), f.length, dtype=I64), K, 1))
+                    geo = geometry[key] = geos.add(_coalesce(*_piece_rows(t, piece, sources, src_lo, src_hi)),
+                                                   _fill_boxes(piece))
+                uses.add(geo, t.id, dset, dslot, src_base)
+        src_base += len(sources)
+    flat_fills = _Uses()
+    for f in (T.flat_fills if few is None else
+              _matching(T, "flat_fills", lambda: T.flat_fills, lambda f: f.fixed, [c for _, c in few])):
+        dset = rank_set(f.fixed)
+        if dset >= 0:
+            flat_fills.add(geos.add_fill(f.start, f.length), -1, dset, sid(f.slot), 0)
 
-    datasets, ds_rank, ds_id, ds_index = [], [], [], {}
-    for d in T.datasets:
-        ranks = target_ranks(d.fixed)
-        if not len(ranks):
+    datasets, ds_set, ds_id, ds_index = [], [], [], {}
+    for d in (T.datasets if few is None else
+              _matching(T, "datasets", lambda: T.datasets, lambda d: d.fixed, [c for _, c in few])):
+        dset = rank_set(d.fixed)
+        if dset < 0:
             continue
         i = ds_index.setdefault((d.key, d.shape, d.dtype), len(datasets))
         if i == len(datasets):
             datasets.append({"key": d.key, "shape": tuple(d.shape), "dtype": d.dtype})
-        ds_rank.append(ranks)
-        ds_id.append(np.full(len(ranks), i, dtype=I64))
-    c = copies.build(BOX_COLUMNS, COPY_COLUMNS, K)
+        ds_set.append(dset)
+        ds_id.append(i)
+    c, f = geos.rows(uses, flat_fills, np.concatenate(src_ranks or [np.zeros(0, dtype=I64)]),
+                     np.concatenate(src_slots or [np.zeros(0, dtype=I64)]))
     # Sequential reads: group by source rank (file), then dataset, then position.
     order = np.lexsort(tuple(c["src_start"][:, k] for k in range(K - 1, -1, -1)) + (c["src_slot"], c["src_rank"]))
-    for k in list(c):  # one column at a time, so only one extra column is alive
-        c[k] = c[k][order]
+    c = {k: v[order] for k, v in c.items()}
     return Plan(src, dst, K,
                 [{"name": t.name, "kind": t.kind, "shape": t.shape, "dtype": t.dtype} for t in model.tensors],
-                list(slot_ids), c, fills.build(("dst_start", "size"), FILL_COLUMNS, K), datasets,
-                {"rank": np.concatenate(ds_rank) if ds_rank else np.zeros(0, dtype=I64),
-                 "dataset": np.concatenate(ds_id) if ds_id else np.zeros(0, dtype=I64)})
+                list(slot_ids), RankSets.of(sets), c, f, datasets,
+                dict(zip(DATASET_COLUMNS, (np.array(ds_set, dtype=I64), np.array(ds_id, dtype=I64)))))
+
+
+def _matching(T: ShardMap, name: str, items, fixed_of, coords: list[dict]) -> list:
+    """The items of ``items()`` (in order) whose coordinates ``fixed_of(item)`` some rank with
+    ``coords`` has: a plan for a few ranks looks at the distinct coordinates, not at every item.
+    The index (distinct coordinates -> items) is cached on the model per mesh and ``name``."""
+    memo = T.model.memo.setdefault(("by-fixed", T.mesh), {})
+    if name not in memo:
+        index: dict[tuple, list] = {}
+        for i, item in enumerate(items()):
+            index.setdefault(tuple(sorted(fixed_of(item).items())), []).append((i, item))
+        memo[name] = index, {a for key in index for a, _ in key}
+    index, axes = memo[name]
+    if all(axes <= set(c) for c in coords) and all(len(c) <= 12 for c in coords):
+        # the keys a rank matches are the subsets of its own coordinates: look those up
+        keys = {sub for c in coords for k in range(len(c) + 1)
+                for sub in itertools.combinations(sorted(c.items()), k)}
+        hits = [e for key in keys for e in index.get(key, ())]
+    else:
+        hits = [e for key, found in index.items() if any(all(c.get(a, 0) == v for a, v in key) for c in coords)
+                for e in found]
+    return [item for _, item in sorted(hits, key=lambda e: e[0])]
+
+
+class _Uses:
+    """Where geometries are used: one entry per target piece, as plain int lists (cheap to append)."""
+
+    def __init__(self):
+        self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base = [], [], [], [], []
+
+    def add(self, geo: int, tensor: int, dst_set: int, dst_slot: int, src_base: int) -> None:
+        self.geo.append(geo)
+        self.tensor.append(tensor)
+        self.dst_set.append(dst_set)
+        self.dst_slot.append(dst_slot)
+        self.src_base.append(src_base)
+
+
+class _Geometries:
+    """The rows of each distinct geometry (copies relative to the tensor's source list, and fills),
+    stored once; :meth:`rows` lays them out for every use in a few numpy operations."""
+
+    def __init__(self, K: int):
+        self.K = K
+        self.copy_parts: list[tuple] = []  # per geometry: (global, dst, src starts, size, source index)
+        self.fill_parts: list[tuple] = []  # per geometry: (dst start, size)
+
+    def add(self, rows, fill_boxes) -> int:
+        K = self.K
+        g, dl, sl, n, idx = rows
+        self.copy_parts.append((_pad_cols(g, K, 0), _pad_cols(dl, K, 0), _pad_cols(sl, K, 0), _pad_cols(n, K, 1), idx))
+        self.fill_parts.append((_pad_cols(fill_boxes[:, :, 0], K, 0), _pad_cols(fill_boxes[:, :, 1], K, 1)))
+        return len(self.copy_parts) - 1
+
+    def add_fill(self, start: int, length: int) -> int:
+        """A geometry of one flat-buffer gap (no copies)."""
+        return self.add((np.zeros((0, 1), dtype=I64),) * 4 + (np.zeros(0, dtype=I64),),
+                        np.array([[[start, length]]], dtype=I64))
+
+    def rows(self, uses: _Uses, flat_fills: _Uses, src_rank: np.ndarray, src_slot: np.ndarray):
+        K = self.K
+        empty = np.zeros((0, K), dtype=I64)
+        cols = list(zip(*self.copy_parts)) or [[empty]] * 4 + [[np.zeros(0, dtype=I64)]]
+        g, dl, sl, n = (np.concatenate(x) for x in cols[:4])
+        idx = np.concatenate(cols[4])
+        row, use = _gather([len(p[4]) for p in self.copy_parts], uses.geo)
+        base = np.asarray(uses.src_base, dtype=I64)[use]
+        copies = {"tensor": np.asarray(uses.tensor, dtype=I64)[use], "src_rank": src_rank[base + idx[row]],
+                  "src_slot": src_slot[base + idx[row]], "dst_set": np.asarray(uses.dst_set, dtype=I64)[use],
+                  "dst_slot": np.asarray(uses.dst_slot, dtype=I64)[use],
+                  "src_start": sl[row], "dst_start": dl[row], "global_start": g[row], "size": n[row]}
+        fcols = list(zip(*self.fill_parts)) or [[empty]] * 2
+        fstart, fsize = (np.concatenate(x) for x in fcols)
+        fills = {k: [] for k in FILL_COLUMNS + FILL_BOX_COLUMNS}
+        for u in (uses, flat_fills):
+            row, use = _gather([len(p[0]) for p in self.fill_parts], u.geo)
+            for k, v in (("tensor", u.tensor), ("dst_set", u.dst_set), ("dst_slot", u.dst_slot)):
+                fills[k].append(np.asarray(v, dtype=I64)[use])
+            fills["dst_start"].append(fstart[row])
+            fills["size"].append(fsize[row])
+        return copies, {k: np.concatenate(v) for k, v in fills.items()}
+
+
+def _gather(counts: list[int], geo: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """For uses of geometries ``geo`` whose row counts are ``counts``: (row of the concatenated
+    geometry tables, use) for every output row, uses in order and each geometry's rows in order."""
+    counts_a = np.asarray(counts, dtype=I64)
+    offsets = np.concatenate([np.zeros(1, dtype=I64), np.cumsum(counts_a, dtype=I64)])
+    geo_a = np.asarray(geo, dtype=I64)
+    m = counts_a[geo_a] if len(geo_a) else np.zeros(0, dtype=I64)
+    use = np.repeat(np.arange(len(geo_a), dtype=I64), m)
+    within = np.arange(len(use), dtype=I64) - np.repeat(np.cumsum(m) - m, m)
+    return offsets[geo_a][use] + within, use
 
 
 def _coalesce(g, dl, sl, n, idx):
@@ -219,21 +336,39 @@ def _coalesce(g, dl, sl, n, idx):
 
 
 def _dedup_sources(S: ShardMap, t, role: str = "source") -> list:
-    """:func:`_proved_pieces`, cached on the model per mesh and tensor: lowering and the proof are
-    pure, so the next plan of the same model and mesh (another rank's load) skips them."""
-    memo = S.model.memo.setdefault(("dedup", S.mesh), {})
+    """:func:`_proved_pieces` (entries ``(lo, hi, piece, rank, holding index)``), cached on the
+    model per mesh and tensor: lowering and the proof are pure, so the next plan of the same
+    model and mesh (another rank's load) skips them. The target's proof only counts elements,
+    so it skips where each piece lies (rank, bounding box)."""
+    full = S.model.memo.setdefault(("dedup", S.mesh), {})
+    if t.id in full:
+        return full[t.id]
+    where = role != "target"
+    memo = full if where else S.model.memo.setdefault(("dedup-proof", S.mesh), {})
     if t.id not in memo:
-        memo[t.id] = _proved_pieces(S, t, role)
+        memo[t.id] = _shared_proof(S, t, role, where)
     return memo[t.id]
 
 
-def _proved_pieces(S: ShardMap, t, role: str) -> list:
+def _shared_proof(S: ShardMap, t, role: str, where: bool) -> list:
+    """The kinds of one flat statement (fp32, exp_avg, exp_avg_sq) share their pieces and
+    coordinates (the very same objects), so one proof serves them all; entries name the holding
+    (its index), whose slot differs by kind."""
+    holdings = S.holdings[t.id]
+    key = (t.numel, where, tuple([id(h.pieces) for h in holdings]), tuple([id(h.fixed) for h in holdings]))
+    shared = S.model.memo.setdefault(("dedup-shared", S.mesh), {})
+    if key not in shared:  # the holdings are kept alive with the entry, so those ids stay theirs
+        shared[key] = (holdings, _proved_pieces(S, t, role, where))
+    return shared[key][1]
+
+
+def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> list:
     """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
     Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
     several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
-    out, volume = _dedup(S, t, by_box=False)
+    out, volume = _dedup(S, t, False, where)
     if volume > t.numel:
-        out, volume = _dedup(S, t, by_box=True)
+        out, volume = _dedup(S, t, True, where)
     if volume != t.numel:
         what = "overlapping, non-identical replicas" if volume > t.numel else "elements no rank holds"
         raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the {role} layout holds {volume} elements of "
@@ -241,13 +376,14 @@ def _proved_pieces(S: ShardMap, t, role: str) -> list:
     return out
 
 
-def _dedup(S: ShardMap, t, by_box: bool):
+def _dedup(S: ShardMap, t, by_box: bool, where: bool):
     seen, out, volume = set(), [], 0
     kept: list[list[tuple[int, int, int]]] = []  # by_box: boxes accepted so far, as (g, l, n) per dim
-    for h in S.holdings[t.id]:
-        rank = S.mesh.rank(**h.fixed) if not S.mesh.is_universal else 0
+    strides = S.mesh.strides if where and not S.mesh.is_universal else None
+    for j, h in enumerate(S.holdings[t.id]):
+        rank = sum(v * strides.get(a, 0) for a, v in h.fixed.items()) if strides is not None else 0
         if not by_box:
-            sig = tuple(_sig(p) for p in h.pieces)
+            sig = tuple([_sig(p) for p in h.pieces])
             if sig in seen:
                 continue
             seen.add(sig)
@@ -263,12 +399,12 @@ def _dedup(S: ShardMap, t, by_box: bool):
                     pieces += [tuple(DimLayout(d.local, np.array([seg], dtype=I64), d.fills[:0])
                                      for d, seg in zip(p, r)) for r in rest]
         for p in pieces:
-            vol = int(np.prod([d.segs[:, 2].sum() for d in p], dtype=np.int64))
+            vol = _volume(p)
             if vol == 0:
                 continue
             volume += vol
-            lo, hi = _bbox(p)
-            out.append((lo, hi, p, rank, h.slot))
+            lo, hi = _bbox(p) if where else (None, None)
+            out.append((lo, hi, p, rank, j))
     return out, volume
 
 
@@ -293,15 +429,39 @@ def _subtract(box, other) -> list:
     return out
 
 
+def _single_overlap(piece, source):
+    """:func:`intersect` and :func:`product` for the common case of a few runs per dim on both
+    sides, in plain Python (numpy's per-call cost dominates arrays this small); None otherwise."""
+    per_dim = []
+    for d, s in zip(piece, source):
+        a, b = d.segs, s.segs
+        if len(a) * len(b) > 16:
+            return None
+        hits = []
+        for ag, al, an in a.tolist():
+            for bg, bl, bn in b.tolist():
+                lo, hi = max(ag, bg), min(ag + an, bg + bn)
+                if lo < hi:
+                    hits.append((lo, al + lo - ag, bl + lo - bg, hi - lo))
+        if not hits:
+            return _NO_ROWS
+        per_dim.append(sorted(hits))
+    rows = list(itertools.product(*per_dim))
+    return np.array(rows, dtype=I64).reshape(len(rows), len(per_dim), 4)
+
+
+_NO_ROWS = np.zeros((0, 0, 4), dtype=I64)
+
+
 def _sig(piece) -> tuple:
-    return tuple(d.sig for d in piece)
+    return tuple([d.sig for d in piece])
 
 
 def _piece_rows(t, piece, sources, src_lo, src_hi):
     """Rows (global start, dst local start, src local start, size, source index) covering one
     target piece; proves the piece is covered exactly once."""
     nd = len(t.shape)
-    want = int(np.prod([d.segs[:, 2].sum() for d in piece], dtype=np.int64))
+    want = _volume(piece)
     empty = np.zeros((0, nd), dtype=I64)
     if want == 0:
         return empty, empty, empty, empty, np.zeros(0, dtype=I64)
@@ -311,8 +471,10 @@ def _piece_rows(t, piece, sources, src_lo, src_hi):
     got = 0
     for i in cand:
         sp = sources[i][2]
-        per_dim = [intersect(d.segs, s.segs) for d, s in zip(piece, sp)]
-        rows = product(per_dim)  # (rows, nd, 4): global, dst local, src local, length
+        rows = _single_overlap(piece, sp)
+        if rows is None:
+            per_dim = [intersect(d.segs, s.segs) for d, s in zip(piece, sp)]
+            rows = product(per_dim)  # (rows, nd, 4): global, dst local, src local, length
         if not len(rows):
             continue
         found.append(rows)

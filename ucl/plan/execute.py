@@ -38,7 +38,8 @@ class MemorySource:
 
 
 def rank_rows(plan: Plan, rank: int) -> np.ndarray:
-    """Indices of the copy rows that fill target rank ``rank``."""
+    """Indices of the (expanded) copy rows that fill target rank ``rank``; on a plan of many
+    ranks, cut it down first (``plan.for_ranks([rank])``) so only that rank's rows are expanded."""
     return np.flatnonzero(plan.copies["dst_rank"] == rank)
 
 
@@ -148,18 +149,17 @@ def covered_elements(plan: Plan, rows) -> dict[str, int]:
 
 def rank_datasets(plan: Plan, rank: int) -> list[dict]:
     """The target datasets rank ``rank`` holds: ``{key, shape, dtype}`` each."""
-    sel = np.flatnonzero(plan.dataset_ranks["rank"] == rank)
-    return [plan.datasets[d] for d in plan.dataset_ranks["dataset"][sel]]
+    sel = np.isin(plan.stored_datasets["dst_set"], plan.rank_sets.containing(rank))
+    return [plan.datasets[d] for d in plan.stored_datasets["dataset"][sel]]
 
 
 def allocate(plan: Plan, ranks=None) -> dict[int, dict[str, np.ndarray]]:
     """Zeroed target datasets, per target rank (all ranks, or just ``ranks``). Fills (padding) are
     zeros, so a zeroed target needs only the copies."""
     out: dict[int, dict[str, np.ndarray]] = {}
-    want = None if ranks is None else set(int(r) for r in ranks)
+    if ranks is not None:
+        plan = plan.for_ranks(ranks)
     for r, d in zip(plan.dataset_ranks["rank"], plan.dataset_ranks["dataset"]):
-        if want is not None and int(r) not in want:
-            continue
         ds = plan.datasets[d]
         out.setdefault(int(r), {})[ds["key"]] = np.zeros(ds["shape"], dtype=storage_dtype(ds["dtype"]))
     return out
@@ -167,7 +167,9 @@ def allocate(plan: Plan, ranks=None) -> dict[int, dict[str, np.ndarray]]:
 
 def execute_memory(plan: Plan, src: Mapping[int, Mapping[str, np.ndarray]], ranks=None) -> dict[int, dict[str, np.ndarray]]:
     """Run ``plan`` on in-memory source shards; returns the target shards (optionally only ``ranks``)."""
-    dst = allocate(plan, ranks)
+    if ranks is not None:
+        plan = plan.for_ranks(ranks)  # expand only the rows of these ranks
+    dst = allocate(plan)
     source = MemorySource(src)
     order = np.argsort(plan.copies["dst_rank"], kind="stable")  # rows grouped by target rank, in plan order
     by_rank = plan.copies["dst_rank"][order]
