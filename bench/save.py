@@ -181,7 +181,7 @@ class Ucl(Saver):
         self.ck.wait()
         ev = self.ck.trace.events()  # durable: save() called -> `latest` moved (wall-clock seconds)
         start = {e["step"]: e["start"] for e in ev if e["phase"] == "blocked"}
-        self.durable.update({e["step"]: e["end"] - start[e["step"]] for e in ev if e["phase"] == "promote"})
+        self.durable.update({e["step"]: e["end"] - start[e["step"]] for e in ev if e["phase"] == "flush"})
 
 
 SAVERS = {"none": Saver, "torch.save": TorchSave, "dcp": DCPSync, "dcp-async": DCPAsync,

@@ -23,13 +23,13 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def real_root(tmp_path_factory) -> Path:
-    """The trace of a tiny training run that saves every step."""
+    """The trace of a tiny training run that saves every step, promoted to a second directory."""
     torch = pytest.importorskip("torch")
     root = tmp_path_factory.mktemp("trace") / "ckpt"
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with ucl.Checkpointer(root, model, opt) as ck:
+    with ucl.Checkpointer(root, model, opt, tiers=[root.parent / "tier"]) as ck:
         for step in range(STEPS):
             loss = model(torch.randn(4, 16)).pow(2).mean()
             opt.zero_grad()
@@ -54,11 +54,14 @@ def expected_summary(raw: list[dict]) -> dict:
     saves = [e for e in raw if e["phase"] == "blocked"]
     fences_outside = [e for e in raw if e["phase"] == "fence" and not any(
         s["rank"] == e["rank"] and s["start"] <= e["start"] and e["end"] <= s["end"] for s in saves)]
-    durable = []
-    for step in {e["step"] for e in raw if e["phase"] == "flush"}:
-        end = max(e["end"] for e in raw if e["phase"] in ("flush", "promote") and e["step"] == step)
-        start = min(e["start"] for e in saves if e["step"] == step)
-        durable.append(end - start)
+
+    def save_to_end(phase):
+        out = []
+        for step in {e["step"] for e in raw if e["phase"] == phase}:
+            end = max(e["end"] for e in raw if e["phase"] == phase and e["step"] == step)
+            out.append(end - min(e["start"] for e in saves if e["step"] == step))
+        return out
+    durable, promoted = save_to_end("flush"), save_to_end("promote")
     peaks = [e["pool_high_water"] for e in raw if "pool_high_water" in e]
     return {"ranks": sorted({e["rank"] for e in raw}), "saves": len(saves),
             "checkpoints": len({e["step"] for e in raw if e["phase"] == "flush"}),
@@ -66,6 +69,7 @@ def expected_summary(raw: list[dict]) -> dict:
             "blocked_median_s": statistics.median(e["end"] - e["start"] for e in saves),
             "fence_s": sum(e["end"] - e["start"] for e in fences_outside),
             "durable_median_s": statistics.median(durable),
+            "promoted_median_s": statistics.median(promoted) if promoted else None,
             "pool_peak_mib": max(peaks) / 2**20 if peaks else None,
             "span_s": max(e["end"] for e in raw) - min(e["start"] for e in raw)}
 
@@ -87,8 +91,10 @@ def test_every_saved_step_has_its_events_in_order(real_root):
         assert {"blocked", "snapshot", "flush"} <= set(mine), (step, sorted(mine))
         assert mine["blocked"]["start"] <= mine["snapshot"]["start"] <= mine["flush"]["start"]
         assert mine["flush"]["bytes"] == mine["snapshot"]["bytes"] > 0
+        assert mine["flush"]["end"] <= mine["promote"]["start"] and mine["promote"]["tier"] == 2
     assert [e["step"] for e in events if e["phase"] == "blocked"] == list(range(STEPS))
     assert [e["step"] for e in events if e["phase"] == "flush"] == list(range(STEPS))
+    assert [e["step"] for e in events if e["phase"] == "promote"] == list(range(STEPS))
 
 
 def test_summary_equals_an_independent_computation(real_root):
@@ -96,6 +102,7 @@ def test_summary_equals_an_independent_computation(real_root):
     assert_same_summary(summary, expected_summary(raw_events(real_root)))
     assert summary["saves"] == summary["checkpoints"] == STEPS and summary["ranks"] == [0]
     assert 0 < summary["blocked_median_s"] <= summary["blocked_s"] and summary["durable_median_s"] > 0
+    assert summary["promoted_median_s"] > summary["durable_median_s"]
     assert summary["pool_peak_mib"] > 0
 
 
@@ -110,9 +117,9 @@ def test_chrome_json_round_trips(real_root, tmp_path):
     for e, c in zip(events, complete):
         assert c["name"] == e["phase"] and c["args"]["step"] == e["step"]
         assert c["dur"] == pytest.approx((e["end"] - e["start"]) * 1e6, abs=1e-2)
-        assert c["tid"] == {"blocked": 0, "fence": 0, "snapshot": 1, "flush": 2, "promote": 2}[e["phase"]]
+        assert c["tid"] == {"blocked": 0, "fence": 0, "snapshot": 1, "flush": 2, "promote": 3}[e["phase"]]
     names = {(e["tid"], e["args"]["name"]) for e in out["traceEvents"] if e["name"] == "thread_name"}
-    assert names == {(0, "training"), (1, "snapshot"), (2, "flush/promote")}
+    assert names == {(0, "training"), (1, "snapshot"), (2, "flush"), (3, "promote")}
 
 
 def test_draw_timeline_writes_a_png(real_root, tmp_path):
@@ -186,11 +193,12 @@ def test_two_rank_summary(two_ranks):
     summary = summarize(load_trace(two_ranks))
     assert_same_summary(summary, expected_summary(raw_events(two_ranks)))
     # by hand: saves 0.1, 0.19, 0.05, 0.08; fences outside a save 0.05 + 0.1; step 1 durable at
-    # 0.8 (rank 0's promote), step 2 at 1.6 (rank 1's flush)
+    # 0.7 (rank 1's flush), step 2 at 1.6 (rank 1's flush); promoted (rank 0) at 0.8 and 1.4
     assert summary["ranks"] == [0, 1] and summary["saves"] == 4 and summary["checkpoints"] == 2
     assert summary["blocked_s"] == pytest.approx(0.42) and summary["blocked_median_s"] == pytest.approx(0.09)
     assert summary["fence_s"] == pytest.approx(0.15)
-    assert summary["durable_median_s"] == pytest.approx(((0.8 - 0.0) + (1.6 - 1.0)) / 2)
+    assert summary["durable_median_s"] == pytest.approx(((0.7 - 0.0) + (1.6 - 1.0)) / 2)
+    assert summary["promoted_median_s"] == pytest.approx(((0.8 - 0.0) + (1.4 - 1.0)) / 2)
     assert summary["pool_peak_mib"] == 3 and summary["span_s"] == pytest.approx(1.6)
 
 

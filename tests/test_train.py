@@ -302,3 +302,148 @@ def test_a_tier_url_fsspec_cannot_open_is_refused(tmp_path):
     with pytest.raises(ucl.UclError, match="fsspec cannot open") as e:
         ucl.Checkpointer(tmp_path, model, optimizer, tiers=["nosuchscheme-ucl://bucket/x"])
     assert e.value.code == "UCL430"
+
+
+# ---- promotion: its own stage ------------------------------------------------------------------
+
+def _gated_tier(protocol: str, *, fail_step: int | None = None):
+    """An fsspec memory filesystem under ``protocol`` whose uploads wait for ``gate`` (set by
+    default) and fail for checkpoint ``fail_step``; ``started`` is set by the first upload."""
+    import threading
+    fsspec = pytest.importorskip("fsspec")
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Gated(MemoryFileSystem):
+        gate, started = threading.Event(), threading.Event()
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(path.removeprefix(f"{protocol}://") if isinstance(path, str) else path)
+
+        def put_file(self, lpath, rpath, **kw):
+            Gated.started.set()
+            assert Gated.gate.wait(120), "the test never opened the gate"
+            if fail_step is not None and f"step_{fail_step:08d}/" in rpath:
+                raise OSError(5, "Input/output error")
+            return super().put_file(lpath, rpath, **kw)
+
+    Gated.protocol = protocol
+    Gated.gate.set()
+    fsspec.register_implementation(protocol, Gated, clobber=True)
+    return Gated
+
+
+def _until(condition, what: str) -> None:
+    """Poll ``condition`` (a state the background reaches on its own); not a timing assertion."""
+    import time
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+def test_promotion_does_not_delay_the_next_flush_and_wait_waits_for_it(tmp_path):
+    """A tier stuck on its first upload: step 2 still becomes durable in tier 1 while the promotion
+    of step 1 hangs; wait() does not return until both are promoted."""
+    import threading
+    import uuid
+    from ucl.store import CheckpointRoot
+    from ucl.train.tiers import RemoteTier
+    gated = _gated_tier("ucltestgated")
+    gated.gate.clear()
+    url = f"ucltestgated://run-{uuid.uuid4().hex}"
+    model, optimizer = make()
+    local = CheckpointRoot(tmp_path / "local")
+    ck = ucl.Checkpointer(local.root, model, optimizer, keep=3, tiers=[url])
+    try:
+        train_step(model, optimizer, 0)
+        ck.save(1)
+        _until(gated.started.is_set, "the promotion of step 1 started")
+        train_step(model, optimizer, 1)
+        ck.save(2)
+        _until(lambda: local.latest_step() == 2, "step 2 durable while the promotion of step 1 is stuck")
+        remote = RemoteTier.open(url)
+        assert remote.steps() == []
+        waiter = threading.Thread(target=ck.wait)
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive(), "wait() returned before the promotions were done"
+        gated.gate.set()
+        waiter.join(120)
+        assert not waiter.is_alive()
+        assert remote.steps() == [1, 2] and remote.latest_step() == 2
+        events = ck.trace.events()
+        flush2 = next(e for e in events if e["phase"] == "flush" and e["step"] == 2)
+        promote1 = next(e for e in events if e["phase"] == "promote" and e["step"] == 1)
+        assert flush2["end"] < promote1["end"] and promote1["tier"] == 2
+    finally:
+        gated.gate.set()
+        ck.close()
+    # the staged hard links are gone once promoted
+    assert not [n for n in os.listdir(local.root) if ".tmp-" in n]
+
+
+def test_a_promotion_error_surfaces_naming_rank_step_and_tier(tmp_path):
+    import uuid
+    from ucl.store import CheckpointRoot
+    from ucl.train.tiers import RemoteTier
+    _gated_tier("ucltestfailing", fail_step=2)
+    url = f"ucltestfailing://run-{uuid.uuid4().hex}"
+    model, optimizer = make()
+    ck = ucl.Checkpointer(tmp_path, model, optimizer, keep=2, tiers=[url])
+    for i in range(2):
+        train_step(model, optimizer, i)
+        ck.save(i + 1)
+    with pytest.raises(ucl.StoreError) as err:
+        ck.wait()
+    assert err.value.code == "UCL435"
+    assert all(s in str(err.value) for s in ("rank 0", "step 2", "tier 2", url, "Input/output error")), err.value
+    assert CheckpointRoot(tmp_path).latest_step() == 2  # durable in tier 1 all the same
+    remote = RemoteTier.open(url)
+    assert remote.steps() == [1] and remote.latest_step() == 1  # nothing half-promoted is visible
+    train_step(model, optimizer, 2)
+    ck.save(3)  # it keeps working after the error was reported
+    ck.close()
+    assert remote.steps() == [1, 3] and remote.latest_step() == 3
+
+
+def test_a_directory_tier_keeps_whole_checkpoints_when_tier_1_prunes_them_first(tmp_path):
+    """keep=1 in tier 1 prunes each checkpoint as soon as the next is durable, possibly before it is
+    promoted: the promoter copies from its own hard links, so the tier still gets every one."""
+    from ucl.store import CheckpointRoot
+    tier = CheckpointRoot(tmp_path / "tier")
+    _, _, losses = run(tmp_path / "local", steps=5, save_at=range(1, 6), keep=1, tiers=[tier.root])
+    assert CheckpointRoot(tmp_path / "local").steps() == [5]
+    assert tier.steps() == [5] and tier.latest_step() == 5
+    with ucl.open(tier.latest()) as ck:
+        assert ck.verify() == []
+    *_, at, _, again = resume(tier.root, steps=5)
+    assert at == 5 and again == []
+
+
+def test_snapshot_of_strided_and_half_precision_tensors_is_bit_exact(tmp_path):
+    """The copier copies plain contiguous CPU tensors as bytes and falls back to torch for others (a
+    transposed parameter here); the checkpoint's stored arrays equal the tensors at save(), whatever
+    training did afterwards."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = nn.Parameter(torch.randn(8, 4).t())  # a strided view
+            self.h = nn.Parameter(torch.randn(5, 7, dtype=torch.bfloat16))
+            self.w = nn.Parameter(torch.randn(3, 6, dtype=torch.float16))
+
+    torch.manual_seed(0)
+    m = M()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    want = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    assert not m.t.is_contiguous()
+    with ucl.Checkpointer(tmp_path, m, opt) as ck:
+        ck.save(1)
+        sum(p.float().sum() for p in m.parameters()).backward()
+        opt.step()  # changes every parameter once the snapshot is done
+        ck.wait()
+        got = ucl.load_rank(ck.root.latest(), mesh="universal", rank=0)
+    for k, v in want.items():
+        stored = got[f"param/{k}"]
+        raw = v.contiguous().view(torch.int16 if v.element_size() == 2 else torch.int32).numpy()
+        assert stored.shape == tuple(v.shape) and np.array_equal(stored.view(raw.dtype), raw), k

@@ -444,3 +444,30 @@ def test_resume_after_kill_between_commit_and_latest(tmp_path, forkserver):
     assert root.latest_step() == start + 2 and root.steps()[-1] == start + 2
     assert ucl.open(root.latest()).manifest.state["extra"] == {"i": start + 2, "again": True}
     assert not [n for n in os.listdir(trial.root) if is_tmp_name(n)]
+
+
+def test_sigkill_during_promotion_leaves_only_whole_checkpoints_in_the_tier(tmp_path, forkserver):
+    """The child dies while its promoter copies step K into a directory tier (one file copied): the tier
+    shows only whole checkpoints (K-3..K-1, each verifying), `latest` names K-1, K's half copy is a
+    hidden temp folder; tier 1 already holds K (promotion comes after durability). The next
+    Checkpointer removes the dead temp folders of both tiers and keeps every committed step."""
+    trial = _run_child(forkserver, Trial(0, 4321, 0, 0.0, where="promote"), tmp_path)
+    assert not trial.error, f"{trial}: {trial.error}"
+    tier_dir = trial.root + child.TIER_SUFFIX
+    tier = CheckpointRoot(tier_dir)
+    names = sorted(os.listdir(tier_dir))
+    whole = list(range(K - child.KEEP, K))
+    assert (tier.steps(), tier.latest_step()) == (whole, K - 1), f"{trial}: tier left {names}"
+    assert [n for n in names if STEP_DIR.match(n)] == [CheckpointRoot.dir_name(s) for s in whole], names
+    assert [n for n in names if is_tmp_name(n)] and all(n.startswith(f".step_{K:08d}.tmp-")
+                                                        for n in names if is_tmp_name(n)), names
+    for s in whole:
+        with ucl.open(tier.path_for(s)) as ck:
+            assert ck.verify() == [] and ck.manifest.state["extra"] == {"i": s}
+    root = CheckpointRoot(trial.root)
+    assert K in root.steps()
+    with _GlobalRng(), ucl.Checkpointer(trial.root, *child.build(0), keep=child.KEEP, tiers=[tier_dir]):
+        pass
+    assert not [n for n in os.listdir(tier_dir) if is_tmp_name(n)]
+    assert not [n for n in os.listdir(trial.root) if is_tmp_name(n)]
+    assert tier.steps() == whole and K in root.steps()

@@ -20,6 +20,7 @@ from torch import nn
 
 IN, HIDDEN, OUT, BATCH = 128, 512, 16, 8
 KEEP = 3
+TIER_SUFFIX = "-tier"  # run_killed_in(where="promote"): the further tier is ROOT-tier
 MAX_STEPS = 100_000  # the parent kills the child long before this
 
 
@@ -63,12 +64,12 @@ def replay(seed: int, steps, threads: int = 1) -> dict[int, dict]:
         torch.set_num_threads(old)
 
 
-def _train(root: str, seed: int, report) -> None:
+def _train(root: str, seed: int, report, tiers=None) -> None:
     """Checkpoint before every iteration; ``report(line)`` after each ``save`` returned."""
     torch.set_num_threads(1)
     import ucl
     model, optimizer = build(seed)
-    ck = ucl.Checkpointer(root, model, optimizer, keep=KEEP, persist_every=1)
+    ck = ucl.Checkpointer(root, model, optimizer, keep=KEEP, persist_every=1, tiers=tiers)
     report("ready")
     for i in range(MAX_STEPS):
         ck.save(i, extra={"i": i})
@@ -84,12 +85,12 @@ def _redirect(log: str) -> None:
     os.close(fd)
 
 
-def run(root: str, seed: int, conn, log: str) -> None:
+def run(root: str, seed: int, conn, log: str, tiers=None) -> None:
     """Entry point of a trial process forked by the test's forkserver: progress goes to ``conn``
     (one small ``send_bytes`` = one ``write``, so a kill cannot tear a message), stdout and stderr
     to the file ``log``."""
     _redirect(log)
-    _train(root, seed, lambda line: conn.send_bytes(line.encode()))
+    _train(root, seed, lambda line: conn.send_bytes(line.encode()), tiers)
 
 
 KILL_STEP = 4  # the self-killing runs die while step 4 (the 5th checkpoint) is being published
@@ -102,7 +103,9 @@ def run_killed_in(root: str, seed: int, where: str, conn, log: str) -> None:
     * ``replace_latest``: the new ``latest`` (naming step KILL_STEP) is written and fsynced under its
       temp name, not yet renamed over ``latest``;
     * ``prune``: the first pruned checkpoint (step 0, when step 3 is published) is renamed to its
-      ``.tmp-del-`` name, not yet deleted.
+      ``.tmp-del-`` name, not yet deleted;
+    * ``promote``: with a directory tier ``ROOT-tier``, the promoter has copied one file of step
+      KILL_STEP into the tier's hidden temp folder and starts on the next.
     """
     import shutil
     from ucl.store.root import CheckpointRoot
@@ -136,6 +139,19 @@ def run_killed_in(root: str, seed: int, where: str, conn, log: str) -> None:
                 die()
             return real_rmtree(path, *a, **k)
         shutil.rmtree = rmtree
+    elif where == "promote":
+        real_copyfile = shutil.copyfile
+        tier = os.path.abspath(root + TIER_SUFFIX)
+
+        def copyfile(src, dst, *a, **k):
+            folder = os.path.dirname(os.path.abspath(dst))
+            if (os.path.dirname(folder) == tier and os.path.basename(folder).startswith(f".step_{KILL_STEP:08d}.tmp-")
+                    and any(not n.startswith(".ucl-writer") for n in os.listdir(folder))):
+                die()
+            return real_copyfile(src, dst, *a, **k)
+        shutil.copyfile = copyfile
+        run(root, seed, conn, log, tiers=[root + TIER_SUFFIX])
+        return
     else:
         raise ValueError(where)
     run(root, seed, conn, log)

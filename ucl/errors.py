@@ -148,7 +148,7 @@ ERROR_CODES: dict[str, tuple[type[UclError], ...]] = {
     "UCL009": (UclError,),
     # the live training checkpointer (ucl.train)
     "UCL430": (UclError,), "UCL431": (UclError,), "UCL432": (StoreError,),
-    "UCL433": (StoreError,), "UCL434": (StoreError,),
+    "UCL433": (StoreError,), "UCL434": (StoreError,), "UCL435": (StoreError,),
     # reading and checking a spec
     "UCL001": (SpecError,), "UCL002": (SpecError,), "UCL003": (SpecError,), "UCL010": (SpecError,),
     "UCL100": (SpecError,),
@@ -169,7 +169,7 @@ ERROR_CODES: dict[str, tuple[type[UclError], ...]] = {
     "UCL314": (PlanError,), "UCL315": (PlanError,), "UCL316": (PlanError,),
     # checkpoints
     **{f"UCL{n}": (StoreError,) for n in (400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412,
-                                          413, 416, 417, 420, 421, 422, 423, 424)},
+                                          413, 416, 417, 420, 421, 422, 423, 424, 425)},
     # other frameworks' checkpoints (ucl.interop)
     "UCL500": (StoreError,), "UCL501": (StoreError,), "UCL502": (StoreError,), "UCL503": (StoreError,),
 }

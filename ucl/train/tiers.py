@@ -9,20 +9,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UclError
-from ..store.atomic import fsync_path, staged_dir
+from ..store.atomic import LOCK_NAME, fsync_path, staged_dir
 from ..store.manifest import MANIFEST_NAME
 from ..store.root import LATEST_NAME, CheckpointRoot
 
 
-def promote(path: str, tier: CheckpointRoot, step: int, keep: int) -> None:
-    """Copy a committed checkpoint to another directory tier, atomically, then move its ``latest``."""
+def committed_files(path: str) -> list[str]:
+    """The files of a committed checkpoint folder (rank files and the manifest), sorted."""
+    return sorted(f for f in os.listdir(path) if not f.startswith(LOCK_NAME))
+
+
+def promote(path: str, tier: CheckpointRoot, step: int, keep: int, files=None) -> None:
+    """Copy a committed checkpoint (``files`` of ``path``, default all) to another directory tier,
+    atomically (the folder appears whole or not at all), then move its ``latest`` and prune."""
+    files = committed_files(path) if files is None else files
     os.makedirs(tier.root, exist_ok=True)
     final = tier.path_for(step)
     if os.path.exists(final):
         return
     with staged_dir(final) as folder:
-        shutil.copytree(path, folder, dirs_exist_ok=True)
-        for name in os.listdir(folder):
+        for name in files:
+            shutil.copyfile(os.path.join(path, name), os.path.join(folder, name))
             fsync_path(os.path.join(folder, name))
     tier.set_latest(step)
     tier.prune(keep)
@@ -74,12 +81,12 @@ class RemoteTier:
         except FileNotFoundError:
             return None
 
-    def promote(self, path: str, step: int, keep: int) -> None:
+    def promote(self, path: str, step: int, keep: int, files=None) -> None:
         name = CheckpointRoot.dir_name(step)
         target = self._join(name)
         if self.fs.exists(self._join(name, MANIFEST_NAME)):
             return
-        files = sorted(f for f in os.listdir(path) if f != MANIFEST_NAME)
+        files = [f for f in (committed_files(path) if files is None else files) if f != MANIFEST_NAME]
         self.fs.makedirs(target, exist_ok=True)
         for f in files + [MANIFEST_NAME]:  # the manifest last: it commits the folder
             self.fs.put_file(os.path.join(path, f), self._join(name, f))
@@ -107,8 +114,12 @@ def open_tier(tier: Any) -> CheckpointRoot | RemoteTier:
     return RemoteTier.open(tier) if "://" in os.fspath(tier) else CheckpointRoot(tier)
 
 
-def promote_to(tier: CheckpointRoot | RemoteTier, path: str, step: int, keep: int) -> None:
+def promote_to(tier: CheckpointRoot | RemoteTier, path: str, step: int, keep: int, files=None) -> None:
     if isinstance(tier, RemoteTier):
-        tier.promote(path, step, keep)
+        tier.promote(path, step, keep, files)
     else:
-        promote(path, tier, step, keep)
+        promote(path, tier, step, keep, files)
+
+
+def describe(tier: CheckpointRoot | RemoteTier) -> str:
+    return tier.url if isinstance(tier, RemoteTier) else tier.root

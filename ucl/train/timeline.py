@@ -19,13 +19,13 @@ from ..errors import StoreError, UclError
 
 MAX_TRACE_BYTES = 256 << 20
 TRACE_GLOB = "trace-rank*.jsonl"
-# phase -> lane (Chrome tid): the training thread, the snapshot copier, the flusher
-LANES = {"blocked": 0, "fence": 0, "restore": 0, "snapshot": 1, "flush": 2, "promote": 2}
-LANE_NAMES = ("training", "snapshot", "flush/promote")
+# phase -> lane (Chrome tid): the training thread, the snapshot copier, the flusher, the promoter
+LANES = {"blocked": 0, "fence": 0, "restore": 0, "snapshot": 1, "flush": 2, "promote": 3}
+LANE_NAMES = ("training", "snapshot", "flush", "promote")
 COLOURS = {"blocked": "#d62728", "fence": "#ff7f0e", "snapshot": "#1f77b4", "flush": "#2ca02c",
            "promote": "#9467bd", "restore": "#8c564b"}
 LEGEND = {"blocked": "blocked in save()", "fence": "fence (optimizer step waited)", "snapshot": "snapshot copy",
-          "flush": "flush (write + commit)", "promote": "promote (latest, prune, tiers)",
+          "flush": "flush (write, commit, latest, prune)", "promote": "promote to a further tier",
           "restore": "load from host memory (tier 0)"}
 
 
@@ -103,7 +103,8 @@ def summarize(events: list[dict]) -> dict:
     """Counts and times (seconds) of a trace: ``saves`` (save calls), ``checkpoints`` (steps
     flushed), ``blocked_s`` (total time in save), ``blocked_median_s`` (per save), ``fence_s``
     (fence waits outside save, which blocked_s already holds), ``durable_median_s`` (per step: the
-    last end of its flush/promote on any rank minus the first start of its save),
+    last end of its flush on any rank minus the first start of its save), ``promoted_median_s``
+    (the same to the last end of its promotions to further tiers; None without any),
     ``pool_peak_mib`` (host pool high-water), ``ranks`` and ``span_s``."""
     by_phase = {p: [e for e in events if e["phase"] == p] for p in LANES}
     blocked = [e["end"] - e["start"] for e in by_phase["blocked"]]
@@ -116,25 +117,33 @@ def summarize(events: list[dict]) -> dict:
         i = bisect.bisect_right(saves, (e["start"], math.inf)) - 1
         if i < 0 or saves[i][1] < e["end"]:  # not inside a save() of the same rank
             fence += e["end"] - e["start"]
-    done: dict[int, float] = {}
-    for e in by_phase["flush"] + by_phase["promote"]:
-        if "step" in e:
-            done[e["step"]] = max(done.get(e["step"], -math.inf), e["end"])
     begun: dict[int, list] = {}
     for e in by_phase["blocked"]:
         begun.setdefault(e.get("step"), []).append(e["start"])
-    durable = []
-    for step, end in done.items():
-        starts = [t for t in begun.get(step, ()) if t <= end]
-        if starts:
-            durable.append(end - min(starts))
+    durable = _save_to_last_end(by_phase["flush"], begun)
+    promoted = _save_to_last_end(by_phase["promote"], begun)
     peaks = [e["pool_high_water"] for e in events if _is_number(e.get("pool_high_water"))]
     return {"ranks": sorted({e["rank"] for e in events}), "saves": len(blocked),
             "checkpoints": len({e.get("step") for e in by_phase["flush"]}),
             "blocked_s": sum(blocked), "blocked_median_s": statistics.median(blocked) if blocked else None,
             "fence_s": fence, "durable_median_s": statistics.median(durable) if durable else None,
+            "promoted_median_s": statistics.median(promoted) if promoted else None,
             "pool_peak_mib": max(peaks) / 2**20 if peaks else None,
             "span_s": max(e["end"] for e in events) - min(e["start"] for e in events) if events else 0.0}
+
+
+def _save_to_last_end(events: list[dict], begun: dict[int, list]) -> list[float]:
+    """Per step of ``events``: their last end minus the first start of that step's save before it."""
+    done: dict[int, float] = {}
+    for e in events:
+        if "step" in e:
+            done[e["step"]] = max(done.get(e["step"], -math.inf), e["end"])
+    out = []
+    for step, end in done.items():
+        starts = [t for t in begun.get(step, ()) if t <= end]
+        if starts:
+            out.append(end - min(starts))
+    return out
 
 
 # ---- Chrome trace event format -------------------------------------------------------------------
@@ -181,7 +190,7 @@ def draw_timeline(root, path) -> dict:
     for e in events:
         spans.setdefault((e["phase"], e["rank"]), []).append((e["start"] - t0, e["end"] - e["start"]))
     order = {p: i for i, p in enumerate(("snapshot", "flush", "promote", "blocked", "fence"))}  # fences over saves
-    for (phase, rank), xs in sorted(spans.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
+    for (phase, rank), xs in sorted(spans.items(), key=lambda kv: (order.get(kv[0][0], -1), kv[0][1])):
         y = row[rank] + LANES[phase]
         ax.broken_barh(xs, (y - 0.38, 0.76), facecolors=COLOURS[phase], edgecolors=COLOURS[phase], linewidth=0.6)
     ticks = [row[r] + lane for r in ranks for lane in range(len(LANE_NAMES))]
@@ -222,8 +231,10 @@ def _mark_steps(ax, events, t0: float, span: float) -> None:
 def _title(s: dict) -> str:
     peak = "n/a" if s["pool_peak_mib"] is None else f"{s['pool_peak_mib']:.1f} MiB"
     return (f"{s['checkpoints']} checkpoints ({s['saves']} saves) · blocked {_seconds(s['blocked_s'])} total, "
-            f"median {_seconds(s['blocked_median_s'])} per save · fence waits {_seconds(s['fence_s'])} · "
-            f"save→durable median {_seconds(s['durable_median_s'])} · pool peak {peak}")
+            f"median {_seconds(s['blocked_median_s'])} per save · fence waits {_seconds(s['fence_s'])}\n"
+            f"save→durable median {_seconds(s['durable_median_s'])}"
+            + (f" · save→promoted median {_seconds(s['promoted_median_s'])}" if s.get("promoted_median_s") else "")
+            + f" · pool peak {peak}")
 
 
 def _seconds(x: float | None) -> str:

@@ -1,5 +1,5 @@
 """What the checkpointer did and when, per rank: intervals (blocked, fence, snapshot, flush,
-promote, restore from host memory) with bytes and the host pool's high-water mark, appended as JSON lines next to the
+promote to a further tier, restore from host memory) with bytes and the host pool's high-water mark, appended as JSON lines next to the
 checkpoints (``ROOT/trace-rank00000.jsonl``)."""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ class Trace:
         self._events: list[dict] = []  # every event, for events()
         self._written = 0  # how many of them the trace file has
         self._lock = threading.Lock()
+        self._file_lock = threading.Lock()  # the flusher and the promoter both flush: one appender at a time
 
     def add(self, phase: str, start: float, end: float, **info) -> None:
         with self._lock:
@@ -29,10 +30,11 @@ class Trace:
 
     def flush(self) -> None:
         """Append the events recorded since the last flush to the trace file."""
-        with self._lock:
-            events, self._written = self._events[self._written:], len(self._events)
-        if not events:
-            return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write("".join(json.dumps(e) + "\n" for e in events))
+        with self._file_lock:
+            with self._lock:
+                events, self._written = self._events[self._written:], len(self._events)
+            if not events:
+                return
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write("".join(json.dumps(e) + "\n" for e in events))

@@ -1,0 +1,88 @@
+"""The snapshot stage: a thread copies each saved snapshot's tensors into its pool region while
+the next forward and backward run (on CUDA: a side stream, ``non_blocking``), keeps the newest
+copy as tier 0 and hands those to be persisted to the flusher."""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from ..errors import StoreError
+from .progress import Progress
+from .snapshot import Snapshot, Snapshots
+from .trace import Trace
+
+
+class Copier:
+    def __init__(self, snapshots: Snapshots, progress: Progress, trace: Trace, rank: int, *,
+                 cuda: bool, then: Callable[[Snapshot], None]):
+        import torch
+        self.snapshots, self.progress, self.trace, self.rank, self.then = snapshots, progress, trace, rank, then
+        self._stream = torch.cuda.Stream() if cuda else None
+        self._q: queue.Queue = queue.Queue()  # bounded by the pool: save() waits for a region first
+        self._thread = threading.Thread(target=self._run, name="ucl-snapshot", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: Snapshot) -> None:
+        self._q.put(snap)
+
+    def stop(self, timeout: float = 60) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        while True:
+            snap = self._q.get()
+            if snap is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                self._copy(snap)
+            except BaseException as e:  # surfaces on the next call
+                self.progress.fail(StoreError(f"rank {self.rank} step {snap.step}: snapshot failed: {e}",
+                                              code="UCL432"))
+                snap.copied.set()
+                self.snapshots.drop(snap, *list(snap.holders))
+                if snap.persist:
+                    self.progress.done()
+                continue
+            self.trace.add("snapshot", t0, time.perf_counter(), step=snap.step,
+                           bytes=snap.region.stop - snap.region.start)
+            self.snapshots.remember(snap)
+            if snap.persist:
+                self.then(snap)
+
+    def _copy(self, snap: Snapshot) -> None:
+        import torch
+        stream = self._stream
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            for e, off in zip(snap.layout.entries, snap.offsets):
+                if e.eager:
+                    continue
+                src = host_bytes(e.tensor) if stream is None else None
+                if src is not None:  # one thread, GIL released: no second team of intra-op threads
+                    np.copyto(self.snapshots.bytes(snap, off, src.size), src)
+                else:
+                    self.snapshots.view(snap, e, off).copy_(e.tensor, non_blocking=stream is not None)
+            if stream is not None:
+                snap.cuda_event = torch.cuda.Event()
+                snap.cuda_event.record(stream)
+        snap.copied.set()
+        if snap.cuda_event is not None:
+            snap.cuda_event.synchronize()  # the flusher reads host memory: off the training thread
+
+
+def host_bytes(t) -> np.ndarray | None:
+    """The bytes of a dense, contiguous CPU tensor as a flat uint8 array sharing its memory, or None
+    (another device, a strided view, a subclass such as DTensor, no elements)."""
+    import torch
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return None
+    if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous() or t.numel() == 0:
+        return None
+    return t.detach().reshape(-1).view(torch.uint8).numpy()

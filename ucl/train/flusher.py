@@ -1,0 +1,132 @@
+"""The flush stage: a thread writes each persisted snapshot from the pool to this rank's HDF5 file
+(the ordinary ucl store format), commits (collectively, on the checkpointer's own gloo group, when
+there are several processes), moves ``latest``, prunes, and hands the durable checkpoint to the
+promoter. h5py releases the GIL while it writes."""
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+import time
+
+from ..dtypes import logical_of_torch_dtype, storage_dtype
+from ..errors import StoreError, UclError
+from ..ops.collective import commit_collectively
+from ..store.root import CheckpointRoot
+from ..store.writer import CheckpointWriter
+from .layouts import SPEC_NAME, Layouts
+from .progress import Progress
+from .promoter import Promoter
+from .snapshot import Snapshot, Snapshots
+from .trace import Trace
+
+
+class Flusher:
+    def __init__(self, root: CheckpointRoot, layouts: Layouts, snapshots: Snapshots, progress: Progress,
+                 trace: Trace, *, keep: int, dist=None, group=None, promoter: Promoter | None = None):
+        self.root, self.layouts, self.snapshots, self.progress, self.trace = root, layouts, snapshots, progress, trace
+        self.keep, self.dist, self.group, self.promoter = keep, dist, group, promoter
+        self.rank = dist.get_rank() if dist else 0
+        self.world = dist.get_world_size() if dist else 1
+        self._hidden: str | None = None  # a checkpoint of the step being rewritten, hidden until replaced
+        self._q: queue.Queue = queue.Queue()  # bounded by the pool: save() waits for a region first
+        self._thread = threading.Thread(target=self._run, name="ucl-flush", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: Snapshot) -> None:
+        """Persist ``snap`` (its ``progress.begin()`` was called by ``save``)."""
+        self._q.put(snap)
+
+    def stop(self, timeout: float = 60) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        # not niced (progress.BACKGROUND_NICE): durability is latency the job waits on (back-pressure),
+        # and on a shared machine a niced flusher loses to other processes, not to training
+        while True:
+            snap = self._q.get()
+            if snap is None:
+                return
+            try:
+                if not self.progress.failed:
+                    self._persist(snap)
+            except BaseException as e:
+                self._unhide(snap.step)
+                self.progress.fail(e if isinstance(e, UclError) else StoreError(
+                    f"rank {self.rank} step {snap.step}: writing failed: {e}", code="UCL410"))
+            finally:
+                self.snapshots.drop(snap, "flush")
+                self.progress.done()
+
+    def _persist(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        layout = snap.layout
+        model = self.layouts.model_of(layout)
+        os.makedirs(self.root.root, exist_ok=True)
+        fields = dict(spec=model.spec.text, spec_name=SPEC_NAME, dims=dict(model.dims), mesh=layout.mesh.to_json(),
+                      params={n: list(s) for n, s in model.params.items()}, frozen=sorted(model.frozen),
+                      state=snap.state)
+        path = self.root.path_for(snap.step)
+        if self.world == 1:
+            self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
+            with CheckpointWriter(path, layout.mesh.size, **fields) as w:
+                self._write(w, snap)
+                w.commit()
+        else:
+            self._persist_collective(snap, path, fields)
+        if self.rank == 0:
+            self.root.set_latest(snap.step)
+            self.root.discard_after(snap.step)  # after load(step=k), later steps belong to an abandoned run
+            if self._hidden is not None:
+                shutil.rmtree(self._hidden, ignore_errors=True)
+                self._hidden = None
+            self.root.prune(self.keep)
+        self.trace.add("flush", t0, time.perf_counter(), step=snap.step, bytes=snap.region.stop - snap.region.start,
+                       pool_high_water=self.snapshots.pool.high_water)
+        if self.rank == 0 and self.promoter is not None:
+            self.promoter.submit(path, snap.step)  # waits while the promoter's queue is full
+        if self.world > 1:
+            self.dist.barrier(group=self.group)  # every rank's wait() returns after `latest` moved
+        self.trace.flush()
+
+    def _unhide(self, step: int) -> None:
+        """A failed rewrite of ``step`` puts the checkpoint it was to replace back."""
+        hidden, self._hidden = self._hidden, None
+        path = self.root.path_for(step)
+        if hidden is not None and not os.path.lexists(path):
+            os.rename(hidden, path)
+            self.root.adopt_newest()
+
+    def _write(self, writer: CheckpointWriter, snap: Snapshot) -> None:
+        for e, off in zip(snap.layout.entries, snap.offsets):
+            logical = logical_of_torch_dtype(e.tensor.dtype)
+            n = e.tensor.numel() * e.tensor.element_size()
+            raw = self.snapshots.bytes(snap, off, n)
+            arr = raw.view(storage_dtype(logical)).reshape(tuple(e.tensor.shape))
+            writer.write(snap.layout.rank, e.key, arr, dtype=logical)
+
+    def _persist_collective(self, snap: Snapshot, path: str, fields: dict) -> None:
+        """Every process writes its rank file; rank 0 commits once all are durable (ops.collective)."""
+        layout = snap.layout
+
+        def write(writer: CheckpointWriter) -> list[int]:
+            if layout.rank < 0:
+                return []
+            self._write(writer, snap)
+            return [layout.rank]
+
+        def before_commit(writer: CheckpointWriter, shares: list) -> None:
+            for rng_states in shares:  # every process's generators, by process rank
+                writer.manifest.state["rng"].update(rng_states)
+
+        def prepare() -> None:
+            self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
+
+        try:
+            commit_collectively(path, layout.mesh.size, fields, write, group=self.group,
+                                share=snap.state["rng"], before_commit=before_commit, prepare=prepare)
+        except StoreError as e:
+            raise StoreError(f"step {snap.step}: {e}", code=e.code) from None
+

@@ -1,0 +1,90 @@
+"""The promotion stage (process rank 0): a thread of its own copies each durable checkpoint to the
+further tiers (``tiers=``), so a slow tier never delays the next flush.
+
+The flusher hands over hard links to the committed files, in a hidden locked folder beside the
+checkpoint (``store.atomic.TempDir``), so pruning or rewriting that checkpoint in tier 1 meanwhile
+cannot pull files out from under the copy; a killed process leaves a dead folder that the next
+checkpointer (or ``ucl gc``) removes. At most ``depth`` checkpoints wait besides the one being
+copied; then the flusher waits too (disk and, through the pool, memory stay bounded)."""
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import StoreError
+from ..store.atomic import TempDir
+from .progress import Progress, lower_priority
+from .tiers import committed_files, describe, promote_to
+from .trace import Trace
+
+
+@dataclass(frozen=True)
+class Promotion:
+    step: int
+    staged: Any  # TempDir of hard links to the committed files
+    files: tuple[str, ...]
+
+
+class Promoter:
+    def __init__(self, tiers: list, keep: int, progress: Progress, trace: Trace, rank: int, depth: int = 1):
+        self.tiers, self.keep, self.progress, self.trace, self.rank = tiers, keep, progress, trace, rank
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, name="ucl-promote", daemon=True)
+        self._thread.start()
+
+    def submit(self, path: str, step: int) -> None:
+        """Promote the committed checkpoint ``path`` of ``step``; waits while the queue is full."""
+        try:
+            staged = TempDir(path)
+            try:
+                files = tuple(committed_files(path))
+                for name in files:
+                    _link_or_copy(os.path.join(path, name), os.path.join(staged.path, name))
+            except BaseException:
+                staged.discard()
+                raise
+        except Exception as e:
+            self.progress.fail(self._error(step, "tier 1 (staging its files)", e))
+            return
+        self.progress.begin()
+        self._q.put(Promotion(step, staged, files))
+
+    def stop(self, timeout: float = 60) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        lower_priority()
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            try:
+                for i, tier in enumerate(self.tiers):
+                    t0 = time.perf_counter()
+                    try:
+                        promote_to(tier, item.staged.path, item.step, self.keep, list(item.files))
+                    except Exception as e:  # each tier is tried; the first error surfaces
+                        self.progress.fail(self._error(item.step, f"tier {i + 2} ({describe(tier)})", e))
+                        continue
+                    self.trace.add("promote", t0, time.perf_counter(), step=item.step, tier=i + 2)
+            finally:
+                item.staged.discard()
+                self.trace.flush()
+                self.progress.done()
+
+    def _error(self, step: int, where: str, e: BaseException) -> StoreError:
+        return StoreError(f"rank {self.rank} step {step}: promoting to {where} failed: {type(e).__name__}: {e}",
+                          code="UCL435")
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a filesystem without hard links: a copy, in the flusher's time
+        shutil.copyfile(src, dst)

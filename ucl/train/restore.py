@@ -1,0 +1,110 @@
+"""Restoring a module and its optimizer in place: from the snapshot still in host memory (tier 0),
+or from a committed checkpoint of any layout (only this rank's hyperslabs are read, straight into
+the live tensors where their shapes agree)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import logical_of_torch_dtype, to_torch
+from ..errors import StoreError
+from ..ops.dist import allgather_json
+from ..ops.load import load_rank
+from ..ops.prepare import expected_datasets, open_checkpoint
+from ..store.root import CheckpointRoot
+from . import rng
+from .derive import TrainLayout
+from .layouts import Layouts
+from .optim import init_state, restore_hyperparameters
+from .snapshot import Snapshots
+from .trace import Trace
+
+
+@dataclass(frozen=True)
+class Target:
+    """What is restored, on which process of how many; ``group`` is the checkpointer's own."""
+    module: Any
+    optimizer: Any
+    layouts: Layouts
+    rank: int
+    world: int
+    group: Any = None
+
+
+def from_memory(target: Target, snapshots: Snapshots, root: CheckpointRoot, step: int | None,
+                trace: Trace, usable: bool = True) -> tuple[int, Any] | None:
+    """Restore tier 0 when it is what ``load`` asks for (``step``, or newer than every committed
+    checkpoint: ``persist_every > 1`` keeps unwritten snapshots there) and the module still has its
+    layout; on every rank or on none (ranks agree through ``target.group``). None: read from disk."""
+    snap = snapshots.borrow()
+    try:
+        usable = usable and snap is not None and snap.copied.is_set()
+        if usable:
+            latest = root.latest_step()
+            usable = snap.step == step if step is not None else latest is None or snap.step > latest
+        layout = target.layouts.current(target.module, target.optimizer) if usable else None
+        usable = usable and layout.signature == snap.layout.signature
+        if target.world > 1:
+            usable = all(allgather_json(bool(usable), group=target.group))
+        if not usable:
+            return None
+        t0 = time.perf_counter()
+        import torch
+        with torch.no_grad():
+            for e, off in zip(layout.entries, snap.offsets):
+                e.tensor.copy_(snapshots.view(snap, e, off))
+        if target.optimizer is not None:
+            restore_hyperparameters(target.optimizer, snap.state.get("optimizer"))
+        rng.restore(snap.state.get("rng"), target.rank, target.world)
+        trace.add("restore", t0, time.perf_counter(), step=snap.step, tier=0)
+        return snap.step, snap.state.get("extra")
+    finally:
+        if snap is not None:
+            snapshots.drop(snap, "load")
+
+
+def from_checkpoint(target: Target, path: str) -> tuple[int, Any]:
+    """Restore the committed checkpoint at ``path``, written on any layout."""
+    with open_checkpoint(path) as ck:
+        manifest = ck.manifest
+    saved = manifest.state or {}
+    kinds = {k.split("/", 1)[0] for ds in manifest.datasets for k in ds}
+    optimizer = target.optimizer
+    if optimizer is not None and kinds - {"param"} and not optimizer.state:
+        init_state(optimizer)
+    layout = target.layouts.current(target.module, optimizer)
+    arrays = _read(target.layouts, path, manifest, layout)
+    import torch
+    with torch.no_grad():
+        for e in layout.entries if layout.rank >= 0 or layout.mesh.is_universal else ():
+            if e.key not in arrays:
+                raise StoreError(f"{path} has no {e.key}: it was saved from a different model or optimizer",
+                                 code="UCL434")
+            if arrays[e.key] is e.tensor:  # filled in place
+                continue
+            src = to_torch(arrays[e.key], logical_of_torch_dtype(e.tensor.dtype))
+            e.tensor.copy_(src.reshape(e.tensor.shape))
+    if optimizer is not None:
+        restore_hyperparameters(optimizer, saved.get("optimizer"))
+    rng.restore(saved.get("rng"), target.rank, target.world)
+    return int(saved.get("step", -1)), saved.get("extra")
+
+
+def _read(layouts: Layouts, path: str, manifest, layout: TrainLayout) -> dict[str, np.ndarray]:
+    """This rank's datasets in the current layout, from a checkpoint of any layout."""
+    rank = max(layout.rank, 0)
+    model = layouts.model_of(layout)
+    saved = {n: tuple(s) for n, s in (manifest.params or {}).items()}
+    if saved != dict(model.params):
+        missing = sorted(set(model.params) - set(saved))
+        extra = sorted(set(saved) - set(model.params))
+        differ = sorted(n for n in set(saved) & set(model.params) if saved[n] != tuple(model.params[n]))
+        raise StoreError(f"{path} holds another model: missing {missing[:5]}, extra {extra[:5]}, other shapes "
+                         f"{differ[:5]}", code="UCL434")
+    want = expected_datasets(model, layout.mesh, rank) if layout.rank >= 0 or layout.mesh.is_universal else {}
+    into = {e.key: e.tensor for e in layout.entries
+            if e.key in want and tuple(e.tensor.shape) == tuple(want[e.key][0])}
+    return load_rank(path, mesh=layout.mesh, rank=rank, model=model, out=into)
