@@ -5,7 +5,9 @@ the ranks sharing a tuple are replicas and are expanded with numpy only when a p
 """
 from __future__ import annotations
 
+import gc
 import itertools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +22,7 @@ from .boxes import Slot, flat_boxes
 from .dims import TensorFailure, build_dims, evaluate_in, fail, universal_dims
 from .fit import mesh_report, note_shared, warn_loose_fit
 from .mesh import Mesh
-from .place import coords_key, placement
+from .place import placement
 
 
 @dataclass(eq=False)
@@ -76,12 +78,26 @@ class ShardMap:
                 if all(c.get(a, 0) == v for a, v in d.fixed.items())}
 
 
-def _layouts(model, tensor, dims, fixed, mesh):
-    """Per-dim layouts on one coordinate; a split that does not fit is reported at its own span."""
+def _dim_axes(dims) -> tuple[tuple[str, ...], ...]:
+    """Each dim's split axes, sorted: what ``place.coords_key`` looks at, found once per tensor."""
+    return tuple(tuple(sorted(d.node.axes())) for d in dims)
+
+
+def _layouts(model, tensor, dims, fixed, mesh, dim_axes=None, memo: dict | None = None):
+    """Per-dim layouts on one coordinate; a split that does not fit is reported at its own span.
+    ``memo`` maps (id of a DimSpec kept alive by the caller, coordinates) to its layout."""
     out = []
-    for k, d in enumerate(dims):
-        try:
-            out.append(dim_layout(d, coords_key(fixed, (d,), mesh)))
+    for k, (d, axes) in enumerate(zip(dims, dim_axes if dim_axes is not None else _dim_axes(dims))):
+        try:  # the key is place.coords_key(fixed, (d,), mesh), from the axes found beforehand
+            coords = tuple((a, fixed[a], mesh.axis_size(a)) for a in axes)
+            if memo is None:
+                out.append(dim_layout(d, coords))
+            else:  # dim_layout's own cache hashes the whole dim tree on every call
+                key = (id(d), coords)
+                got = memo.get(key)
+                if got is None:
+                    got = memo[key] = dim_layout(d, coords)
+                out.append(got)
         except LayoutError as e:
             split = _split_transform(tensor.rule, e.split) if e.split is not None else None
             spans = [t.span for t in tensor.rule.transforms if isinstance(t, ast.Split) and t.dim.root == k]
@@ -109,15 +125,33 @@ def _enumerate(axes: list[str], mesh: Mesh, allowed: dict[str, list[int]]):
         yield dict(zip(names, combo))
 
 
-def lower(model: Model, mesh: Mesh) -> ShardMap:
-    """The ShardMap of ``model`` on ``mesh`` (cached on the model: lowering is pure)."""
+def lower(model: Model, mesh: Mesh, *, reuse: bool = True) -> ShardMap:
+    """The ShardMap of ``model`` on ``mesh`` (cached on the model: lowering is pure).
+    ``reuse=False`` computes it afresh, every tensor and flat buffer on its own (for tests)."""
+    if not reuse:
+        with _gc_paused():
+            return _lower(model, mesh, False)
     key = ("shardmap", mesh)
     if key not in model.memo:
-        model.memo[key] = _lower(model, mesh)
+        with _gc_paused():
+            model.memo[key] = _lower(model, mesh, True)
     return model.memo[key]
 
 
-def _lower(model: Model, mesh: Mesh) -> ShardMap:
+@contextmanager
+def _gc_paused():
+    """Lowering builds some 10^5 long-lived objects and no cycles: the cyclic collector's passes
+    over them (about 40% of the time of a 405B model's lowering) would find nothing to free."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _lower(model: Model, mesh: Mesh, reuse: bool) -> ShardMap:
     env = model.env(mesh)
     sm = ShardMap(mesh, model, [[] for _ in model.tensors])
     if mesh.is_universal:
@@ -130,18 +164,24 @@ def _lower(model: Model, mesh: Mesh) -> ShardMap:
     placed = {}  # tensor id -> Placed
     failures: list[TensorFailure] = []  # every tensor that does not fit, reported together
     notes: dict = {}  # what fits only loosely (empty stages, shared elements): warned about once
+    shared: dict | None = {} if reuse else None  # what every layer of a rule shares (stage sizes)
+    one: dict[DimSpec, DimSpec] = {}  # equal dim trees (every layer's) as one object, kept alive
+    layout_memo: dict | None = {} if reuse else None
     for t in model.tensors:
         try:
             dims = () if t.scalar else build_dims(model, t, env, mesh)
-            allowed, local = placement(model, t, env, mesh, notes)
-            placed[t.id] = Placed(dims, allowed, local)
+            if reuse:
+                dims = tuple([one.setdefault(d, d) for d in dims])
+            allowed, local = placement(model, t, env, mesh, notes, shared)
+            dim_axes = _dim_axes(dims)
+            placed[t.id] = Placed(dims, allowed, local, dim_axes)
             if t.kind == PARAM:
                 note_shared(t, dims, mesh, notes)
             if t.flat is not None:
                 continue
-            axes = sorted({a for d in dims for a in d.node.axes()})
+            axes = sorted({a for axes in dim_axes for a in axes})
             for fixed in _enumerate(axes, mesh, allowed):
-                layouts = _layouts(model, t, dims, fixed, mesh)
+                layouts = _layouts(model, t, dims, fixed, mesh, dim_axes, layout_memo)
                 shape = tuple(x.local for x in layouts)
                 key = f"{t.kind}/{local}"
                 sm.holdings[t.id].append(Holding(fixed, Slot(key, 0, shape, shape), [layouts]))
@@ -154,7 +194,7 @@ def _lower(model: Model, mesh: Mesh) -> ShardMap:
 
     geometry_cache: dict = {}
     for g in model.flat_groups:
-        _lower_flat(model, g, placed, env, mesh, sm, geometry_cache)
+        _lower_flat(model, g, placed, env, mesh, sm, geometry_cache, reuse, layout_memo)
     return sm
 
 
@@ -166,6 +206,7 @@ class Placed:
     dims: tuple[DimSpec, ...]
     allowed: dict[str, list[int]]
     local: str
+    dim_axes: tuple[tuple[str, ...], ...]  # each dim's split axes, sorted
 
 
 @dataclass(frozen=True)
@@ -215,20 +256,24 @@ class FlatGeometry:
     partitions: list[FlatPartition]
 
 
-def _lower_flat(model, group, placed, env, mesh, sm: ShardMap, cache: dict):
+def _lower_flat(model, group, placed, env, mesh, sm: ShardMap, cache: dict, reuse: bool, layout_memo):
     """Place one flat group's tensors. The geometry is shared by every kind of the same statement
     with the same members (fp32, exp_avg, exp_avg_sq), so it is computed once."""
     if not group.members:
         return
     key = (group.number, tuple(t.name for t in group.members))
     if key not in cache:
-        cache[key] = _flat_geometry(model, group, placed, env, mesh)
+        cache[key] = _flat_geometry(model, group, placed, env, mesh, reuse, layout_memo)
     geo: FlatGeometry = cache[key]
-    by_name = {t.name: t for t in group.members}
+    held = {t.name: sm.holdings[t.id] for t in group.members}
     prefix = f"{group.kind}/"
+    slots: dict[tuple, Slot] = {}  # equal slots recur on every coordinate: build each once
     for p in geo.pieces:
-        sm.holdings[by_name[p.name].id].append(Holding(p.coords, Slot(prefix + p.suffix, p.base, p.shape, (p.part,)),
-                                                       p.pieces))
+        k = (p.suffix, p.base, p.shape, p.part)
+        slot = slots.get(k)
+        if slot is None:
+            slot = slots[k] = Slot(prefix + p.suffix, p.base, p.shape, (p.part,))
+        held[p.name].append(Holding(p.coords, slot, p.pieces))
     for g in geo.gaps:
         sm.flat_fills.append(FlatFill(g.coords, Slot(prefix + g.suffix, 0, (g.part,), (g.part,)), g.start, g.length))
     for d in geo.partitions:
@@ -256,7 +301,7 @@ def _member_axes(model, group, placed, mesh, opts: FlatOptions) -> list[str]:
     axes = set()
     for t in group.members:
         p = placed[t.id]
-        used = {a for d in p.dims for a in d.node.axes()}
+        used = {a for axes in p.dim_axes for a in axes}
         clash = used & set(opts.axes)
         if clash:
             fail(model, t, group.flat.span, LayoutError(
@@ -283,31 +328,58 @@ def _buffers(entries, flat, opts: FlatOptions) -> list[list]:
     return buffers
 
 
-def _flat_geometry(model, group, placed, env, mesh) -> FlatGeometry:
+def _flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: dict | None) -> FlatGeometry:
     flat = group.flat
     opts = _flat_options(model, group, mesh, env)
     parts = opts.parts
     part_coords = [_unravel(j, list(opts.axes), mesh) for j in range(parts)]
     geo = FlatGeometry([], [], [])
+    # Buffers with the same member layouts (the same DimLayout objects: dim_layout is cached) cut
+    # the same way: pipeline stages of equal depth repeat one cut, which is computed once.
+    cuts: dict | None = {} if reuse else None
+    restricted: dict = {}  # (DimLayout, lo, hi) -> its restriction: cuts of other stages repeat many
+    # Members placed alike (a pipeline stage's layers) are held on the same coordinates: test
+    # each placement once per coordinate, not each member.
+    alike: dict[tuple, list[int]] = {}
+    for i, t in enumerate(group.members):
+        alike.setdefault(tuple((a, tuple(c)) for a, c in placed[t.id].allowed.items()), []).append(i)
     for fixed in _enumerate(_member_axes(model, group, placed, mesh, opts), mesh, {}):
         # The buffer on this coordinate: held members in order, each flattened, aligned.
+        held = sorted(i for allowed, idx in alike.items()
+                      if all(fixed.get(a) in c for a, c in allowed) for i in idx)
         entries = []
-        for t in group.members:
+        for i in held:
+            t = group.members[i]
             p = placed[t.id]
-            if any(fixed.get(a) not in c for a, c in p.allowed.items()):
-                continue
-            entries.append((t, _layouts(model, t, p.dims, fixed, mesh), p.local))
+            entries.append((t, _layouts(model, t, p.dims, fixed, mesh, p.dim_axes, layout_memo), p.local))
         for b, members in enumerate(_buffers(entries, flat, opts) if entries else []):
             suffix = members[0][2] if flat.per_param else \
                 f"@flat{group.number}" + (f".{b}" if opts.bucket is not None else "")
-            _partition_buffer(model, mesh, flat, opts, fixed, part_coords, suffix, members, geo)
+            if cuts is None:
+                cut = _cut_buffer(model, mesh, flat, opts, members, None)
+            else:
+                key = (members[0][0].dtype, tuple([layouts for _, layouts, _ in members]))
+                cut = cuts.get(key)
+                if cut is None:
+                    cut = cuts[key] = _cut_buffer(model, mesh, flat, opts, members, restricted)
+            _place_cut(cut, members, fixed, part_coords, suffix, geo)
     return geo
 
 
-def _partition_buffer(model, mesh, flat, opts: FlatOptions, fixed, part_coords, suffix, members,
-                      geo: FlatGeometry) -> None:
+@dataclass(frozen=True)
+class BufferCut:
+    """One flat buffer cut into partitions, independent of where it is held: ``pieces`` are
+    (member index, partition, member's offset relative to the partition, member's local shape,
+    boxes), ``gaps[j]`` the (start, length) of partition ``j`` that no member covers."""
+
+    part: int  # partition length
+    pieces: list[tuple[int, int, int, tuple[int, ...], list]]
+    gaps: list[list[tuple[int, int]]]
+
+
+def _cut_buffer(model, mesh, flat, opts: FlatOptions, members, restricted: dict | None) -> BufferCut:
     """Lay ``members`` out in one flat buffer (aligned, padded) and cut it into ``opts.parts``
-    partitions: the pieces each partition holds, its gaps, and the partition datasets."""
+    partitions: the pieces each partition holds and its gaps."""
     parts = opts.parts
     offsets, pos = [], 0
     for t, layouts, _ in members:
@@ -325,7 +397,8 @@ def _partition_buffer(model, mesh, flat, opts: FlatOptions, fixed, part_coords, 
             f"add `pad to multiple_of({' * '.join(opts.axes)})`"), mesh)
     part = total // parts
     covered = [[] for _ in range(parts)]
-    for (t, layouts, _), off in zip(members, offsets):
+    pieces = []
+    for i, ((t, layouts, _), off) in enumerate(zip(members, offsets)):
         shape = tuple(x.local for x in layouts)
         n = int(np.prod(shape, dtype=np.int64))
         if n == 0 or part == 0:
@@ -333,23 +406,49 @@ def _partition_buffer(model, mesh, flat, opts: FlatOptions, fixed, part_coords, 
         for j in range(off // part, (off + n - 1) // part + 1):
             lo, hi = max(off, j * part), min(off + n, (j + 1) * part)
             covered[j].append((lo - j * part, hi - lo))
-            pieces = [tuple(_box_dims(layouts, start, size)) for _, start, size in flat_boxes(shape, lo - off, hi - off)]
-            geo.pieces.append(FlatPiece(t.name, {**fixed, **part_coords[j]}, suffix, off - j * part, shape, part, pieces))
+            boxes = [_box_dims(layouts, start, size, restricted) for _, start, size in flat_boxes(shape, lo - off, hi - off)]
+            pieces.append((i, j, off - j * part, shape, boxes))
+    gaps = []
     for j in range(parts):
-        coords = {**fixed, **part_coords[j]}
-        geo.partitions.append(FlatPartition(coords, suffix, part))
-        pos = 0
+        pos, mine = 0, []
         for lo, n in sorted(covered[j]):
             if lo > pos:
-                geo.gaps.append(FlatGap(coords, suffix, part, pos, lo - pos))
+                mine.append((pos, lo - pos))
             pos = lo + n
         if part > pos:
-            geo.gaps.append(FlatGap(coords, suffix, part, pos, part - pos))
+            mine.append((pos, part - pos))
+        gaps.append(mine)
+    return BufferCut(part, pieces, gaps)
 
 
-def _box_dims(layouts, start, size):
+def _place_cut(cut: BufferCut, members, fixed, part_coords, suffix, geo: FlatGeometry) -> None:
+    """The pieces, gaps and partition datasets of a cut buffer held by the ranks at ``fixed``."""
+    part = cut.part
+    coords = [{**fixed, **c} for c in part_coords]
+    for i, j, base, shape, boxes in cut.pieces:
+        geo.pieces.append(FlatPiece(members[i][0].name, coords[j], suffix, base, shape, part, boxes))
+    for j, mine in enumerate(cut.gaps):
+        geo.partitions.append(FlatPartition(coords[j], suffix, part))
+        for start, length in mine:
+            geo.gaps.append(FlatGap(coords[j], suffix, part, start, length))
+
+
+def _box_dims(layouts, start, size, restricted: dict | None) -> tuple[DimLayout, ...]:
+    """The box ``start:start+size`` of a local tensor as per-dim layouts; restrictions are looked
+    up in ``restricted`` (keyed by the DimLayout object itself) when given."""
+    out = []
     for d, s, z in zip(layouts, start, size):
-        yield d if (s == 0 and z == d.local) else d.restrict(s, s + z)
+        if s == 0 and z == d.local:
+            out.append(d)
+        elif restricted is None:
+            out.append(d.restrict(s, s + z))
+        else:
+            key = (d, s, s + z)
+            r = restricted.get(key)
+            if r is None:
+                r = restricted[key] = d.restrict(s, s + z)
+            out.append(r)
+    return tuple(out)
 
 
 def _unravel(j: int, axes: list[str], mesh: Mesh) -> dict[str, int]:

@@ -14,8 +14,9 @@ from .dims import TensorFailure, evaluate_in, fail
 from .mesh import Mesh
 
 
-def placement(model: Model, tensor, env: dict, mesh: Mesh, notes: dict | None = None):
-    """-> (fixed coords: axis -> allowed coords list, local name). Empty stages go to ``notes``."""
+def placement(model: Model, tensor, env: dict, mesh: Mesh, notes: dict | None = None, memo: dict | None = None):
+    """-> (fixed coords: axis -> allowed coords list, local name). Empty stages go to ``notes``.
+    ``memo`` (one per ``env``) keeps what every layer of a rule shares: the count and stage sizes."""
     allowed: dict[str, list[int]] = {}
     local_name = tensor.name
     replacements = []
@@ -36,11 +37,16 @@ def placement(model: Model, tensor, env: dict, mesh: Mesh, notes: dict | None = 
             rule_match = rule.pattern.match(tensor.name)
             value = int(rule_match.group(t.capture.name))
             span = rule_match.span(t.capture.name)
-            count = evaluate_in(model, tensor, t.count, env, mesh, f"the count of {t.capture.name}", count=True)
+            count = memo.get(("count", id(t))) if memo is not None else None
+            if count is None:
+                count = evaluate_in(model, tensor, t.count, env, mesh, f"the count of {t.capture.name}", count=True)
+                if memo is not None:  # only successes: a failure is reported for every tensor
+                    memo[("count", id(t))] = count
+                    memo[("node", id(t))] = t  # keeps the id taken
             size = mesh.axis_size(t.axis.name)
             if not 0 <= value < count:
                 fail(model, tensor, t.span, LayoutError("UCL207", f"{t.capture.name} = {value} is not below {count}"), mesh)
-            stage, local = stage_of(model, tensor, t, value, count, size, env, mesh, notes)
+            stage, local = stage_of(model, tensor, t, value, count, size, env, mesh, notes, memo)
             allowed[t.axis.name] = [stage]
             if not t.keep:  # `keep`: the rank-local name keeps the global value
                 replacements.append((span, str(local)))
@@ -68,30 +74,20 @@ def stage_fail(model, tensor, t: ast.Index, mesh, code, message, failure: StageF
     raise TensorFailure(model, tensor, Diagnostic(code, message, t.span, hint), mesh, failure)
 
 
-def stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh, notes=None):
+def stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh, notes=None, memo=None):
     ev = (lambda e, extent=None: evaluate_in(model, tensor, e, env, mesh, extent))
     axis = t.axis.name
     if size > 1 and (t.sizes is not None or t.first is not None or t.last is not None):
-        if t.sizes is not None:
-            sizes = [ev(e, f"stage size {k}") for k, e in enumerate(t.sizes)]
-        else:  # Megatron's --decoder-first/last-pipeline-num-layers: the middle stages share the rest
-            first = ev(t.first, "first") if t.first is not None else None
-            last = ev(t.last, "last") if t.last is not None else None
-            inner = size - (first is not None) - (last is not None)
-            rest = count - (first or 0) - (last or 0)
-            if (inner == 0 and rest != 0) or (inner > 0 and (rest < 0 or rest % inner)):
-                stage_fail(model, tensor, t, mesh, "UCL204",
-                            f"after first/last stages, {rest} {t.capture.name}-values cannot be spread evenly "
-                            f"over {inner} stages of {axis}={size}",
-                            StageFailure(t, axis, size, count, 1, "first_last"))
-            mid = [rest // inner] * inner if inner else []
-            sizes = ([first] if first is not None else []) + mid + ([last] if last is not None else [])
-        if len(sizes) != size or sum(sizes) != count or min(sizes) < 0:
-            stage_fail(model, tensor, t, mesh, "UCL207", f"stage sizes {sizes} must list {size} stages summing to {count}",
-                        StageFailure(t, axis, size, count, 1, "sizes", len(sizes)))
+        key = ("sizes", id(t), count, size)
+        if memo is not None and key in memo:
+            sizes, bounds = memo[key]
+        else:
+            sizes, bounds = _stage_sizes(model, tensor, t, count, size, mesh, ev)
+            if memo is not None:
+                memo[key] = sizes, bounds
+                memo[("node", id(t))] = t
         if notes is not None and 0 in sizes:
             notes.setdefault(("stages", id(t)), []).append((tensor, (t, axis, tuple(sizes))))
-        bounds = np.cumsum(sizes)
         stage = int(np.searchsorted(bounds, value, side="right"))
         return stage, value - (int(bounds[stage - 1]) if stage else 0)
     virtual = ev(t.virtual) if t.virtual is not None else 1
@@ -106,6 +102,30 @@ def stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh, notes=N
     per = count // chunks
     chunk = value // per
     return chunk % size, (chunk // size) * per + value % per
+
+
+def _stage_sizes(model, tensor, t: ast.Index, count, size, mesh, ev):
+    """The stage sizes of ``index ... sizes [...]`` or ``first``/``last`` (checked), and their
+    cumulative sums."""
+    axis = t.axis.name
+    if t.sizes is not None:
+        sizes = [ev(e, f"stage size {k}") for k, e in enumerate(t.sizes)]
+    else:  # Megatron's --decoder-first/last-pipeline-num-layers: the middle stages share the rest
+        first = ev(t.first, "first") if t.first is not None else None
+        last = ev(t.last, "last") if t.last is not None else None
+        inner = size - (first is not None) - (last is not None)
+        rest = count - (first or 0) - (last or 0)
+        if (inner == 0 and rest != 0) or (inner > 0 and (rest < 0 or rest % inner)):
+            stage_fail(model, tensor, t, mesh, "UCL204",
+                        f"after first/last stages, {rest} {t.capture.name}-values cannot be spread evenly "
+                        f"over {inner} stages of {axis}={size}",
+                        StageFailure(t, axis, size, count, 1, "first_last"))
+        mid = [rest // inner] * inner if inner else []
+        sizes = ([first] if first is not None else []) + mid + ([last] if last is not None else [])
+    if len(sizes) != size or sum(sizes) != count or min(sizes) < 0:
+        stage_fail(model, tensor, t, mesh, "UCL207", f"stage sizes {sizes} must list {size} stages summing to {count}",
+                    StageFailure(t, axis, size, count, 1, "sizes", len(sizes)))
+    return sizes, np.cumsum(sizes)
 
 
 def coords_key(fixed: dict, dims: tuple[DimSpec, ...], mesh: Mesh):
