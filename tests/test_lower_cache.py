@@ -77,6 +77,8 @@ def test_lowering_restores_the_garbage_collector():
     else:
         raise AssertionError("8 layers should not spread evenly over pp=3")
     assert gc.isenabled()
+    ucl.compile(model, "pp=2,dp=2,tp=2", "pp=1,dp=2,tp=2")  # compiling pauses it too
+    assert gc.isenabled()
     gc.disable()
     try:
         lower(model, ucl.Mesh.parse("pp=4,dp=1,tp=2"), reuse=False)

@@ -129,19 +129,20 @@ def lower(model: Model, mesh: Mesh, *, reuse: bool = True) -> ShardMap:
     """The ShardMap of ``model`` on ``mesh`` (cached on the model: lowering is pure).
     ``reuse=False`` computes it afresh, every tensor and flat buffer on its own (for tests)."""
     if not reuse:
-        with _gc_paused():
+        with gc_paused():
             return _lower(model, mesh, False)
     key = ("shardmap", mesh)
     if key not in model.memo:
-        with _gc_paused():
+        with gc_paused():
             model.memo[key] = _lower(model, mesh, True)
     return model.memo[key]
 
 
 @contextmanager
-def _gc_paused():
-    """Lowering builds some 10^5 long-lived objects and no cycles: the cyclic collector's passes
-    over them (about 40% of the time of a 405B model's lowering) would find nothing to free."""
+def gc_paused():
+    """Lowering (and compiling from it) builds some 10^5 long-lived objects and no cycles: the
+    cyclic collector's passes over them (about 40% of the time of a 405B model's lowering) would
+    find nothing to free."""
     was = gc.isenabled()
     gc.disable()
     try:

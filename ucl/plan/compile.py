@@ -11,7 +11,7 @@ from ..errors import PlanError, UclError, detach
 from ..layout.algebra import I64, DimLayout, intersect, product
 from ..layout.bind import Model
 from ..layout.boxes import Slot
-from ..layout.lower import ShardMap, lower
+from ..layout.lower import ShardMap, gc_paused, lower
 from ..layout.mesh import Mesh, as_mesh
 from .ir import DATASET_COLUMNS, FILL_BOX_COLUMNS, FILL_COLUMNS, Plan
 from .ranksets import RankSets
@@ -99,6 +99,11 @@ def _matching_source(src_model: Model, t):
 
 
 def _compile(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Model | None = None) -> Plan:
+    with gc_paused():
+        return _compile_unpaused(model, src, dst, ranks, dst_model)
+
+
+def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Model | None = None) -> Plan:
     src_model, model = model, (dst_model or model)
     S, T = lower(src_model, src), lower(model, dst)
     wanted = None if ranks is None else np.unique(np.asarray(list(ranks), dtype=I64))
