@@ -136,7 +136,7 @@ def growth(args, work: Path) -> None:
         row(f"{gb} GB", src)
         shutil.rmtree(src)
     print(f"\ntime vs source ranks at equal bytes ({args.size_gb} GB of weights and moments, dp=1)\n{head}")
-    dims = dims_for(args.size_gb * 2 / 3)  # dims_for counts dp=2 copies of the weights: same bytes at dp=1
+    dims = dims_for(args.size_gb * 4 / 3)  # dims_for counts 16 B/parameter (dp=2 weights); dp=1 stores 12
     for mesh in (ucl.Mesh(pp=1, dp=1, tp=1), ucl.Mesh(pp=1, dp=1, tp=2), ucl.Mesh(pp=2, dp=1, tp=2),
                  ucl.Mesh(pp=2, dp=1, tp=4), ucl.Mesh(pp=2, dp=1, tp=8)):
         src = work / f"src-{mesh.size}"
