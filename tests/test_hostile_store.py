@@ -270,6 +270,30 @@ def test_chunk_table_of_another_dataset_is_refused(ckpt, tmp_path):
     verify_complains(ckpt, "chunk checksums")
 
 
+@pytest.mark.parametrize("attr,value", [("ucl_tiles", np.zeros((2, 4), np.uint64)),  # not the rule's grid
+                                        ("ucl_tiles", np.zeros(8, np.uint64)),
+                                        ("ucl_tiles", np.zeros(3, np.float64))])
+def test_bad_tile_attributes_are_refused(ckpt, tmp_path, attr, value):
+    with h5py.File(rank_file(ckpt, 1), "r+") as f:
+        assert "ucl_tiles" in f[FC2].attrs  # a 2-D dataset over 16 KiB carries tiles
+        f[FC2].attrs[attr] = value
+    msg = reshard_refused(ckpt, tmp_path, "UCL406")
+    assert "tile checksum attributes" in msg
+    loads_refused(ckpt, "UCL406")
+    verify_complains(ckpt, "tile checksum")
+
+
+def test_tile_table_of_another_dataset_is_refused(ckpt, tmp_path):
+    # a well-formed tile table, but the other tp rank's: the manifest's 'tiles' digest catches it
+    with h5py.File(rank_file(ckpt, 0), "r") as f:
+        other = np.asarray(f[FC2].attrs["ucl_tiles"])
+    with h5py.File(rank_file(ckpt, 1), "r+") as f:
+        f[FC2].attrs["ucl_tiles"] = other
+    reshard_refused(ckpt, tmp_path, "UCL407")
+    loads_refused(ckpt, "UCL407")
+    verify_complains(ckpt, "tile checksums")
+
+
 def test_storage_beyond_the_end_of_the_file_is_refused(ckpt, tmp_path):
     p = rank_file(ckpt, 1)
     with h5py.File(p, "r") as f:

@@ -1,8 +1,11 @@
 """Checksums of stored bytes: xxh3-64 of each dataset, plus per-chunk digests for large ones so a
-partial read is verified by reading only the chunks it touches (docs/format.md)."""
+partial read is verified by reading only the chunks it touches, and per-tile digests for large 2-D
+ones so a column block is too (docs/format.md)."""
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -48,30 +51,51 @@ def chunk_size(nbytes: int) -> int | None:
     return size
 
 
-def checksums(arr: np.ndarray) -> tuple[str, tuple[int, np.ndarray] | None]:
-    """(checksum, (chunk bytes, chunk digests) or None) in one pass over the bytes, chunk by chunk
-    while each is in cache."""
+@dataclass(frozen=True)
+class Digests:
+    """A dataset's checksums: the whole one, the flat chunk table (chunk bytes, digests) and the tile
+    table (grid, digests, grid row-major); tables are None where the dataset carries none."""
+
+    whole: str
+    chunks: tuple[int, np.ndarray] | None = None
+    tiles: tuple[TileGrid, np.ndarray] | None = None
+
+
+def checksums(arr: np.ndarray) -> Digests:
+    """Every checksum of a storage array, the flat ones in one pass (chunk by chunk while each is
+    in cache), the tiles in a second pass in tile order."""
     raw = raw_bytes(arr)
+    grid = tile_grid(arr.shape, arr.itemsize)
+    if grid is not None:  # one pass, a block of rows at a time: each block is read from memory once
+        h, flat = IncrementalChecksum(arr.shape, arr.dtype), arr.reshape(-1)
+        step = grid.cols * max(1, _TILE_BLOCK_BYTES // (grid.cols * arr.itemsize))
+        for i in range(0, flat.size, step):
+            h.advance(i, flat[i:i + step])
+        return h.result(flat.size)
     size = chunk_size(raw.size)
     if size is None:
-        return format_checksum(xxhash.xxh3_64_hexdigest(raw)), None
+        return Digests(format_checksum(xxhash.xxh3_64_hexdigest(raw)))
     whole, digests = xxhash.xxh3_64(), np.empty(-(-raw.size // size), dtype=np.uint64)
     for k, i in enumerate(range(0, raw.size, size)):
         piece = raw[i:i + size]
         whole.update(piece)
         digests[k] = xxhash.xxh3_64_intdigest(piece)
-    return format_checksum(whole.hexdigest()), (size, digests)
+    return Digests(format_checksum(whole.hexdigest()), (size, digests))
 
 
 class IncrementalChecksum:
-    """Checksums (whole and per chunk) of a dataset filled piecewise: hashed on the fly while pieces
-    arrive in flat order."""
+    """Checksums (whole, per chunk, per tile) of a dataset filled piecewise: hashed on the fly while
+    pieces arrive in flat order."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         self.hasher, self.next_flat, self.in_order = xxhash.xxh3_64(), 0, True
         self.size = chunk_size(nbytes)
         self.chunks: list[int] = []
         self.chunk, self.chunk_fill = xxhash.xxh3_64(), 0
+        grid = tile_grid(tuple(shape), dtype.itemsize)
+        self.tiles = TileHasher(grid, dtype) if grid is not None else None
 
     def advance(self, start: int, flat: np.ndarray) -> None:
         if self.in_order and start == self.next_flat:
@@ -86,18 +110,20 @@ class IncrementalChecksum:
                 if self.chunk_fill == self.size:
                     self.chunks.append(self.chunk.intdigest())
                     self.chunk, self.chunk_fill = xxhash.xxh3_64(), 0
+            if self.tiles is not None:
+                self.tiles.advance(flat.reshape(-1))
             self.next_flat += flat.size
         elif flat.size:
             self.in_order = False  # out of order or overwrite: caller re-reads at close
 
-    def result(self, total: int) -> tuple[str, tuple[int, np.ndarray] | None] | None:
-        """(checksum, (chunk bytes, chunk digests) or None) if exactly ``total`` elements arrived
-        in order, else None."""
+    def result(self, total: int) -> Digests | None:
+        """The dataset's :class:`Digests` if exactly ``total`` elements arrived in order, else None."""
         if not (self.in_order and self.next_flat == total):
             return None
         chunks = self.chunks + ([self.chunk.intdigest()] if self.chunk_fill else [])
-        return format_checksum(self.hasher.hexdigest()), \
-            ((self.size, np.array(chunks, dtype=np.uint64)) if self.size else None)
+        return Digests(format_checksum(self.hasher.hexdigest()),
+                       (self.size, np.array(chunks, dtype=np.uint64)) if self.size else None,
+                       (self.tiles.grid, self.tiles.digests) if self.tiles is not None else None)
 
 
 def chunk_count(nbytes: int) -> int:
@@ -117,7 +143,241 @@ def chunk_table_digest(whole: str, chunk_bytes: int, digests: np.ndarray) -> str
     return format_checksum(h.hexdigest())
 
 
-def checksum_fields(whole: str, chunks: tuple[int, np.ndarray] | None) -> dict[str, str]:
-    """A manifest entry's checksum keys: ``checksum`` (the whole dataset) and, for chunked
-    datasets, ``chunks`` (:func:`chunk_table_digest`)."""
-    return {"checksum": whole} if chunks is None else {"checksum": whole, "chunks": chunk_table_digest(whole, *chunks)}
+def checksum_fields(d: Digests) -> dict[str, str]:
+    """A manifest entry's checksum keys: ``checksum`` (the whole dataset), ``chunks``
+    (:func:`chunk_table_digest`) for chunked datasets and ``tiles`` (:func:`tile_table_digest`)
+    for tiled ones."""
+    out = {"checksum": d.whole}
+    if d.chunks is not None:
+        out["chunks"] = chunk_table_digest(d.whole, *d.chunks)
+    if d.tiles is not None:
+        grid, digests = d.tiles
+        out["tiles"] = tile_table_digest(d.whole, (grid.tile_rows, grid.tile_cols), digests)
+    return out
+
+
+# 2-D datasets (N-d: leading dims collapsed into rows) also carry a grid of tile digests, so a
+# column block is verified by reading only the tiles it touches (flat chunks cut every row).
+# Tile columns come first (rows are already served finely by the flat chunks); grid sides are
+# powers of two, so a split of the columns into 2, 4, 8... parts falls on tile edges when it is even.
+MAX_TILE_GRID = 32
+MIN_TILE_ROW_BYTES = 256  # narrower tile rows would make reads and hashing slow, byte for byte
+_TILE_BLOCK_BYTES = 1 << 20  # rows hashed per step: each block is read from memory once, then from cache
+
+
+@dataclass(frozen=True)
+class TileGrid:
+    """Tiles of ``tile_rows`` x ``tile_cols`` elements over a dataset seen as ``rows`` x ``cols``
+    (row-major, leading dims collapsed); edge tiles may be smaller."""
+
+    rows: int
+    cols: int
+    tile_rows: int
+    tile_cols: int
+
+    @property
+    def nr(self) -> int:
+        return -(-self.rows // self.tile_rows)
+
+    @property
+    def nc(self) -> int:
+        return -(-self.cols // self.tile_cols)
+
+    @property
+    def count(self) -> int:
+        return self.nr * self.nc
+
+    def row_span(self, band: int) -> tuple[int, int]:
+        return band * self.tile_rows, min((band + 1) * self.tile_rows, self.rows)
+
+    def col_span(self, first: int, last: int) -> tuple[int, int]:
+        """Columns of tile columns ``first..last`` (inclusive)."""
+        return first * self.tile_cols, min((last + 1) * self.tile_cols, self.cols)
+
+
+def tile_grid(shape: tuple[int, ...], itemsize: int) -> TileGrid | None:
+    """The writer's tile grid for a dataset (docs/format.md); None for 0-d/1-d datasets, datasets
+    verified whole, and shapes where tiles would not beat the flat chunks (a single tile column)."""
+    if len(shape) < 2:
+        return None
+    cols = int(shape[-1])
+    rows = math.prod(int(x) for x in shape[:-1])
+    nbytes = rows * cols * itemsize
+    if nbytes <= MIN_CHUNK_BYTES:
+        return None
+    most = min(MAX_TILE_GRID * MAX_TILE_GRID, nbytes // MIN_CHUNK_BYTES)  # tiles of >= 16 KiB
+    gc = _pow2_floor(min(MAX_TILE_GRID, most, cols * itemsize // MIN_TILE_ROW_BYTES))
+    if gc < 2:
+        return None
+    gr = _pow2_floor(min(rows, MAX_TILE_GRID, most // gc))
+    grid = TileGrid(rows, cols, -(-rows // gr), -(-cols // gc))
+    return grid if grid.nc > 1 else None
+
+
+def _pow2_floor(n: int) -> int:
+    """The largest power of two <= n (0 for n < 1)."""
+    return 1 << (n.bit_length() - 1) if n >= 1 else 0
+
+
+class BandHasher:
+    """xxh3-64 of a band's tiles, fed its rows in order (columns from a tile edge on, cut every
+    ``width``): each block of rows is copied to tile order and hashed while in cache, so memory
+    stays bounded and xxhash sees long contiguous pieces."""
+
+    def __init__(self, ntiles: int, width: int) -> None:
+        self.width, self.hashers = width, [xxhash.xxh3_64() for _ in range(ntiles)]
+        self._scratch: np.ndarray | None = None
+
+    def update(self, rows: np.ndarray) -> None:
+        """``rows``: a 2-D array (rows x the columns of the tiles)."""
+        w, nt = self.width, len(self.hashers)
+        ncols = rows.shape[1]
+        full = min(nt, ncols // w)
+        step = max(1, _TILE_BLOCK_BYTES // max(1, ncols * rows.itemsize))
+        for r in range(0, rows.shape[0], step):
+            block = rows[r:r + step]
+            n = block.shape[0]
+            if full:
+                if self._scratch is None or self._scratch.size < full * n * w or self._scratch.dtype != rows.dtype:
+                    self._scratch = np.empty(full * min(step, rows.shape[0]) * w, rows.dtype)
+                t = self._scratch[:full * n * w].reshape(full, n, w)
+                np.copyto(t, block[:, :full * w].reshape(n, full, w).transpose(1, 0, 2))
+                raw = t.reshape(full, -1).view(np.uint8)
+                for k in range(full):
+                    self.hashers[k].update(raw[k])
+            if full < nt:  # the narrower last tile column
+                self.hashers[full].update(np.ascontiguousarray(block[:, full * w:]).view(np.uint8))
+
+    def digests(self) -> list[int]:
+        return [h.intdigest() for h in self.hashers]
+
+    def reset(self) -> None:
+        self.hashers = [xxhash.xxh3_64() for _ in self.hashers]
+
+
+def band_digests(rows: np.ndarray, width: int) -> list[int]:
+    """Tile digests of a band's ``rows`` (columns start on a tile boundary)."""
+    h = BandHasher(-(-rows.shape[1] // width), width)
+    h.update(rows)
+    return h.digests()
+
+
+class TileHasher:
+    """Tile digests of a dataset whose flat bytes arrive in order, in pieces of any size: whole rows
+    are hashed straight from the piece; only a row cut by a piece boundary is staged."""
+
+    def __init__(self, grid: TileGrid, dtype: np.dtype) -> None:
+        self.grid, self.row, self.digests = grid, 0, np.empty(grid.count, np.uint64)
+        self._band = BandHasher(grid.nc, grid.tile_cols)
+        self._stage, self._staged = np.empty(grid.cols, dtype), 0
+
+    def advance(self, flat: np.ndarray) -> None:
+        cols, pos = self.grid.cols, 0
+        if self._staged:
+            take = min(cols - self._staged, flat.size)
+            self._stage[self._staged:self._staged + take] = flat[:take]
+            self._staged, pos = self._staged + take, take
+            if self._staged == cols:
+                self._rows(self._stage.reshape(1, cols))
+                self._staged = 0
+        whole = (flat.size - pos) // cols
+        if whole:
+            self._rows(flat[pos:pos + whole * cols].reshape(whole, cols))
+            pos += whole * cols
+        if pos < flat.size:
+            self._stage[:flat.size - pos] = flat[pos:]
+            self._staged = flat.size - pos
+
+    def _rows(self, rows: np.ndarray) -> None:
+        g = self.grid
+        while rows.shape[0]:
+            band = self.row // g.tile_rows
+            end = g.row_span(band)[1]
+            n = min(rows.shape[0], end - self.row)
+            self._band.update(rows[:n])
+            rows, self.row = rows[n:], self.row + n
+            if self.row == end:
+                self.digests[band * g.nc:(band + 1) * g.nc] = self._band.digests()
+                self._band.reset()
+
+
+def tile_table_digest(whole: str, tile_shape: tuple[int, int], digests: np.ndarray) -> str:
+    """``xxh3_64:<hex>`` binding a dataset's whole checksum to its tile table (tile rows and tile
+    columns as little-endian int64, then each digest, little-endian, grid row-major)."""
+    h = xxhash.xxh3_64(whole.encode("ascii"))
+    h.update(np.asarray(tile_shape, dtype="<i8").tobytes())
+    h.update(np.ascontiguousarray(digests, dtype="<u8").tobytes())
+    return format_checksum(h.hexdigest())
+
+
+@dataclass(frozen=True)
+class TileRead:
+    """One hyperslab of a tile plan: tile columns ``first..last`` of the consecutive tile
+    ``bands`` (none when ``last < first``), plus the tile columns ``cached`` beside them."""
+
+    bands: tuple[int, ...]
+    first: int
+    last: int
+    cached: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """The tiles a verified read needs: the tile-aligned box ``rows`` x ``cols`` holding them and
+    the reads that fetch them."""
+
+    grid: TileGrid
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    reads: tuple[TileRead, ...]
+
+    def bytes(self, item: int, cached: bool = True) -> int:
+        """Bytes the plan reads (``cached=False``: as if no tile were cached)."""
+        g = self.grid
+        total = 0
+        for t in self.reads:
+            j0, j1 = (t.first, t.last) if cached or not t.cached else \
+                (min(t.first, *t.cached), max(t.last, *t.cached))
+            if j1 >= j0:
+                c0, c1 = g.col_span(j0, j1)
+                total += (g.row_span(t.bands[-1])[1] - g.row_span(t.bands[0])[0]) * (c1 - c0)
+        return total * item
+
+
+def tile_plan(grid: TileGrid, runs, cached) -> TilePlan:
+    """Which tiles the runs ``(start, count, stride, block)`` of the flattening touch; tiles at the
+    edge of a band's range for which ``cached(band, column)`` holds are taken from a cache. A run
+    inside one column range, its rows a multiple of the row length apart (a box's rows), touches
+    its tile columns only; any other run, whole tile bands."""
+    cols, h, w = grid.cols, grid.tile_rows, grid.tile_cols
+    need = np.zeros((grid.nr, grid.nc), dtype=bool)
+    for start, count, stride, block in runs:
+        r, c = divmod(start, cols)
+        if c + block <= cols and (count == 1 or stride == cols):  # consecutive rows: a range of bands
+            need[r // h:(r + count - 1) // h + 1, c // w:(c + block - 1) // w + 1] = True
+        elif c + block <= cols and stride % cols == 0:
+            rows = r + np.arange(count, dtype=np.int64) * (stride // cols)
+            need[np.unique(rows // h), c // w:(c + block - 1) // w + 1] = True
+        else:
+            last = (start + (count - 1) * stride + block - 1) // cols
+            need[r // h:last // h + 1, :] = True
+    bands = np.flatnonzero(need.any(axis=1))
+    used = np.flatnonzero(need.any(axis=0))
+    reads: list[TileRead] = []
+    for b in (int(x) for x in bands):
+        js = np.flatnonzero(need[b])
+        j0, j1 = int(js[0]), int(js[-1])
+        lo, hi = j0, j1
+        while lo <= hi and cached(b, lo):
+            lo += 1
+        while hi >= lo and cached(b, hi):
+            hi -= 1
+        held = tuple(range(j0, lo)) + tuple(range(hi + 1, j1 + 1))
+        prev = reads[-1] if reads else None
+        if prev is not None and prev.bands[-1] == b - 1 and (prev.first, prev.last) == (lo, hi) \
+                and not prev.cached and not held:  # one hyperslab for consecutive bands alike
+            reads[-1] = TileRead(prev.bands + (b,), lo, hi)
+        else:
+            reads.append(TileRead((b,), lo, hi, held))
+    return TilePlan(grid, (grid.row_span(int(bands[0]))[0], grid.row_span(int(bands[-1]))[1]),
+                    grid.col_span(int(used[0]), int(used[-1])), tuple(reads))

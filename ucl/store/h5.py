@@ -20,7 +20,7 @@ import xxhash
 
 from ..errors import StoreError
 from ..layout.boxes import flat_boxes
-from .checksum import IncrementalChecksum, chunk_count, chunk_size, format_checksum
+from .checksum import Digests, IncrementalChecksum, TileGrid, chunk_count, chunk_size, format_checksum, tile_grid
 
 
 def box_sel(starts: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
@@ -61,10 +61,10 @@ def read_flat_into(dset: Any, shape: tuple[int, ...], start: int, stop: int, out
         read_box_into(dset, starts, sizes, out[off - start: off - start + n].reshape(sizes))
 
 
-def checksum_dataset(dset: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[str, list[str] | None]:
-    """(checksum, chunk checksums) of a dataset, streamed in bounded memory."""
+def checksum_dataset(dset: Any, shape: tuple[int, ...], dtype: np.dtype) -> Digests:
+    """Every checksum of a dataset (whole, chunks, tiles), streamed in bounded memory."""
     total = math.prod(shape)
-    h = IncrementalChecksum(total * dtype.itemsize)
+    h = IncrementalChecksum(shape, dtype)
     step = max(1, CHECKSUM_STREAM_BYTES // dtype.itemsize)
     buf = np.empty(min(step, total), dtype)
     for s in range(0, total, step):
@@ -72,7 +72,7 @@ def checksum_dataset(dset: Any, shape: tuple[int, ...], dtype: np.dtype) -> tupl
         read_flat_into(dset, shape, s, e, buf[: e - s])
         h.advance(s, buf[: e - s])
     if total == 0:
-        return format_checksum(xxhash.xxh3_64_hexdigest(b"")), None
+        return Digests(format_checksum(xxhash.xxh3_64_hexdigest(b"")))
     return h.result(total)
 
 
@@ -263,33 +263,40 @@ def storage_bytes(d: Any) -> int:
     return int(d.id.get_storage_size())
 
 
+_ABSENT = object()
+
+
+def _int_attr(dsid: Any, name: bytes, dims: tuple[int, ...], unsigned: bool) -> Any:
+    """Integer attribute ``name`` of exactly ``dims``, read as int64 (``unsigned``: must be stored
+    as uint64, read as such); ``_ABSENT`` when there is none, None when it has another shape or
+    type. Low-level calls with an explicit memory type: h5py's conveniences cost more than the read."""
+    if not h5py.h5a.exists(dsid, name):
+        return _ABSENT
+    a = h5py.h5a.open(dsid, name)
+    ty = a.get_type()
+    if ty.get_class() != h5py.h5t.INTEGER or ty.get_size() > 8 or a.get_space().get_simple_extent_dims() != dims:
+        return None
+    if unsigned and (ty.get_size() != 8 or ty.get_sign() != h5py.h5t.SGN_NONE):
+        return None
+    out = np.empty(dims, np.uint64 if unsigned else np.int64)
+    a.read(out, mtype=h5py.h5t.NATIVE_UINT64 if unsigned else h5py.h5t.NATIVE_INT64)
+    return out
+
+
 def chunk_table(d: Any, nbytes: int, where: str) -> tuple[int, np.ndarray] | None:
     """The validated (chunk bytes, chunk digests) stored beside a dataset of ``nbytes``; None when
     it has none. Sizes and types are checked before anything is read: the chunk size must be the
     one the writer uses for ``nbytes`` and the table one uint64 per chunk (UCL406 otherwise)."""
-    dsid = d.id
-    has_size, has_table = h5py.h5a.exists(dsid, b"ucl_chunk_bytes"), h5py.h5a.exists(dsid, b"ucl_chunks")
-    if not (has_size or has_table):
-        return None
     want, count = chunk_size(nbytes), chunk_count(nbytes)
-    size = table = None
-    if has_size:
-        a = h5py.h5a.open(dsid, b"ucl_chunk_bytes")
-        if a.shape == () and a.dtype.kind in "iu" and a.dtype.itemsize <= 8:
-            buf = np.empty((), a.dtype)
-            a.read(buf)
-            size = int(buf)
-    if has_table:
-        table = h5py.h5a.open(dsid, b"ucl_chunks")
-    if want is None or size != want or table is None or table.shape != (count,) \
-            or table.dtype.kind != "u" or table.dtype.itemsize != 8:
+    size = _int_attr(d.id, b"ucl_chunk_bytes", (), False)
+    table = _int_attr(d.id, b"ucl_chunks", (count,), True)
+    if size is _ABSENT and table is _ABSENT:
+        return None
+    if want is None or size is _ABSENT or size is None or int(size) != want or table is _ABSENT or table is None:
+        got = "?" if size is _ABSENT or size is None else int(size)
         raise StoreError(f"{where} has chunk checksum attributes that do not fit a dataset of {nbytes} bytes "
-                         f"(chunk size {size}, table {None if table is None else (table.shape, str(table.dtype))}; "
-                         f"expected {want} and ({count},) uint64)", code="UCL406")
-    digests = np.empty(count, np.uint64)
-    table.read(digests)
-    return size, digests
-
+                         f"(chunk size {got}; expected chunk size {want} and {count} uint64 digests)", code="UCL406")
+    return want, table
 
 def read_runs_into(d: Any, runs: Sequence[tuple[int, int, int, int]], out: np.ndarray) -> None:
     """Elements of a 1-D dataset selected by regular runs ``(start, count, stride, block)``, with
@@ -309,11 +316,49 @@ def write_box(dset: Any, starts: Sequence[int], sizes: Sequence[int], src: np.nd
         dset.write_direct(src, dest_sel=box_sel(starts, sizes))
 
 
-def set_chunk_checksums(d: Any, chunks: tuple[int, np.ndarray] | None) -> None:
-    """Per-chunk checksums live beside the data, as attributes (docs/format.md)."""
-    if chunks is not None:
-        d.attrs["ucl_chunk_bytes"] = np.int64(chunks[0])
-        d.attrs["ucl_chunks"] = chunks[1]
+def set_checksum_tables(d: Any, digests: Digests) -> None:
+    """Per-chunk and per-tile checksums live beside the data, as attributes (docs/format.md)."""
+    if digests.chunks is not None:
+        _put_attr(d, b"ucl_chunk_bytes", np.array(digests.chunks[0], np.int64))
+        _put_attr(d, b"ucl_chunks", np.ascontiguousarray(digests.chunks[1], np.uint64))
+    if digests.tiles is not None:
+        grid, table = digests.tiles
+        _put_attr(d, b"ucl_tiles", np.ascontiguousarray(table, np.uint64).reshape(grid.nr, grid.nc))
+
+
+def _put_attr(d: Any, name: bytes, value: np.ndarray) -> None:
+    # low-level: h5py's d.attrs[...] costs more than HDF5 itself, once per dataset written
+    space = h5py.h5s.create_simple(value.shape) if value.shape else h5py.h5s.create(h5py.h5s.SCALAR)
+    h5py.h5a.create(d.id, name, h5py.h5t.py_create(value.dtype), space).write(value)
+
+def tile_table(d: Any, shape: tuple[int, ...], dtype: np.dtype, where: str) -> tuple[TileGrid, np.ndarray] | None:
+    """The validated (grid, tile digests, grid row-major) stored beside a dataset; None when it has
+    none. The table must be a uint64 array of exactly the grid the writer's rule gives for the
+    dataset's shape and dtype (UCL406 otherwise), checked before it is read."""
+    if not h5py.h5a.exists(d.id, b"ucl_tiles"):
+        return None
+    grid = tile_grid(tuple(shape), np.dtype(dtype).itemsize)
+    table = None if grid is None else _int_attr(d.id, b"ucl_tiles", (grid.nr, grid.nc), True)
+    if table is None:
+        raise StoreError(f"{where} has tile checksum attributes that do not fit a dataset of shape {list(shape)} "
+                         f"(expected {'none' if grid is None else f'a {grid.nr} x {grid.nc} uint64 table'})",
+                         code="UCL406")
+    return grid, table.reshape(-1)
+
+def read_rows_into(d: Any, shape: tuple[int, ...], rows: tuple[int, int], cols: tuple[int, int],
+                   out: np.ndarray, at: tuple[int, int]) -> None:
+    """Rows ``rows`` x columns ``cols`` of an N-d dataset seen as (leading dims collapsed) x (last
+    dim), into the 2-D C-contiguous ``out`` at row, column ``at``, with one HDF5 read."""
+    (r0, r1), (c0, c1) = rows, cols
+    if r1 <= r0 or c1 <= c0:
+        return
+    fspace = d.id.get_space()
+    fspace.select_none()
+    for _, starts, sizes in flat_boxes(tuple(shape[:-1]), r0, r1):
+        fspace.select_hyperslab(tuple(starts) + (c0,), tuple(sizes) + (c1 - c0,), op=h5py.h5s.SELECT_OR)
+    mspace = h5py.h5s.create_simple(out.shape)
+    mspace.select_hyperslab(tuple(at), (r1 - r0, c1 - c0))
+    d.id.read(mspace, fspace, out)
 
 
 def list_entries(f: Any) -> set[str]:

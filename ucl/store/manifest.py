@@ -50,6 +50,7 @@ class DatasetInfo:
     shape: tuple[int, ...]
     checksum: str
     chunks: str | None = None  # digest of the rank file's chunk-digest table (checksum.chunk_table_digest)
+    tiles: str | None = None  # digest of the rank file's tile-digest table (checksum.tile_table_digest)
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -227,5 +228,6 @@ def check_entry(rank: int, key: str, e: Any) -> None:
         raise _bad(f"{where}: 'shape' must be a list of non-negative integers")
     if not is_checksum(e["checksum"]):
         raise _bad(f"{where}: 'checksum' must look like 'xxh3_64:<16 hex digits>'")
-    if "chunks" in e and not is_checksum(e["chunks"]):
-        raise _bad(f"{where}: 'chunks' must look like 'xxh3_64:<16 hex digits>'")
+    for k in ("chunks", "tiles"):
+        if k in e and not is_checksum(e[k]):
+            raise _bad(f"{where}: {k!r} must look like 'xxh3_64:<16 hex digits>'")

@@ -18,7 +18,8 @@ from ..files import check_inside, read_bounded
 from ..plan.buffers import Arena
 from . import h5
 from .atomic import is_tmp_name
-from .checksum import checksum_of, chunk_count, chunk_table_digest, raw_bytes
+from .checksum import (TileGrid, TilePlan, band_digests, checksum_of, chunk_count, chunk_table_digest, raw_bytes,
+                       tile_plan, tile_table_digest)
 from .manifest import MANIFEST_NAME, DatasetInfo, Manifest
 
 MAX_MANIFEST_BYTES = 1 << 30  # ~16k ranks of a large model's datasets; a bigger manifest is hostile
@@ -57,7 +58,7 @@ class Checkpoint:
         self._verified = h5.ChunkCache(64 << 20)  # chunks already checked, for verified partial reads
         self.bytes_last_read = 0  # bytes the last read_runs took from disk
         self._scratch = Arena()  # warm memory for verified partial reads
-        self._tables: dict[tuple[int, str], Any] = {}  # chunk tables already bound to the manifest
+        self._tables: dict[tuple[int, str, str], Any] = {}  # chunk/tile tables already bound to the manifest
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, max_open_files: int = 128) -> "Checkpoint":
@@ -101,7 +102,7 @@ class Checkpoint:
         e = self._entries(rank).get(key)
         if e is None:
             raise StoreError(f"rank {rank} has no dataset {key!r} in {self.path}", code="UCL408")
-        return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"))
+        return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"), e.get("tiles"))
 
     def _entries(self, rank: int) -> dict[str, Any]:
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.nranks:
@@ -236,13 +237,15 @@ class Checkpoint:
             return out
 
     def _read_runs_verified(self, rank, key, d, info: DatasetInfo, runs, out: np.ndarray) -> int:
-        """``read_runs`` reading the whole checksum chunks around the runs, each verified before use
-        (a small dataset is one chunk). Verified chunks are kept in a small LRU, so boxes of the
-        same dataset do not read them again. Returns the bytes read from disk."""
+        """``read_runs`` reading the whole checksum chunks around the runs, or the tiles around them
+        when those hold fewer bytes (column blocks), each verified before use (a small dataset is
+        one chunk). Verified chunks are kept in a small LRU, so boxes of the same dataset do not
+        read them again. Returns the bytes read from disk."""
         item = info.storage_dtype.itemsize
         size = info.size
-        chunk_bytes, digests = self._bound_chunk_table(rank, key, d, info) or (None, None)
-        per = chunk_bytes // item if digests is not None else max(size, 1)
+        table = self._bound_chunk_table(rank, key, d, info)  # checked even when tiles are used
+        tiles = self._bound_tile_table(rank, key, d, info)
+        per = table[0] // item if table is not None else max(size, 1)
         n = -(-size // per) if size else 0
         touched = np.zeros(n + 1, dtype=np.int64)
         for start, count, stride, block in runs:
@@ -251,8 +254,13 @@ class Checkpoint:
             np.add.at(touched, (b + block - 1) // per + 1, -1)
         need = np.flatnonzero(np.cumsum(touched[:n]) > 0)
         cache = self._verified
+        if tiles is not None:  # by tiles when the tiles around the runs hold fewer bytes than the chunks
+            plan = tile_plan(tiles[0], runs, lambda b, j: cache.get((rank, key, "tile", b, j)) is not None)
+            if plan.bytes(item, cached=False) < int((np.minimum((need + 1) * per, size) - need * per).sum()) * item:
+                return self._read_tiles_verified(rank, key, d, info, tiles, plan, runs, out)
         have = {int(c): cache.get((rank, key, int(c))) for c in need}
         missing = [c for c, v in have.items() if v is None]
+        digests = table[1] if table is not None else None
         read = 0
         whole_buf = None  # the buffer of a single read covering every needed chunk, if there is one
         # one read per run of consecutive missing chunks; every chunk verified before use
@@ -305,8 +313,8 @@ class Checkpoint:
         equal the entry's ``chunks`` (a file swapped in from another rank or checkpoint fails
         here, UCL407). Entries written before ``chunks`` existed are bound by hashing the whole
         dataset once against the manifest's checksum. Checked once per dataset and kept."""
-        if (rank, key) in self._tables:
-            return self._tables[(rank, key)]
+        if (rank, key, "chunks") in self._tables:
+            return self._tables[(rank, key, "chunks")]
         where = self._where(rank, key)
         table = h5.chunk_table(d, info.nbytes, where)
         if table is None:
@@ -318,12 +326,75 @@ class Checkpoint:
                 raise StoreError(f"{where}: its chunk checksums do not match the manifest (the file "
                                  "belongs to another rank or checkpoint, or was altered)", code="UCL407")
         else:
-            got, chunks = h5.checksum_dataset(d, info.shape, info.storage_dtype)
-            if got != info.checksum or chunks is None or not np.array_equal(chunks[1], table[1]):
+            got = h5.checksum_dataset(d, info.shape, info.storage_dtype)
+            if got.whole != info.checksum or got.chunks is None or not np.array_equal(got.chunks[1], table[1]):
                 raise StoreError(f"checksum mismatch in {where}: manifest has {info.checksum}, data hashes "
-                                 f"to {got}", code="UCL407")
-        self._tables[(rank, key)] = table
+                                 f"to {got.whole}", code="UCL407")
+        self._tables[(rank, key, "chunks")] = table
         return table
+
+    def _bound_tile_table(self, rank: int, key: str, d: Any, info: DatasetInfo) -> tuple[TileGrid, Any] | None:
+        """The tile table of a dataset whose manifest entry records one (``tiles``), checked against
+        that digest (UCL407) after its shape is checked against the writer's rule (UCL406). None
+        for entries without ``tiles`` (1-D, small, or written before tiles existed): those are read
+        by flat chunks. Checked once per dataset and kept."""
+        if (rank, key, "tiles") in self._tables:
+            return self._tables[(rank, key, "tiles")]
+        table = None
+        if info.tiles is not None:
+            where = self._where(rank, key)
+            table = h5.tile_table(d, info.shape, info.storage_dtype, where)
+            if table is None:
+                raise StoreError(f"{where} lacks the tile checksums its manifest entry records", code="UCL406")
+            grid, digests = table
+            if tile_table_digest(info.checksum, (grid.tile_rows, grid.tile_cols), digests) != info.tiles:
+                raise StoreError(f"{where}: its tile checksums do not match the manifest (the file belongs "
+                                 "to another rank or checkpoint, or was altered)", code="UCL407")
+        self._tables[(rank, key, "tiles")] = table
+        return table
+
+    def _read_tiles_verified(self, rank, key, d, info: DatasetInfo, tiles, plan: TilePlan, runs,
+                             out: np.ndarray) -> int:
+        """``read_runs`` by tiles: one hyperslab per group of tile bands (the tiles a box touches in
+        them), every tile verified before use; edge tiles kept in the LRU for neighbouring boxes."""
+        grid, digests = tiles
+        (r0, r1), (c0, c1) = plan.rows, plan.cols
+        buf = self._scratch.array((r1 - r0, c1 - c0), info.storage_dtype)
+        cache, read = self._verified, 0
+        # the cached tiles the plan counts on, held before this read's own puts can evict them
+        held = {(b, j): cache.get((rank, key, "tile", b, j)) for t in plan.reads for b in t.bands for j in t.cached}
+        for t in plan.reads:
+            bands, j0, j1 = t.bands, t.first, t.last
+            ra, rb = grid.row_span(bands[0])[0], grid.row_span(bands[-1])[1]
+            ca, cb = grid.col_span(j0, j1) if j1 >= j0 else (0, 0)
+            h5.read_rows_into(d, info.shape, (ra, rb), (ca, cb), buf, (ra - r0, ca - c0))
+            read += (rb - ra) * max(cb - ca, 0) * buf.itemsize
+            for b in bands:
+                br0, br1 = grid.row_span(b)
+                if j1 >= j0:
+                    got = band_digests(buf[br0 - r0:br1 - r0, ca - c0:cb - c0], grid.tile_cols)
+                    for j, g in zip(range(j0, j1 + 1), got):
+                        if g != int(digests[b * grid.nc + j]):
+                            tc0, tc1 = grid.col_span(j, j)
+                            raise StoreError(f"checksum mismatch in {self._where(rank, key)} (tile {b},{j}: rows "
+                                             f"{br0}..{br1}, columns {tc0}..{tc1})", code="UCL407")
+                    for j in {j0, j1}:  # edge tiles are the ones neighbouring boxes share
+                        tc0, tc1 = grid.col_span(j, j)
+                        cache.put((rank, key, "tile", b, j), buf[br0 - r0:br1 - r0, tc0 - c0:tc1 - c0].copy())
+                for j in t.cached:
+                    tc0, tc1 = grid.col_span(j, j)
+                    buf[br0 - r0:br1 - r0, tc0 - c0:tc1 - c0] = held[(b, j)]
+        flat, item, width, pos = buf.reshape(-1), buf.itemsize, c1 - c0, 0
+        for start, count, stride, block in runs:
+            r, c = divmod(start, grid.cols)
+            if width == grid.cols:  # full rows: flat offsets
+                off, step = start - r0 * grid.cols, stride
+            else:  # a column block: every run stays in its columns (tile_plan)
+                off, step = (r - r0) * width + c - c0, (stride // grid.cols) * width
+            view = np.lib.stride_tricks.as_strided(flat[off:], (count, block), (step * item, item), writeable=False)
+            out[pos:pos + count * block].reshape(count, block)[...] = view
+            pos += count * block
+        return read
 
     def verify(self, ranks: Sequence[int] | None = None) -> list[str]:
         """Check files and every dataset checksum; returns a list of problems (empty = sound)."""
@@ -346,10 +417,13 @@ class Checkpoint:
                 try:
                     with self._lock, self._guard(rank, key):
                         d, info = self._dataset(rank, key)
-                        got, chunks = h5.checksum_dataset(d, info.shape, info.storage_dtype)
+                        digests = h5.checksum_dataset(d, info.shape, info.storage_dtype)
                         stored = h5.chunk_table(d, info.nbytes, self._where(rank, key))
+                        stored_tiles = h5.tile_table(d, info.shape, info.storage_dtype, self._where(rank, key))
+                    got = digests.whole
                     if got == info.checksum:
-                        got = _chunk_problem(stored, chunks, info) or got
+                        got = _chunk_problem(stored, digests.chunks, info) or \
+                            _tile_problem(stored_tiles, digests.tiles, info) or got
                     if got != info.checksum:
                         problems.append(f"checksum mismatch in {self._where(rank, key)}: manifest has "
                                         f"{info.checksum}, data hashes to {got}")
@@ -369,3 +443,17 @@ def _chunk_problem(stored, computed, info: DatasetInfo) -> str | None:
     if stored is not None and info.chunks is not None and chunk_table_digest(info.checksum, *stored) != info.chunks:
         return "chunk checksums that the manifest does not record"
     return None
+
+
+def _tile_problem(stored, computed, info: DatasetInfo) -> str | None:
+    """What is wrong with a dataset's stored tile table, given the one its bytes hash to and the
+    manifest's digest of it; None when nothing is (also for files written before tiles existed)."""
+    if stored is None:
+        return None if info.tiles is None else "no tile checksums, though the manifest records them"
+    if computed is None or stored[0] != computed[0] or not np.array_equal(stored[1], computed[1]):
+        return "tile checksums that differ"
+    if info.tiles is None or tile_table_digest(
+            info.checksum, (stored[0].tile_rows, stored[0].tile_cols), stored[1]) != info.tiles:
+        return "tile checksums that the manifest does not record"
+    return None
+

@@ -12,14 +12,15 @@ from .reader import Checkpoint
 class StoreSource:
     """Reads plan boxes from a checkpoint. A box that is a whole dataset is read whole (with
     ``verify``, its checksum checked); with ``verify``, a partial box is read together with the whole checksum
-    chunks around it (docs/format.md), each verified, so corrupt bytes are never passed on. With an
-    arena, results are views valid until the next read."""
+    chunks around it, or the tiles around it when that reads less (a column block of a 2-D dataset;
+    docs/format.md), each verified, so corrupt bytes are never passed on. With an arena, results are
+    views valid until the next read."""
 
     def __init__(self, ckpt: Checkpoint, arena: Arena | None = None, verify: bool = True):
         self.ckpt = ckpt
         self.arena = arena
         self.verify = verify
-        self.bytes_read = 0  # bytes taken from disk (verified reads round out to checksum chunks)
+        self.bytes_read = 0  # bytes taken from disk (verified reads round out to checksum chunks or tiles)
 
     def read(self, rank: int, slot: Slot, start, size) -> np.ndarray:
         nd = len(slot.shape)
@@ -42,10 +43,11 @@ class StoreSource:
         return out
 
     def read_into(self, rank: int, slot: Slot, start, size, out: np.ndarray) -> bool:
-        """Read the box straight into ``out`` when one read covers it: a whole dataset (with
-        ``verify``, checked against its checksum after the read), or any box of a whole-dataset slot when not verifying. False
-        otherwise (partial verified reads round out to checksum chunks and need a buffer). On a
-        checksum mismatch ``out`` holds the bad bytes and the error is raised."""
+        """Read the box straight into ``out`` (C-contiguous, of the box's shape and storage dtype;
+        False otherwise): a whole dataset (with ``verify``, checked against its checksum after the
+        read: on a mismatch ``out`` holds the bad bytes and the error is raised), or any other box
+        (with ``verify``, cut out of the chunks or tiles around it once they are verified, so
+        ``out`` is untouched on a mismatch)."""
         if not (out.flags.c_contiguous and out.flags.writeable):
             return False
         nd = len(slot.shape)
@@ -57,6 +59,11 @@ class StoreSource:
             self.ckpt.read(rank, slot.key, verify=self.verify, out=out.reshape(info.shape))
         elif not self.verify and slot.is_whole:
             self.ckpt.read_box(rank, slot.key, start, size, out=out)
+        elif self.verify or len(info.shape) == 1:  # (unverified runs of an N-d dataset come back as a new array)
+            view = slot if not slot.is_whole else Slot(slot.key, 0, tuple(info.shape), tuple(info.shape))
+            self.ckpt.read_runs(rank, slot.key, flat_runs(view, start, size), out=out.reshape(-1), verify=self.verify)
+            self.bytes_read += self.ckpt.bytes_last_read
+            return True
         else:
             return False
         self.bytes_read += out.nbytes

@@ -127,9 +127,9 @@ class CheckpointWriter:
                 f, _ = self._handles.get(rank)
                 d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
                 d.attrs["ucl_dtype"] = logical
-                whole, chunks = checksums(arr)
-                h5.set_chunk_checksums(d, chunks)
-            self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), **checksum_fields(whole, chunks)}
+                digests = checksums(arr)
+                h5.set_checksum_tables(d, digests)
+            self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), **checksum_fields(digests)}
 
     def create(self, rank: int, key: str, shape: Sequence[int], dtype: str) -> None:
         """Preallocate a dataset to fill with ``write_flat``/``write_box``; unwritten elements read as 0."""
@@ -144,7 +144,7 @@ class CheckpointWriter:
                 d.attrs["ucl_dtype"] = dtype
                 cache[key] = d
             self._entries[rank][key] = {"dtype": dtype, "shape": list(shape), "checksum": None}
-            self._pending[(rank, key)] = IncrementalChecksum(math.prod(shape) * _dt.itemsize(dtype))
+            self._pending[(rank, key)] = IncrementalChecksum(shape, _dt.storage_dtype(dtype))
 
     def _prealloc(self, rank: int, key: str, data: Any) -> tuple[Any, tuple[int, ...], IncrementalChecksum, np.ndarray]:
         self._check_open()
@@ -211,9 +211,9 @@ class CheckpointWriter:
                 e = self._entries[rank][key]
                 shape = tuple(e["shape"])
                 d = self._handles.get(rank)[0][key]
-                whole, chunks = p.result(math.prod(shape)) or h5.checksum_dataset(d, shape, _dt.storage_dtype(e["dtype"]))
-                e.update(checksum_fields(whole, chunks))
-                h5.set_chunk_checksums(d, chunks)
+                digests = p.result(math.prod(shape)) or h5.checksum_dataset(d, shape, _dt.storage_dtype(e["dtype"]))
+                e.update(checksum_fields(digests))
+                h5.set_checksum_tables(d, digests)
             self._pending.clear()
             for rank in ranks:
                 if rank not in self._created:
