@@ -236,8 +236,8 @@ def _datasets(path):
         return [f"{k}/{n}" for k in f for n in f[k]]
 
 
-FILE_OPS = ("external", "soft", "hard", "virtual", "swap", "reshape", "chunk_bytes", "chunk_table", "truncate",
-            "flip", "symlink_outside", "extra_dataset")
+FILE_OPS = ("external", "soft", "hard", "virtual", "swap", "reshape", "chunk_bytes", "chunk_table", "tile_table",
+            "truncate", "flip", "symlink_outside", "extra_dataset")
 
 
 def _mutate_rank_file(src, outside_dir, op, rank, other, pick, number):
@@ -275,6 +275,17 @@ def _mutate_rank_file(src, outside_dir, op, rank, other, pick, number):
                 d.attrs["ucl_chunk_bytes"] = [0, 1, -4, 2 ** 40, number][number % 5]
             else:
                 d.attrs["ucl_chunks"] = np.arange(number % 2000, dtype=np.uint64)
+            return
+        if op == "tile_table":  # one digest off, a flat table, or a grid of another shape
+            table = d.attrs.get("ucl_tiles")
+            if table is not None and number % 3 == 0:
+                table = np.array(table, dtype=np.uint64)
+                table.flat[number % table.size] ^= np.uint64(1 + number % 255)
+                d.attrs["ucl_tiles"] = table
+            elif number % 3 == 1:
+                d.attrs["ucl_tiles"] = np.arange(number % 2000, dtype=np.uint64)
+            else:
+                d.attrs["ucl_tiles"] = np.zeros((1 + number % 40, 1 + pick % 40), dtype=np.uint64)
             return
         if op == "extra_dataset":
             g.create_dataset(name + "_extra", data=np.resize(MARKER, 64))
