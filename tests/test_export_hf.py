@@ -22,6 +22,7 @@ import hf_models as H  # noqa: E402
 import ucl  # noqa: E402
 from ucl.errors import UclError  # noqa: E402
 from ucl.export.hf import export_hf, parse_shard_size  # noqa: E402
+from bits import same_bits as _same  # noqa: E402
 
 DS = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
 TOKENS = torch.tensor([[1, 5, 17, 42, 98, 3, 64, 0, 7, 11]])
@@ -44,12 +45,6 @@ def _tensors(folder):
     for f in _files(folder):
         out.update(load_file(os.path.join(folder, f)))
     return out
-
-
-def _same(a, b):
-    """Same dtype, shape and bytes (bit-exact: -0.0 != 0.0, NaN payloads count)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _refused(call, code="UCL503"):

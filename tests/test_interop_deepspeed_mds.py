@@ -23,6 +23,7 @@ import ucl
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
 from ucl.interop.foreign import describe, forget
+from bits import same_bits as _same  # noqa: E402
 
 HERE = Path(__file__).parent / "fixtures" / "deepspeed"
 NAMES = ["mds_tp2_z1_fp32", "mds_tp2_z1_bf16"]
@@ -38,10 +39,6 @@ def _truth(what: str, name: str = NAMES[0]) -> dict[str, np.ndarray]:
 
 def _info(name: str = NAMES[0]) -> dict:
     return json.loads((HERE / name / "truth_mds.json").read_text())
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from corrupt import rewrite_pickle, scramble
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError, UclError
 from ucl.interop.foreign import describe, forget
+from bits import same_bits as _same  # noqa: E402
 
 HERE = Path(__file__).parent / "fixtures" / "deepspeed"
 NAMES = ["moe_ep2_z2_fp32", "moe_ep2_z1_bf16"]
@@ -39,10 +40,6 @@ def _truth(what: str, name: str) -> dict[str, np.ndarray]:
 
 def _info(name: str) -> dict:
     return json.loads((HERE / name / "truth_moe.json").read_text())
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 @pytest.fixture(scope="module")

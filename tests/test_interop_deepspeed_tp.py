@@ -23,6 +23,7 @@ import ucl
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
 from ucl.interop.foreign import describe
+from bits import same_bits as _same  # noqa: E402
 
 HERE = Path(__file__).parent / "fixtures" / "deepspeed"
 FIXTURE = HERE / "tp2_z1_fp32"
@@ -37,10 +38,6 @@ def _truth(what: str, name: str = "tp2_z1_fp32") -> dict[str, np.ndarray]:
 
 def _info(name: str = "tp2_z1_fp32") -> dict:
     return json.loads((HERE / name / "truth_tp.json").read_text())
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import ucl  # noqa: E402
 from ucl.errors import UclError  # noqa: E402
 from ucl.interop import foreign, hf_store  # noqa: E402
 from ucl.interop.hf.names import read_safetensors_entries  # noqa: E402
+from bits import same_bits as _same  # noqa: E402
 
 
 def _save(arch, folder, dtype=torch.float32, shard=None, edit=None):
@@ -40,12 +41,6 @@ def _reference(folder):
     for f in files:
         out.update(load_file(os.path.join(folder, f)))
     return out
-
-
-def _same(a, b):
-    """Same dtype, shape and bytes (bit-exact, so -0.0 != 0.0 and NaN payloads count)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _refused(call, code=None):

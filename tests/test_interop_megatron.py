@@ -13,6 +13,7 @@ import pytest
 import ucl
 from ucl.dtypes import to_numpy
 from ucl.interop.foreign import describe
+from bits import same_bits as _same  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
 READ = ["tp2", "pp2", "tp2_dp2_optim_fully"]
@@ -29,10 +30,6 @@ def _key(megatron_key: str) -> str:
         kind, _, name = megatron_key[len("optimizer.state."):].partition(".")
         return f"{'fp32' if kind == 'param' else kind}/{name}"
     return f"param/{megatron_key}"
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 @pytest.mark.parametrize("name", READ)

@@ -23,6 +23,7 @@ import ucl
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
 from ucl.interop import megatron, megatron_buckets
+from bits import same_bits as _same  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
 NAMES = ["dp2_optim", "dp3_optim_buckets", "tp2_dp2_optim", "pp2_dp2_optim"]
@@ -101,10 +102,6 @@ def _expected(name: str) -> dict[str, np.ndarray]:
         else:
             out[f"param/{n}"] = tensors[n]
     return out
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def _mesh(meta: dict) -> str:

@@ -21,6 +21,7 @@ from corrupt import rewrite_pickle
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
 from ucl.interop.foreign import describe, detect_format
+from bits import same_bits as _same  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_legacy"
 NAMES = ["tp2", "tp2_pp2", "pp2_tied_fp32", "pp2_vpp2"]
@@ -56,10 +57,6 @@ def _ucl_key(name: str, truth_key: str, pp_rank: int) -> str:
     if lay["tied"] and local == "output_layer.weight" and pp_rank == lay["pp"] - 1:
         local = "embedding.word_embeddings.weight"
     return f"param/{local}"
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def _ranks(name: str):

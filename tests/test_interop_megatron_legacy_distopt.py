@@ -20,16 +20,13 @@ import ucl
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
 from ucl.interop import megatron_legacy
+from bits import same_bits as _same  # noqa: E402
 
 NAME = "tp2_dp2_distopt"
 FOLDER = Path(__file__).parent / "fixtures" / "megatron_legacy" / NAME
 KINDS = {"param": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 CAT1 = ("linear_proj.weight", "linear_fc2.weight")  # row-parallel: split dim 1
 CAT0 = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias")
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def _per_rank_states() -> list[dict[str, np.ndarray]]:

@@ -4,57 +4,45 @@ copy as tier 0 and hands those to be persisted to the flusher."""
 from __future__ import annotations
 
 import contextlib
-import queue
-import threading
 import time
 from typing import Callable
 
 import numpy as np
 
 from ..errors import StoreError
-from .progress import Progress
+from .progress import Progress, Stage
 from .snapshot import Snapshot, Snapshots
 from .trace import Trace
 
 
-class Copier:
+class Copier(Stage):
     def __init__(self, snapshots: Snapshots, progress: Progress, trace: Trace, rank: int, *,
                  cuda: bool, then: Callable[[Snapshot], None]):
         import torch
         self.snapshots, self.progress, self.trace, self.rank, self.then = snapshots, progress, trace, rank, then
         self._stream = torch.cuda.Stream() if cuda else None
-        self._q: queue.Queue = queue.Queue()  # bounded by the pool: save() waits for a region first
-        self._thread = threading.Thread(target=self._run, name="ucl-snapshot", daemon=True)
-        self._thread.start()
+        super().__init__("ucl-snapshot")  # unbounded: bounded by the pool, save() waits for a region first
 
     def submit(self, snap: Snapshot) -> None:
-        self._q.put(snap)
+        self._put(snap)
 
-    def stop(self, timeout: float = 60) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=timeout)
-
-    def _run(self) -> None:
-        while True:
-            snap = self._q.get()
-            if snap is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                self._copy(snap)
-            except BaseException as e:  # surfaces on the next call
-                self.progress.fail(StoreError(f"rank {self.rank} step {snap.step}: snapshot failed: {e}",
-                                              code="UCL432"))
-                snap.copied.set()
-                self.snapshots.drop(snap, *list(snap.holders))
-                if snap.persist:
-                    self.progress.done()
-                continue
-            self.trace.add("snapshot", t0, time.perf_counter(), step=snap.step,
-                           bytes=snap.region.stop - snap.region.start)
-            self.snapshots.remember(snap)
+    def _handle(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._copy(snap)
+        except BaseException as e:  # surfaces on the next call
+            self.progress.fail(StoreError(f"rank {self.rank} step {snap.step}: snapshot failed: {e}",
+                                          code="UCL432"))
+            snap.copied.set()
+            self.snapshots.drop(snap, *list(snap.holders))
             if snap.persist:
-                self.then(snap)
+                self.progress.done()
+            return
+        self.trace.add("snapshot", t0, time.perf_counter(), step=snap.step,
+                       bytes=snap.region.stop - snap.region.start)
+        self.snapshots.remember(snap)
+        if snap.persist:
+            self.then(snap)
 
     def _copy(self, snap: Snapshot) -> None:
         import torch

@@ -5,9 +5,7 @@ promoter. h5py releases the GIL while it writes."""
 from __future__ import annotations
 
 import os
-import queue
 import shutil
-import threading
 import time
 
 from ..dtypes import logical_of_torch_dtype, storage_dtype
@@ -16,13 +14,13 @@ from ..ops.collective import commit_collectively
 from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 from .layouts import SPEC_NAME, Layouts
-from .progress import Progress
+from .progress import Progress, Stage
 from .promoter import Promoter
 from .snapshot import Snapshot, Snapshots
 from .trace import Trace
 
 
-class Flusher:
+class Flusher(Stage):
     def __init__(self, root: CheckpointRoot, layouts: Layouts, snapshots: Snapshots, progress: Progress,
                  trace: Trace, *, keep: int, dist=None, group=None, promoter: Promoter | None = None):
         self.root, self.layouts, self.snapshots, self.progress, self.trace = root, layouts, snapshots, progress, trace
@@ -30,35 +28,25 @@ class Flusher:
         self.rank = dist.get_rank() if dist else 0
         self.world = dist.get_world_size() if dist else 1
         self._hidden: str | None = None  # a checkpoint of the step being rewritten, hidden until replaced
-        self._q: queue.Queue = queue.Queue()  # bounded by the pool: save() waits for a region first
-        self._thread = threading.Thread(target=self._run, name="ucl-flush", daemon=True)
-        self._thread.start()
+        super().__init__("ucl-flush")  # unbounded: bounded by the pool, save() waits for a region first
 
     def submit(self, snap: Snapshot) -> None:
         """Persist ``snap`` (its ``progress.begin()`` was called by ``save``)."""
-        self._q.put(snap)
+        self._put(snap)
 
-    def stop(self, timeout: float = 60) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=timeout)
-
-    def _run(self) -> None:
+    def _handle(self, snap: Snapshot) -> None:
         # not niced (progress.BACKGROUND_NICE): durability is latency the job waits on (back-pressure),
         # and on a shared machine a niced flusher loses to other processes, not to training
-        while True:
-            snap = self._q.get()
-            if snap is None:
-                return
-            try:
-                if not self.progress.failed:
-                    self._persist(snap)
-            except BaseException as e:
-                self._unhide(snap.step)
-                self.progress.fail(e if isinstance(e, UclError) else StoreError(
-                    f"rank {self.rank} step {snap.step}: writing failed: {e}", code="UCL410"))
-            finally:
-                self.snapshots.drop(snap, "flush")
-                self.progress.done()
+        try:
+            if not self.progress.failed:
+                self._persist(snap)
+        except BaseException as e:
+            self._unhide(snap.step)
+            self.progress.fail(e if isinstance(e, UclError) else StoreError(
+                f"rank {self.rank} step {snap.step}: writing failed: {e}", code="UCL410"))
+        finally:
+            self.snapshots.drop(snap, "flush")
+            self.progress.done()
 
     def _persist(self, snap: Snapshot) -> None:
         t0 = time.perf_counter()

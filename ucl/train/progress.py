@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import threading
 
@@ -63,3 +64,32 @@ class Progress:
         with self._cond:
             while self._pending and self._error is None:
                 self._cond.wait(timeout=0.1)
+
+
+class Stage:
+    """One background stage: a daemon thread handling queued items in order (``depth`` 0:
+    unbounded, else ``put`` waits while full); ``stop`` ends it after what is queued."""
+
+    def __init__(self, name: str, depth: int = 0) -> None:
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> None:
+        self._q.put(item)
+
+    def stop(self, timeout: float = 60) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=timeout)
+
+    def _loop(self) -> None:
+        self._setup()
+        while (item := self._q.get()) is not None:
+            self._handle(item)
+
+    def _setup(self) -> None:
+        """Run once on the stage's thread before the first item."""
+
+    def _handle(self, item) -> None:
+        raise NotImplementedError
+

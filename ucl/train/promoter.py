@@ -9,16 +9,14 @@ copied; then the flusher waits too (disk and, through the pool, memory stay boun
 from __future__ import annotations
 
 import os
-import queue
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StoreError
 from ..store.atomic import TempDir
-from .progress import Progress, lower_priority
+from .progress import Progress, Stage, lower_priority
 from .tiers import committed_files, describe, promote_to
 from .trace import Trace
 
@@ -30,12 +28,10 @@ class Promotion:
     files: tuple[str, ...]
 
 
-class Promoter:
+class Promoter(Stage):
     def __init__(self, tiers: list, keep: int, progress: Progress, trace: Trace, rank: int, depth: int = 1):
         self.tiers, self.keep, self.progress, self.trace, self.rank = tiers, keep, progress, trace, rank
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._thread = threading.Thread(target=self._run, name="ucl-promote", daemon=True)
-        self._thread.start()
+        super().__init__("ucl-promote", depth)
 
     def submit(self, path: str, step: int) -> None:
         """Promote the committed checkpoint ``path`` of ``step``; waits while the queue is full."""
@@ -52,31 +48,25 @@ class Promoter:
             self.progress.fail(self._error(step, "tier 1 (staging its files)", e))
             return
         self.progress.begin()
-        self._q.put(Promotion(step, staged, files))
+        self._put(Promotion(step, staged, files))
 
-    def stop(self, timeout: float = 60) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=timeout)
-
-    def _run(self) -> None:
+    def _setup(self) -> None:
         lower_priority()
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            try:
-                for i, tier in enumerate(self.tiers):
-                    t0 = time.perf_counter()
-                    try:
-                        promote_to(tier, item.staged.path, item.step, self.keep, list(item.files))
-                    except Exception as e:  # each tier is tried; the first error surfaces
-                        self.progress.fail(self._error(item.step, f"tier {i + 2} ({describe(tier)})", e))
-                        continue
-                    self.trace.add("promote", t0, time.perf_counter(), step=item.step, tier=i + 2)
-            finally:
-                item.staged.discard()
-                self.trace.flush()
-                self.progress.done()
+
+    def _handle(self, item: Promotion) -> None:
+        try:
+            for i, tier in enumerate(self.tiers):
+                t0 = time.perf_counter()
+                try:
+                    promote_to(tier, item.staged.path, item.step, self.keep, list(item.files))
+                except Exception as e:  # each tier is tried; the first error surfaces
+                    self.progress.fail(self._error(item.step, f"tier {i + 2} ({describe(tier)})", e))
+                    continue
+                self.trace.add("promote", t0, time.perf_counter(), step=item.step, tier=i + 2)
+        finally:
+            item.staged.discard()
+            self.trace.flush()
+            self.progress.done()
 
     def _error(self, step: int, where: str, e: BaseException) -> StoreError:
         return StoreError(f"rank {self.rank} step {step}: promoting to {where} failed: {type(e).__name__}: {e}",
