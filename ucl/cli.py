@@ -520,7 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "float32 takes the fp32 master where there is one)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="hf: largest shard (default 5GB)")
     p.add_argument("--config", metavar="CONFIG", help="hf: the config.json to write (default: the one the "
-                   "checkpoint carries, from a Hugging Face source)")
+                   "checkpoint carries, from a Hugging Face source, or the one Megatron-LM's saved arguments "
+                   "describe); a Megatron checkpoint's tensors are mapped to its model type (llama, mistral, "
+                   "qwen2), fused QKV and SwiGLU undone")
     p.add_argument("--style", choices=["state_dict", "torchtitan"], default="state_dict",
                    help="dcp: key names of get_state_dict ({model, optim}) or torchtitan's (default state_dict)")
     p.add_argument("--tag", metavar="TAG", help="deepspeed-universal: the tag folder (default global_step<N>)")
