@@ -24,7 +24,7 @@ from corrupt import rewrite_pickle, scramble
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError, UclError
 from ucl.interop.foreign import describe, forget
-from bits import same_bits as _same  # noqa: E402
+from bits import import_reshard_and_back, same_bits as _same  # noqa: E402
 
 HERE = Path(__file__).parent / "fixtures" / "deepspeed"
 NAMES = ["moe_ep2_z2_fp32", "moe_ep2_z1_bf16"]
@@ -135,19 +135,7 @@ def _torch_load_inert(path: Path):
 @pytest.mark.parametrize("name,to", [("moe_ep2_z2_fp32", "edp=1,ep=4"), ("moe_ep2_z2_fp32", "edp=3,ep=1"),
                                      ("moe_ep2_z1_bf16", "edp=4,ep=2")])
 def test_import_reshard_and_back(name, to, tmp_path, loaded):
-    universal = loaded[name]
-    stats = ucl.import_checkpoint(HERE / name, tmp_path / "imported")
-    assert stats.datasets_written > 0
-    with ucl.open(tmp_path / "imported") as ck:
-        assert ck.verify() == []
-        assert dict(ck.manifest.mesh) == {"edp": 2, "ep": 2}
-    ucl.reshard(HERE / name, tmp_path / "re", to=to)
-    ucl.reshard(tmp_path / "re", tmp_path / "back", to="universal")
-    for path in (tmp_path / "imported", tmp_path / "back"):
-        again = ucl.load_rank(path, mesh="universal", rank=0)
-        assert set(again) == set(universal)
-        for k, v in universal.items():
-            assert _same(again[k], v), (path.name, k)
+    import_reshard_and_back(HERE / name, tmp_path, to, loaded[name], {"edp": 2, "ep": 2})
 
 
 @settings(max_examples=5, deadline=None)

@@ -23,7 +23,7 @@ import ucl
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
 from ucl.interop.foreign import describe
-from bits import same_bits as _same  # noqa: E402
+from bits import import_reshard_and_back, same_bits as _same  # noqa: E402
 
 HERE = Path(__file__).parent / "fixtures" / "deepspeed"
 FIXTURE = HERE / "tp2_z1_fp32"
@@ -106,19 +106,7 @@ def test_a_rank_holds_deepspeeds_shard():
 @pytest.mark.parametrize("name,to", [("tp2_z1_fp32", "tp=1,dp=3"), ("tp2_z1_fp32", "tp=4,dp=1"),
                                      ("tp2_z2_bf16_tied", "tp=4,dp=3")])
 def test_import_reshard_and_back(name, to, tmp_path, loaded):
-    universal = loaded[name]
-    stats = ucl.import_checkpoint(HERE / name, tmp_path / "imported")
-    assert stats.datasets_written > 0
-    with ucl.open(tmp_path / "imported") as ck:
-        assert ck.verify() == []
-        assert dict(ck.manifest.mesh) == {"tp": 2, "dp": 2}
-    ucl.reshard(HERE / name, tmp_path / "re", to=to)
-    ucl.reshard(tmp_path / "re", tmp_path / "back", to="universal")
-    for path in (tmp_path / "imported", tmp_path / "back"):
-        again = ucl.load_rank(path, mesh="universal", rank=0)
-        assert set(again) == set(universal)
-        for k, v in universal.items():
-            assert _same(again[k], v), (path.name, k)
+    import_reshard_and_back(HERE / name, tmp_path, to, loaded[name], {"tp": 2, "dp": 2})
 
 
 # ---- refusals --------------------------------------------------------------------------------

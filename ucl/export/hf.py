@@ -208,9 +208,9 @@ def _entries(datasets: dict[str, tuple[tuple[int, ...], str]], target: str | Non
     are mapped to the config's model type); a cast reads the fp32 master where there is one."""
     params = {key.split("/", 1)[1]: (tuple(shape), stored) for key, (shape, stored) in datasets.items()
               if key.startswith("param/")}
-    mapping = mapping_for({n: shape for n, (shape, _) in params.items()}, config)
-    parts = rename(mapping, {n: shape for n, (shape, _) in params.items()}, config) if mapping else \
-        [None] * len(params)
+    shapes = {n: shape for n, (shape, _) in params.items()}
+    mapping = mapping_for(shapes, config)
+    parts = rename(mapping, shapes, config) if mapping else [None] * len(params)
     sources = [p.source for p in parts] if mapping else list(params)
     out = []
     for name, part in zip(sources, parts):
