@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -151,6 +155,44 @@ def test_tiny_pool_applies_back_pressure(tmp_path):
         with ucl.Checkpointer(tmp_path / "small", model, optimizer, pool_bytes=need // 2) as ck:
             ck.save(1)
     assert err.value.code == "UCL431" and "pool_bytes" in str(err.value)
+
+
+def test_pool_reclaims_a_cached_region_handed_over_while_waiting():
+    """The copier hands the previous snapshot to tier 0 just after the fence lets save() in: a pool
+    that asked to reclaim only once, before that, waited forever."""
+    from ucl.train.pool import HostPool
+    pool = HostPool(10_000)
+    first, _ = pool.allocate(6_000)
+    cached = threading.Event()
+    threading.Timer(0.3, cached.set).start()  # the hand-over, after the first reclaim
+
+    def reclaim():
+        if cached.is_set():
+            pool.release(first)
+
+    deadline = time.monotonic() + 10
+    second, waited = pool.allocate(6_000, closed=lambda: time.monotonic() > deadline, reclaim=reclaim)
+    assert second.start == 0 and 0.25 < waited < 5
+
+
+@given(sizes=st.lists(st.integers(0, 3 << 20), min_size=1, max_size=12), keep=st.integers(1, 3))
+@settings(max_examples=40, deadline=None)
+def test_pool_regions_start_on_blocks_and_never_overlap(sizes, keep):
+    from ucl.store.direct import BLOCK
+    from ucl.train.pool import HostPool, layout_bytes
+    offsets, total = layout_bytes(sizes)
+    assert all(o % BLOCK == 0 for o, n in zip(offsets, sizes) if n >= 1 << 20)
+    assert all(a + n <= b for a, n, b in zip(offsets, sizes, offsets[1:]))
+    pool = HostPool(3 * -(-max(total, 1) // BLOCK) * BLOCK)
+    assert pool.buffer.data_ptr() % BLOCK == 0
+    live = []
+    for _ in range(8):
+        region, _ = pool.allocate(total, reclaim=lambda: live and pool.release(live.pop(0)))
+        assert region.start % BLOCK == 0 and region.stop <= pool.nbytes
+        assert all(region.stop <= r.start or r.stop <= region.start for r in live if r.stop > r.start)
+        live.append(region)
+        while len(live) > keep:
+            pool.release(live.pop(0))
 
 
 def test_background_error_surfaces_and_publishes_nothing(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ import xxhash
 from ..errors import StoreError
 from ..layout.boxes import flat_boxes
 from .checksum import Digests, IncrementalChecksum, TileGrid, chunk_count, chunk_size, format_checksum, tile_grid
+from .direct import BLOCK, MIN_DIRECT_BYTES
 
 
 def box_sel(starts: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
@@ -86,7 +87,9 @@ h5py.register_driver(_UNBUFFERED, lambda plist: plist.set_sieve_buf_size(0))
 def open_h5(path: str, mode: str) -> Any:
     if mode == "r":
         return h5py.File(path, mode, locking=False)
-    return h5py.File(path, mode, locking=False, driver=_UNBUFFERED)
+    # large datasets start on a block boundary, so their bytes can be written directly (store.direct)
+    return h5py.File(path, mode, locking=False, driver=_UNBUFFERED, alignment_threshold=MIN_DIRECT_BYTES,
+                     alignment_interval=BLOCK)
 
 
 def _as_oserror(e: Exception, what: str) -> OSError:
@@ -128,6 +131,19 @@ def create_dataset(group: Any, name: str, shape: tuple[int, ...], dtype: np.dtyp
     if data is not None:
         return group.create_dataset(name, data=data)
     return group.create_dataset(name, shape=shape, dtype=dtype)
+
+
+def create_allocated(group: Any, name: str, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, int]:
+    """A contiguous dataset whose storage HDF5 allocates now and never fills, and the byte offset of
+    that storage in the file: its data is written there by the caller (store.direct), not by HDF5."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dcpl.set_obj_track_times(False)  # as h5py's create_dataset: equal content gives equal files
+    space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
+    dsid = h5py.h5d.create(group.id, name.encode(), h5py.h5t.py_create(np.dtype(dtype)),
+                           space, dcpl=dcpl)
+    return h5py.Dataset(dsid), int(dsid.get_offset())
 
 
 class ChunkCache:

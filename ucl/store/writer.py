@@ -15,7 +15,8 @@ from ..errors import StoreError
 from ..layout.boxes import flat_boxes
 from . import h5
 from .atomic import TempDir, fsync_path, publish_dir, write_atomic
-from .checksum import IncrementalChecksum, checksum_fields, checksums
+from .checksum import IncrementalChecksum, checksum_fields, checksums, raw_bytes
+from .direct import MIN_DIRECT_BYTES, DirectWriter
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, check_entry, file_name, split_key
 
 
@@ -29,7 +30,7 @@ class CheckpointWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
-                 durable: bool = True, **fields: Any):
+                 durable: bool = True, direct: bool | None = None, **fields: Any):
         self.path: str | None = os.path.abspath(os.fspath(path))
         if os.path.lexists(self.path):  # checked before anything is written
             raise StoreError(f"cannot write checkpoint: {self.path} already exists", code="UCL405")
@@ -46,11 +47,11 @@ class CheckpointWriter:
         except OSError as e:
             raise StoreError(f"cannot create a temp directory beside {self.path}: {e}", code="UCL410") from e
         self.tmp_path = self._tmp.path
-        self._setup(nranks, True, max_open_files, durable)
+        self._setup(nranks, True, max_open_files, durable, direct)
 
     @classmethod
     def join(cls, tmp_path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
-             durable: bool = True) -> "CheckpointWriter":
+             durable: bool = True, direct: bool | None = None) -> "CheckpointWriter":
         """A participant (another process) writing some ranks' files into an owner's ``tmp_path``.
         It calls ``finish()`` and hands the result to the owner's ``adopt()``; it cannot commit."""
         self = cls.__new__(cls)
@@ -58,13 +59,17 @@ class CheckpointWriter:
         self.tmp_path = os.path.abspath(os.fspath(tmp_path))
         if not os.path.isdir(self.tmp_path):
             raise StoreError(f"temp directory {self.tmp_path} does not exist", code="UCL404")
-        self._setup(nranks, False, max_open_files, durable)
+        self._setup(nranks, False, max_open_files, durable, direct)
         return self
 
-    def _setup(self, nranks: int, owner: bool, max_open: int, durable: bool = True) -> None:
+    def _setup(self, nranks: int, owner: bool, max_open: int, durable: bool, direct: bool | None) -> None:
         # durable=False skips fsync of the rank files: the commit stays atomic against killed
         # processes, but not against a power loss before the OS writes the pages back.
+        # direct (default: durable): large datasets bypass the page cache (store.direct); a durable write
+        # pays for the disk anyway, and skips filling cache pages first.
         self.nranks, self._owner, self._state, self.durable = nranks, owner, "open", durable
+        self.direct = durable if direct is None else bool(direct)
+        self._direct = DirectWriter()
         self._lock = threading.RLock()
         self._entries: list[dict[str, dict[str, Any]]] = [{} for _ in range(nranks)]
         self._pending: dict[tuple[int, str], IncrementalChecksum] = {}
@@ -125,7 +130,11 @@ class CheckpointWriter:
             arr, logical = _dt.to_numpy(data, dtype)
             with self._io():
                 f, _ = self._handles.get(rank)
-                d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
+                if self.direct and arr.nbytes >= MIN_DIRECT_BYTES:
+                    d, offset = h5.create_allocated(f.require_group(kind), name, arr.shape, arr.dtype)
+                    self._direct.write(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
+                else:
+                    d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
                 d.attrs["ucl_dtype"] = logical
                 digests = checksums(arr)
                 h5.set_checksum_tables(d, digests)

@@ -26,7 +26,7 @@ from .derive import TrainLayout
 from .flusher import Flusher
 from .layouts import Layouts
 from .optim import hyperparameters
-from .pool import HostPool, layout_bytes
+from .pool import BLOCK, HostPool, layout_bytes
 from .progress import Progress
 from .promoter import Promoter
 from .snapshot import Snapshot, Snapshots
@@ -97,8 +97,9 @@ class Checkpointer:
         sizes = [e.tensor.numel() * e.tensor.element_size() for e in layout.entries]
         offsets, total = layout_bytes(sizes)
         pool = self._snapshots.pool
-        if pool is None or (self.pool_bytes is None and pool.nbytes < 2 * total):
-            self._new_pool(max(self.pool_bytes or 2 * total, 1))
+        two = 2 * -(-total // BLOCK) * BLOCK  # the default pool: two snapshots, each starting on a block
+        if pool is None or (self.pool_bytes is None and pool.nbytes < two):
+            self._new_pool(max(self.pool_bytes or two, 1))
         region, waited = self._snapshots.pool.allocate(
             total, closed=lambda: self._progress.failed or self._closed, reclaim=self._snapshots.forget)
         persist = step % self.persist_every == 0

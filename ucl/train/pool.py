@@ -8,8 +8,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..errors import StoreError, UclError
+from ..store.direct import BLOCK, MIN_DIRECT_BYTES
 
-ALIGN = 64  # bytes: every tensor in a region starts on a cache line
+ALIGN = 64  # bytes: every tensor in a region starts on a cache line, and a large one on a block
+# boundary, so the flusher writes it to disk straight from the pool (store.direct)
 
 
 @dataclass
@@ -25,7 +27,9 @@ class HostPool:
     def __init__(self, nbytes: int, *, pin: bool = False):
         import torch
         self.nbytes = int(nbytes)
-        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        whole = torch.empty(self.nbytes + BLOCK, dtype=torch.uint8, pin_memory=pin)
+        shift = -whole.data_ptr() % BLOCK
+        self.buffer = whole[shift:shift + self.nbytes]
         self.buffer.numpy()[::4096] = 0  # touch every page now, not during the first snapshot
         self._regions: deque[Region] = deque()
         self._cond = threading.Condition()
@@ -36,14 +40,13 @@ class HostPool:
 
     def allocate(self, nbytes: int, closed=lambda: False, reclaim=lambda: None) -> tuple[Region, float]:
         """A region of ``nbytes`` (waits for older regions to be released); returns it and the seconds
-        waited. When it does not fit, ``reclaim()`` is called once (the owner may give up regions it
-        keeps only as a cache); ``closed()`` is polled so a failing flusher cannot leave the caller
+        waited. While it does not fit, ``reclaim()`` is called (the owner may give up regions it keeps
+        only as a cache); ``closed()`` is polled so a failing flusher cannot leave the caller
         waiting forever."""
         if nbytes > self.nbytes:
             raise UclError(f"a snapshot of this rank needs {nbytes:,} bytes but the pool holds {self.nbytes:,}; "
                            "pass a larger pool_bytes", code="UCL431")
         t0 = time.perf_counter()
-        reclaimed = False
         with self._cond:
             while True:
                 while self._regions and self._regions[0].released:
@@ -56,22 +59,26 @@ class HostPool:
                     return region, time.perf_counter() - t0
                 if closed():
                     raise StoreError("the checkpointer stopped while waiting for pool space", code="UCL432")
-                if not reclaimed:
-                    reclaimed = True
-                    self._cond.release()  # reclaim() releases regions, which takes this lock
-                    try:
-                        reclaim()
-                    finally:
-                        self._cond.acquire()
-                    continue
-                self._cond.wait(timeout=0.1)
+                # every time, not once: the snapshot kept as a cache may change while we wait (the copier
+                # hands over the newest one just after the fence lets save() in)
+                self._cond.release()  # reclaim() releases regions, which takes this lock
+                try:
+                    reclaim()
+                finally:
+                    self._cond.acquire()
+                while self._regions and self._regions[0].released:
+                    self._regions.popleft()
+                if self._fit(nbytes) is None:
+                    self._cond.wait(timeout=0.1)
 
     def _fit(self, nbytes: int) -> int | None:
-        """Start of a free stretch after the newest region (wrapping to 0), or None."""
+        """Start of a free stretch after the newest region (wrapping to 0), or None. Regions start on
+        a block boundary."""
         if not self._regions:
             return 0
-        head, tail = self._regions[-1].stop, self._regions[0].start
-        if head > tail:  # not wrapped: free after the newest region, or from 0 up to the oldest
+        stop, tail = self._regions[-1].stop, self._regions[0].start
+        head = -(-stop // BLOCK) * BLOCK
+        if stop > tail:  # not wrapped: free after the newest region, or from 0 up to the oldest
             if self.nbytes - head >= nbytes:
                 return head
             return 0 if tail >= nbytes else None
@@ -90,7 +97,8 @@ def layout_bytes(sizes) -> tuple[list[int], int]:
     """Offsets of tensors of ``sizes`` bytes packed with ALIGN, and the total."""
     offsets, pos = [], 0
     for n in sizes:
-        pos = -(-pos // ALIGN) * ALIGN
+        align = BLOCK if n >= MIN_DIRECT_BYTES else ALIGN
+        pos = -(-pos // align) * align
         offsets.append(pos)
         pos += n
     return offsets, pos

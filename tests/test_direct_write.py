@@ -1,0 +1,118 @@
+"""Large datasets written around the page cache (store.direct): the bytes HDF5 reads back are the
+bytes given, whatever the memory alignment, length or file system, and a failing write publishes
+nothing. The oracle is h5py reading the committed file, not ucl's reader."""
+from __future__ import annotations
+
+import errno
+import os
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ucl.errors import StoreError
+from ucl.store import Checkpoint, CheckpointWriter
+from ucl.store import direct as direct_mod
+from ucl.store.direct import BLOCK, MIN_DIRECT_BYTES
+
+FIELDS: dict = {}
+
+
+def raw_arrays(rng, sizes: list[int], shifts: list[int]) -> list[np.ndarray]:
+    """uint8 arrays of ``sizes`` whose memory starts ``shift`` bytes past a block boundary."""
+    out = []
+    for n, shift in zip(sizes, shifts):
+        base = np.empty(n + 2 * BLOCK, np.uint8)
+        start = (-base.ctypes.data) % BLOCK + shift
+        a = base[start:start + n]
+        a[...] = rng.integers(0, 256, n, dtype=np.uint8)
+        out.append(a)
+    return out
+
+
+def write(path, arrays, **kw) -> CheckpointWriter:
+    w = CheckpointWriter(path, 1, **kw, **FIELDS)
+    for i, a in enumerate(arrays):
+        w.write(0, f"param/t{i}", a, dtype="uint8")
+    w.commit()
+    return w
+
+
+def read_back(path, count: int) -> list[np.ndarray]:
+    with h5py.File(os.path.join(path, "rank_00000.h5"), "r") as f:
+        return [f[f"param/t{i}"][...] for i in range(count)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.sampled_from([MIN_DIRECT_BYTES, MIN_DIRECT_BYTES + 1, MIN_DIRECT_BYTES + BLOCK - 1,
+                                       3 * MIN_DIRECT_BYTES + 777, 100, MIN_DIRECT_BYTES - 1]), min_size=1, max_size=4),
+       shifts=st.lists(st.sampled_from([0, 16, 512, BLOCK - 1]), min_size=4, max_size=4),
+       seed=st.integers(0, 2**32 - 1))
+def test_direct_writes_read_back_exactly(tmp_path_factory, sizes, shifts, seed):
+    arrays = raw_arrays(np.random.default_rng(seed), sizes, shifts)
+    d = tmp_path_factory.mktemp("direct")
+    w = write(d / "on", arrays, direct=True)
+    write(d / "off", arrays, direct=False)
+    for a, on, off in zip(arrays, read_back(d / "on", len(arrays)), read_back(d / "off", len(arrays))):
+        assert np.array_equal(a, on) and np.array_equal(a, off)
+    big = sum(a.size // BLOCK * BLOCK for a in arrays if a.size >= MIN_DIRECT_BYTES)
+    assert w._direct.direct_bytes in (0, big)  # 0: this file system refuses O_DIRECT
+    with Checkpoint.open(d / "on") as on, Checkpoint.open(d / "off") as off:
+        assert on.verify() == []  # the checksums were taken from memory, the bytes read from disk
+        assert on.manifest.datasets == off.manifest.datasets
+
+
+def test_large_datasets_bypass_the_page_cache_where_the_file_system_allows(tmp_path):
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | getattr(os, "O_DIRECT", 0)))
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    arrays = raw_arrays(np.random.default_rng(0), [4 * MIN_DIRECT_BYTES + 5], [0])
+    w = write(tmp_path / "ck", arrays)  # durable: direct by default
+    assert w._direct.direct_bytes == 4 * MIN_DIRECT_BYTES
+    assert write(tmp_path / "lazy", arrays, durable=False)._direct.direct_bytes == 0
+    with h5py.File(tmp_path / "ck" / "rank_00000.h5", "r") as f:
+        assert f["param/t0"].id.get_offset() % BLOCK == 0
+
+
+def test_a_file_system_refusing_o_direct_gets_buffered_writes(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def refuse(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "O_DIRECT not supported")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(direct_mod.os, "open", refuse)
+    arrays = raw_arrays(np.random.default_rng(1), [2 * MIN_DIRECT_BYTES + 3, MIN_DIRECT_BYTES], [0, 16])
+    w = write(tmp_path / "ck", arrays, direct=True)
+    assert w._direct.direct_bytes == 0
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, read_back(tmp_path / "ck", 2)))
+
+
+def test_short_and_refused_direct_writes_fall_back_without_losing_bytes(tmp_path, monkeypatch):
+    real_pwrite = os.pwrite
+
+    def short(fd, data, offset):  # at most 1000 bytes per call: the next direct write is unaligned
+        return real_pwrite(fd, memoryview(data)[:1000], offset)
+
+    monkeypatch.setattr(direct_mod.os, "pwrite", short)
+    arrays = raw_arrays(np.random.default_rng(2), [MIN_DIRECT_BYTES + 4097], [0])
+    write(tmp_path / "ck", arrays, direct=True)
+    assert np.array_equal(arrays[0], read_back(tmp_path / "ck", 1)[0])
+
+
+def test_a_failing_direct_write_publishes_nothing(tmp_path, monkeypatch):
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(direct_mod.os, "pwrite", full)
+    w = CheckpointWriter(tmp_path / "ck", 1, direct=True, **FIELDS)
+    with pytest.raises(StoreError) as e:
+        w.write(0, "param/t0", np.zeros(MIN_DIRECT_BYTES, np.uint8), dtype="uint8")
+    assert e.value.code == "UCL410"
+    assert not (tmp_path / "ck").exists() and os.listdir(tmp_path) == []
