@@ -116,3 +116,30 @@ def test_a_failing_direct_write_publishes_nothing(tmp_path, monkeypatch):
         w.write(0, "param/t0", np.zeros(MIN_DIRECT_BYTES, np.uint8), dtype="uint8")
     assert e.value.code == "UCL410"
     assert not (tmp_path / "ck").exists() and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 2])
+def test_write_behind_surfaces_a_failed_write_and_publishes_nothing(tmp_path, monkeypatch, fail_at):
+    real_pwrite, calls = os.pwrite, []
+
+    def failing(fd, data, offset):  # dataset fail_at's write (one call each) fails, in the background
+        calls.append(offset)
+        if len(calls) == fail_at + 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwrite(fd, data, offset)
+
+    arrays = raw_arrays(np.random.default_rng(3), [MIN_DIRECT_BYTES] * 3, [0, 0, 0])
+    monkeypatch.setattr(direct_mod.os, "pwrite", failing)
+    w = CheckpointWriter(tmp_path / "ck", 1, direct=True, write_behind=True, **FIELDS)
+    with pytest.raises(StoreError) as e:
+        for i, a in enumerate(arrays):
+            w.write(0, f"param/t{i}", a, dtype="uint8")
+        w.commit()
+    assert e.value.code == "UCL410" and "Input/output error" in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_write_behind_writes_every_dataset_exactly(tmp_path):
+    arrays = raw_arrays(np.random.default_rng(4), [MIN_DIRECT_BYTES + 3, 10, 2 * MIN_DIRECT_BYTES], [0, 16, 0])
+    write(tmp_path / "ck", arrays, direct=True, write_behind=True)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, read_back(tmp_path / "ck", 3)))

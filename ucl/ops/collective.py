@@ -17,7 +17,7 @@ def commit_collectively(path: str, nranks: int, fields: dict,
                         before_commit: Callable[[CheckpointWriter, list], None] | None = None,
                         prepare: Callable[[], None] | None = None,
                         heartbeat: float | None = None, cancel: threading.Event | None = None,
-                        durable: bool = True) -> str:
+                        durable: bool = True, write_behind: bool = False) -> str:
     """Called by every process of ``group``. Rank 0 runs ``prepare()`` and creates the writer for
     ``path`` (``nranks`` files, manifest ``fields``); each process calls ``write(writer)``, which
     writes its files and returns the ranks it wrote, or ``{rank: entries}`` of files already
@@ -37,7 +37,7 @@ def commit_collectively(path: str, nranks: int, fields: dict,
         try:
             if prepare is not None:
                 prepare()
-            owner = CheckpointWriter(path, nranks, durable=durable, **fields)
+            owner = CheckpointWriter(path, nranks, durable=durable, write_behind=write_behind, **fields)
             tmp = owner.tmp_path
         except (UclError, OSError) as e:
             error = str(e)
@@ -48,7 +48,7 @@ def commit_collectively(path: str, nranks: int, fields: dict,
 
     def attempt() -> None:
         try:
-            writer = owner if me == 0 else CheckpointWriter.join(tmp, nranks, durable=durable)
+            writer = owner if me == 0 else CheckpointWriter.join(tmp, nranks, durable=durable, write_behind=write_behind)
             done = write(writer)
             if isinstance(done, Mapping):
                 out["entries"] = dict(done)

@@ -373,7 +373,7 @@ def assign(groups: list[ReplicaGroup], plan: Plan, workers: int,
 def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None) -> WorkerResult:
     job = _JOB
     report = progress or (job.progress.put if job.progress is not None else None)
-    writer = CheckpointWriter.join(job.tmp, job.nranks, durable=job.durable)
+    writer = CheckpointWriter.join(job.tmp, job.nranks, durable=job.durable, write_behind=True)
     stats = IOStats()
     c = job.plan.copies
 
@@ -383,11 +383,11 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
 
     with open_checkpoint(job.src, job.format) as ckpt:
         source = StoreSource(ckpt, Arena(), verify=job.verify)
-        target = Arena()
-        for t in sorted(task.groups, key=first_source):  # reads sweep each source file in order
+        targets = (Arena(), Arena())  # one is filled while the other is still being written (write_behind)
+        for i, t in enumerate(sorted(task.groups, key=first_source)):  # reads sweep each source file in order
             g = job.groups[t.group]
             covered = int(np.prod(c["size"][g.rows], axis=1).sum()) if len(g.rows) else 0
-            buf = target.array(g.shape, storage_dtype(g.dtype), zero=covered < int(np.prod(g.shape, dtype=np.int64)))
+            buf = targets[i % 2].array(g.shape, storage_dtype(g.dtype), zero=covered < int(np.prod(g.shape, dtype=np.int64)))
             stats.bytes_needed += run_copies(job.plan, g.rows, source, {g.key: buf})
             for r in t.ranks:
                 writer.write(r, g.key, buf, dtype=g.dtype)

@@ -25,7 +25,8 @@ def save(path: str | os.PathLike, shards: Mapping[int, Mapping[str, Any]], *, mo
         raise StoreError(f"shards must hold ranks 0..{nranks - 1} of {mesh}, got {sorted(shards)[:8]}...", code="UCL421")
     checked = {r: normalise(model, mesh, r, shards[r]) for r in range(nranks)}
     want = {r: expected_datasets(model, mesh, r) for r in range(nranks)}
-    with CheckpointWriter(path, nranks, durable=durable, **manifest_fields(model, mesh, state)) as w:
+    # write_behind: the arrays stay untouched until commit() returns
+    with CheckpointWriter(path, nranks, durable=durable, write_behind=True, **manifest_fields(model, mesh, state)) as w:
         for r in range(nranks):
             for key, arr in checked[r].items():
                 w.write(r, key, arr, dtype=want[r][key][1])
@@ -64,4 +65,4 @@ def save_rank(path: str | os.PathLike, tensors: Mapping[str, Any], *, model: Mod
         return [rank]
 
     return commit_collectively(os.fspath(path), mesh.size, manifest_fields(model, mesh, state), write,
-                               durable=durable)
+                               durable=durable, write_behind=True)

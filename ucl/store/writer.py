@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -30,7 +31,7 @@ class CheckpointWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
-                 durable: bool = True, direct: bool | None = None, **fields: Any):
+                 durable: bool = True, direct: bool | None = None, write_behind: bool = False, **fields: Any):
         self.path: str | None = os.path.abspath(os.fspath(path))
         if os.path.lexists(self.path):  # checked before anything is written
             raise StoreError(f"cannot write checkpoint: {self.path} already exists", code="UCL405")
@@ -47,11 +48,11 @@ class CheckpointWriter:
         except OSError as e:
             raise StoreError(f"cannot create a temp directory beside {self.path}: {e}", code="UCL410") from e
         self.tmp_path = self._tmp.path
-        self._setup(nranks, True, max_open_files, durable, direct)
+        self._setup(nranks, True, max_open_files, durable, direct, write_behind)
 
     @classmethod
     def join(cls, tmp_path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
-             durable: bool = True, direct: bool | None = None) -> "CheckpointWriter":
+             durable: bool = True, direct: bool | None = None, write_behind: bool = False) -> "CheckpointWriter":
         """A participant (another process) writing some ranks' files into an owner's ``tmp_path``.
         It calls ``finish()`` and hands the result to the owner's ``adopt()``; it cannot commit."""
         self = cls.__new__(cls)
@@ -59,17 +60,23 @@ class CheckpointWriter:
         self.tmp_path = os.path.abspath(os.fspath(tmp_path))
         if not os.path.isdir(self.tmp_path):
             raise StoreError(f"temp directory {self.tmp_path} does not exist", code="UCL404")
-        self._setup(nranks, False, max_open_files, durable, direct)
+        self._setup(nranks, False, max_open_files, durable, direct, write_behind)
         return self
 
-    def _setup(self, nranks: int, owner: bool, max_open: int, durable: bool, direct: bool | None) -> None:
+    def _setup(self, nranks: int, owner: bool, max_open: int, durable: bool, direct: bool | None,
+               write_behind: bool) -> None:
         # durable=False skips fsync of the rank files: the commit stays atomic against killed
         # processes, but not against a power loss before the OS writes the pages back.
         # direct (default: durable): large datasets bypass the page cache (store.direct); a durable write
         # pays for the disk anyway, and skips filling cache pages first.
         self.nranks, self._owner, self._state, self.durable = nranks, owner, "open", durable
+        # write_behind: a large dataset's bytes are still being written when write() returns (while the
+        # caller hashes, reads and assembles the next one); the caller leaves that array untouched until
+        # its next write() (or finish/commit) returns. One dataset at most is in flight.
         self.direct = durable if direct is None else bool(direct)
         self._direct = DirectWriter()
+        self._behind: ThreadPoolExecutor | None = ThreadPoolExecutor(1, "ucl-write") if write_behind else None
+        self._inflight: Future | None = None
         self._lock = threading.RLock()
         self._entries: list[dict[str, dict[str, Any]]] = [{} for _ in range(nranks)]
         self._pending: dict[tuple[int, str], IncrementalChecksum] = {}
@@ -132,13 +139,31 @@ class CheckpointWriter:
                 f, _ = self._handles.get(rank)
                 if self.direct and arr.nbytes >= MIN_DIRECT_BYTES:
                     d, offset = h5.create_allocated(f.require_group(kind), name, arr.shape, arr.dtype)
-                    self._direct.write(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
+                    self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
                 else:
                     d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
                 d.attrs["ucl_dtype"] = logical
                 digests = checksums(arr)
                 h5.set_checksum_tables(d, digests)
             self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), **checksum_fields(digests)}
+
+    def _write_bytes(self, path: str, offset: int, raw: np.ndarray) -> None:
+        self._settle()
+        if self._behind is None:
+            self._direct.write(path, offset, raw)
+        else:
+            self._inflight = self._behind.submit(self._direct.write, path, offset, raw)
+
+    def _settle(self) -> None:
+        """Wait for the dataset in flight; its I/O error is raised here."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.result()
+
+    def _stop_behind(self) -> None:
+        if self._behind is not None:
+            self._behind.shutdown(wait=True)
+            self._behind = None
 
     def create(self, rank: int, key: str, shape: Sequence[int], dtype: str) -> None:
         """Preallocate a dataset to fill with ``write_flat``/``write_box``; unwritten elements read as 0."""
@@ -216,6 +241,8 @@ class CheckpointWriter:
     def _flush(self, ranks: Sequence[int]) -> None:
         """Finish checksums, close files, create empty files for ``ranks`` lacking one, fsync them."""
         with self._io():
+            self._settle()
+            self._stop_behind()
             for (rank, key), p in sorted(self._pending.items()):
                 e = self._entries[rank][key]
                 shape = tuple(e["shape"])
@@ -281,6 +308,9 @@ class CheckpointWriter:
             if self._state in ("committed", "aborted", "finished"):  # finished files belong to the owner
                 return
             self._state = "aborted"
+            with contextlib.suppress(BaseException):  # nothing may still be writing into what is discarded
+                self._settle()
+            self._stop_behind()
             self._handles.discard()
             if self._owner:
                 self._tmp.discard()

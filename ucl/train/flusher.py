@@ -59,7 +59,7 @@ class Flusher(Stage):
         path = self.root.path_for(snap.step)
         if self.world == 1:
             self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
-            with CheckpointWriter(path, layout.mesh.size, **fields) as w:
+            with CheckpointWriter(path, layout.mesh.size, write_behind=True, **fields) as w:  # the pool holds still
                 self._write(w, snap)
                 w.commit()
         else:
@@ -114,7 +114,8 @@ class Flusher(Stage):
 
         try:
             commit_collectively(path, layout.mesh.size, fields, write, group=self.group,
-                                share=snap.state["rng"], before_commit=before_commit, prepare=prepare)
+                                share=snap.state["rng"], before_commit=before_commit, prepare=prepare,
+                                write_behind=True)
         except StoreError as e:
             raise StoreError(f"step {snap.step}: {e}", code=e.code) from None
 
