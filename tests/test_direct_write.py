@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import h5py
 import numpy as np
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from ucl.errors import StoreError
 from ucl.store import Checkpoint, CheckpointWriter
 from ucl.store import direct as direct_mod
-from ucl.store.direct import BLOCK, MIN_DIRECT_BYTES
+from ucl.store.direct import BLOCK, MIN_DIRECT_BYTES, DirectWriter
 
 FIELDS: dict = {}
 
@@ -143,3 +144,50 @@ def test_write_behind_writes_every_dataset_exactly(tmp_path):
     arrays = raw_arrays(np.random.default_rng(4), [MIN_DIRECT_BYTES + 3, 10, 2 * MIN_DIRECT_BYTES], [0, 16, 0])
     write(tmp_path / "ck", arrays, direct=True, write_behind=True)
     assert all(np.array_equal(a, b) for a, b in zip(arrays, read_back(tmp_path / "ck", 3)))
+
+
+def test_write_behind_holds_an_array_only_until_the_next_write_returns(tmp_path, monkeypatch):
+    """The reshard workers reuse a target buffer two datasets later: a small dataset in between (written
+    by HDF5, not behind) must still wait for the large one in flight."""
+    real = DirectWriter.write
+
+    def slow(self, *a):  # a slow device: the write is still in flight when the caller moves on
+        time.sleep(0.3)
+        return real(self, *a)
+
+    monkeypatch.setattr(DirectWriter, "write", slow)
+    big = raw_arrays(np.random.default_rng(5), [MIN_DIRECT_BYTES + 100], [0])[0]
+    want = big.copy()
+    w = CheckpointWriter(tmp_path / "ck", 1, direct=True, write_behind=True, **FIELDS)
+    w.write(0, "param/t0", big, dtype="uint8")
+    w.write(0, "param/t1", np.arange(10, dtype=np.uint8), dtype="uint8")
+    big[...] = 0  # allowed now
+    w.commit()
+    assert np.array_equal(read_back(tmp_path / "ck", 1)[0], want)
+
+
+@pytest.mark.parametrize("to", ["pp=1,dp=2,tp=4", "universal"])
+def test_reshard_of_large_and_small_datasets_is_exact_on_direct_writes(tmp_path, to):
+    """Large datasets (direct, written behind) between small ones (HDF5), two forked workers reusing
+    their target buffers: every target dataset equals the in-memory execution of the same plan."""
+    import ucl
+    from ucl.demo import LLAMA_MEGATRON, llama_params
+    from ucl.dtypes import storage_dtype
+    from ucl.ops import expected_datasets
+    dims = dict(vocab=4096, hidden=256, heads=8, kv_heads=4, ffn=704, layers=2)
+    model = ucl.load_spec(LLAMA_MEGATRON).bind(dims, llama_params(dims))
+    src_mesh, dst_mesh = ucl.Mesh(pp=2, dp=2, tp=2), ucl.Mesh.parse(to)
+    rng = np.random.default_rng(0)
+    shards = {r: {k: rng.integers(0, 2**16, shape).astype(storage_dtype(dt))
+                  for k, (shape, dt) in sorted(expected_datasets(model, src_mesh, r).items())}
+              for r in range(src_mesh.size)}
+    assert any(a.nbytes >= MIN_DIRECT_BYTES for a in shards[0].values())
+    src = ucl.save(tmp_path / "src", shards, model=model, mesh=src_mesh, state={"step": 1})
+    want = ucl.execute_memory(ucl.compile(model, src_mesh, dst_mesh), shards)
+    ucl.reshard(src, tmp_path / "dst", dst_mesh, workers=2)
+    with ucl.open(tmp_path / "dst") as c:
+        assert c.verify() == []
+        for r, keys in want.items():
+            for k, w in keys.items():
+                g = c.read(r, k)
+                assert g.dtype == w.dtype and g.shape == w.shape and g.tobytes() == w.tobytes(), (r, k)

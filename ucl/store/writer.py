@@ -136,6 +136,7 @@ class CheckpointWriter:
             kind, name = self._new_key(rank, key)
             arr, logical = _dt.to_numpy(data, dtype)
             with self._io():
+                self._settle()  # whatever path this dataset takes, the caller may reuse the last one's array
                 f, _ = self._handles.get(rank)
                 if self.direct and arr.nbytes >= MIN_DIRECT_BYTES:
                     d, offset = h5.create_allocated(f.require_group(kind), name, arr.shape, arr.dtype)
@@ -148,7 +149,6 @@ class CheckpointWriter:
             self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), **checksum_fields(digests)}
 
     def _write_bytes(self, path: str, offset: int, raw: np.ndarray) -> None:
-        self._settle()
         if self._behind is None:
             self._direct.write(path, offset, raw)
         else:
@@ -194,6 +194,7 @@ class CheckpointWriter:
             if got != e["dtype"]:
                 raise StoreError(f"rank {rank} dataset {key!r} is {e['dtype']}, data is {got}", code="UCL409")
         with self._io():
+            self._settle()
             f, cache = self._handles.get(rank)
             d = cache.get(key)
             if d is None:
