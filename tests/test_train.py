@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import threading
 import time
 
@@ -489,3 +490,55 @@ def test_snapshot_of_strided_and_half_precision_tensors_is_bit_exact(tmp_path):
         stored = got[f"param/{k}"]
         raw = v.contiguous().view(torch.int16 if v.element_size() == 2 else torch.int32).numpy()
         assert stored.shape == tuple(v.shape) and np.array_equal(stored.view(raw.dtype), raw), k
+
+
+@pytest.mark.parametrize("kind", ["dir", "fsspec"])
+def test_a_tier_mirrors_a_rewind_of_the_run(tmp_path, kind):
+    """load(step=2) after steps 1-4, then saving 3 and 4 again: tier 1 drops the abandoned 3 and 4
+    and so must every further tier; their step 3 must be the new one, not the old one kept."""
+    import uuid
+
+    from ucl.store import CheckpointRoot
+    from ucl.train.tiers import RemoteTier, open_tier
+    if kind == "fsspec":
+        pytest.importorskip("fsspec")
+    tier = str(tmp_path / "tier2") if kind == "dir" else f"memory://ucl-test-{uuid.uuid4().hex}/run"
+    local = tmp_path / "local"
+    run(local, steps=4, save_at=(1, 2, 3, 4), keep=5, tiers=[tier])
+    model, optimizer = make(seed=7)
+    with ucl.Checkpointer(local, model, optimizer, keep=5, tiers=[tier]) as ck:
+        assert ck.load(step=2)[0] == 2
+        train_step(model, optimizer, 50)  # another path than the first run's
+        ck.save(3)
+    t = open_tier(tier)
+    assert t.steps() == [1, 2, 3] and t.latest_step() == 3
+    assert CheckpointRoot(local).steps() == [1, 2, 3]
+    with open(os.path.join(CheckpointRoot(local).path_for(3), "manifest.json"), "rb") as f:
+        want = f.read()
+    got = (open(os.path.join(t.path_for(3), "manifest.json"), "rb").read() if kind == "dir"
+           else t.fs.cat_file(t._join(CheckpointRoot.dir_name(3), "manifest.json")))
+    assert got == want  # the new step 3, not the abandoned one
+    if isinstance(t, RemoteTier):
+        fetched = t.fetch(3, str(tmp_path / "fetched"))
+        with ucl.open(fetched) as c:
+            assert c.verify() == []
+
+
+def test_a_checkpoint_committed_but_not_promoted_is_promoted_on_restart(tmp_path):
+    """A job killed after committing step 3 in tier 1 but before promoting it: the next Checkpointer
+    promotes it to the tiers that are behind, and leaves a tier that is ahead alone."""
+    from ucl.store import CheckpointRoot
+    from ucl.train.tiers import promote
+    local, behind, ahead = tmp_path / "local", CheckpointRoot(tmp_path / "behind"), CheckpointRoot(tmp_path / "ahead")
+    run(local, steps=5, save_at=(1, 3, 5), keep=5)  # no tiers: nothing promoted
+    root = CheckpointRoot(local)
+    promote(root.path_for(1), behind, 1, keep=5)
+    for s in (1, 3, 5):
+        promote(root.path_for(s), ahead, s, keep=5)
+    shutil.rmtree(root.path_for(5))  # tier 1 lost its newest: the further tier is ahead
+    root.adopt_newest()
+    model, optimizer = make()
+    with ucl.Checkpointer(local, model, optimizer, keep=5, tiers=[behind.root, ahead.root]) as ck:
+        ck.wait()
+    assert behind.steps() == [1, 3] and behind.latest_step() == 3
+    assert ahead.steps() == [1, 3, 5] and ahead.latest_step() == 5

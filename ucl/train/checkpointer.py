@@ -30,7 +30,7 @@ from .pool import BLOCK, HostPool, layout_bytes
 from .progress import Progress
 from .promoter import Promoter
 from .snapshot import Snapshot, Snapshots
-from .tiers import open_tier
+from .tiers import latest_of, open_tier
 from .trace import Trace
 
 
@@ -80,6 +80,8 @@ class Checkpointer:
             if self.tiers and rank == 0 else None
         self._flusher = Flusher(self.root, self._layouts, self._snapshots, self._progress, self.trace, keep=keep,
                                 dist=self._dist, group=self._group, promoter=self._promoter)
+        if self._promoter is not None:
+            self._catch_up_tiers()
         self._copier = Copier(self._snapshots, self._progress, self.trace, rank, cuda=cuda,
                               then=self._flusher.submit)
         self._hook = optimizer.register_step_pre_hook(lambda *a: self.fence()) if optimizer is not None else None
@@ -184,6 +186,17 @@ class Checkpointer:
         self.close()
 
     # ---- helpers -----------------------------------------------------------------------------------
+    def _catch_up_tiers(self) -> None:
+        """A job killed after a commit but before its promotion left the newest checkpoint in tier 1
+        only: promote it, in the background, to the tiers whose ``latest`` is older (never to one that
+        is ahead, e.g. after tier 1 was lost and the run resumed from a further tier)."""
+        step = self.root.latest_step() if os.path.isdir(self.root.root) else None
+        if step is None:
+            return
+        behind = tuple(i for i, t in enumerate(self.tiers) if (latest_of(t) is None or latest_of(t) < step))
+        if behind:
+            self._promoter.submit(self.root.path_for(step), step, behind)
+
     def _new_pool(self, nbytes: int) -> None:
         """The default pool holds two snapshots; it is replaced (once every region is free) when the
         snapshots grow, e.g. when the optimizer state appears after the first step."""

@@ -26,6 +26,7 @@ class Promotion:
     step: int
     staged: Any  # TempDir of hard links to the committed files
     files: tuple[str, ...]
+    tiers: tuple[int, ...]  # indices into Promoter.tiers
 
 
 class Promoter(Stage):
@@ -33,8 +34,9 @@ class Promoter(Stage):
         self.tiers, self.keep, self.progress, self.trace, self.rank = tiers, keep, progress, trace, rank
         super().__init__("ucl-promote", depth)
 
-    def submit(self, path: str, step: int) -> None:
-        """Promote the committed checkpoint ``path`` of ``step``; waits while the queue is full."""
+    def submit(self, path: str, step: int, tiers: tuple[int, ...] | None = None) -> None:
+        """Promote the committed checkpoint ``path`` of ``step`` (to ``tiers``, indices; default all);
+        waits while the queue is full."""
         try:
             staged = TempDir(path)
             try:
@@ -48,14 +50,15 @@ class Promoter(Stage):
             self.progress.fail(self._error(step, "tier 1 (staging its files)", e))
             return
         self.progress.begin()
-        self._put(Promotion(step, staged, files))
+        self._put(Promotion(step, staged, files, tuple(range(len(self.tiers))) if tiers is None else tuple(tiers)))
 
     def _setup(self) -> None:
         lower_priority()
 
     def _handle(self, item: Promotion) -> None:
         try:
-            for i, tier in enumerate(self.tiers):
+            for i in item.tiers:
+                tier = self.tiers[i]
                 t0 = time.perf_counter()
                 try:
                     promote_to(tier, item.staged.path, item.step, self.keep, list(item.files))

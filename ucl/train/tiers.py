@@ -19,19 +19,32 @@ def committed_files(path: str) -> list[str]:
     return sorted(f for f in os.listdir(path) if not f.startswith(LOCK_NAME))
 
 
+def _manifest(path: str) -> bytes:
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+        return f.read()
+
+
 def promote(path: str, tier: CheckpointRoot, step: int, keep: int, files=None) -> None:
     """Copy a committed checkpoint (``files`` of ``path``, default all) to another directory tier,
-    atomically (the folder appears whole or not at all), then move its ``latest`` and prune."""
+    atomically (the folder appears whole or not at all), then move its ``latest`` and prune. The tier
+    mirrors tier 1's history: a ``step`` it already holds from an abandoned run (another manifest) is
+    replaced, and its steps after ``step`` (tier 1 discarded them when the run went back) go."""
     files = committed_files(path) if files is None else files
     os.makedirs(tier.root, exist_ok=True)
     final = tier.path_for(step)
+    hidden = None
     if os.path.exists(final):
-        return
+        if os.path.isfile(os.path.join(final, MANIFEST_NAME)) and _manifest(final) == _manifest(path):
+            return
+        hidden = tier.set_aside(step)
     with staged_dir(final) as folder:
         for name in files:
             shutil.copyfile(os.path.join(path, name), os.path.join(folder, name))
             fsync_path(os.path.join(folder, name))
     tier.set_latest(step)
+    tier.discard_after(step)
+    if hidden is not None:
+        shutil.rmtree(hidden, ignore_errors=True)
     tier.prune(keep)
 
 
@@ -85,13 +98,18 @@ class RemoteTier:
         name = CheckpointRoot.dir_name(step)
         target = self._join(name)
         if self.fs.exists(self._join(name, MANIFEST_NAME)):
-            return
+            if self.fs.cat_file(self._join(name, MANIFEST_NAME)) == _manifest(path):
+                return
+            self.fs.rm_file(self._join(name, MANIFEST_NAME))  # an abandoned run's: uncommitted, then replaced
         files = [f for f in (committed_files(path) if files is None else files) if f != MANIFEST_NAME]
         self.fs.makedirs(target, exist_ok=True)
         for f in files + [MANIFEST_NAME]:  # the manifest last: it commits the folder
             self.fs.put_file(os.path.join(path, f), self._join(name, f))
         self.fs.pipe_file(self._join(LATEST_NAME), name.encode())
-        for old in self.steps()[:-keep] if keep else []:
+        steps = self.steps()
+        later = [s for s in steps if s > step]  # an abandoned run's (tier 1 discarded them too)
+        kept = [s for s in steps if s <= step]
+        for old in later + (kept[:-keep] if keep else []):
             if old != step:
                 self.fs.rm_file(self._join(CheckpointRoot.dir_name(old), MANIFEST_NAME))  # uncommit first
                 self.fs.rm(self._join(CheckpointRoot.dir_name(old)), recursive=True)
@@ -119,6 +137,14 @@ def promote_to(tier: CheckpointRoot | RemoteTier, path: str, step: int, keep: in
         tier.promote(path, step, keep, files)
     else:
         promote(path, tier, step, keep, files)
+
+
+def latest_of(tier: CheckpointRoot | RemoteTier) -> int | None:
+    """The tier's ``latest`` step (None: none yet, or a pointer that cannot be read)."""
+    try:
+        return tier.latest_step()
+    except (OSError, UclError):
+        return None
 
 
 def describe(tier: CheckpointRoot | RemoteTier) -> str:
