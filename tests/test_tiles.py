@@ -346,3 +346,36 @@ def test_tile_attributes_on_a_flat_dataset_are_refused_by_verify(tmp_path):
     _set_attr(path, "ucl_tiles", np.zeros(4, np.uint64))
     with Checkpoint.open(path) as ck:
         assert any("tile checksum attributes" in p for p in ck.verify())
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 300), cols=st.integers(1, 700), item=st.sampled_from([1, 2, 4]),
+       cuts=st.lists(st.floats(0, 1), max_size=6), seed=st.integers(0, 2**31))
+def test_incremental_checksums_of_any_pieces_equal_direct_hashes(rows, cols, item, cuts, seed):
+    """Pieces of any size, in order: the whole, chunk and tile digests equal hashes taken directly
+    of the whole bytes, of each chunk's bytes and of each tile copied out contiguously."""
+    from ucl.store.checksum import IncrementalChecksum, checksums
+    dtype = np.dtype(f"u{item}")
+    arr = np.random.default_rng(seed).integers(0, 255, (rows, cols), dtype=np.uint8).astype(dtype)
+    flat, raw = arr.reshape(-1), arr.reshape(-1).view(np.uint8)
+    bounds = sorted({0, flat.size, *(int(c * flat.size) for c in cuts)})
+    h = IncrementalChecksum(arr.shape, dtype)
+    for a, b in zip(bounds, bounds[1:]):
+        h.advance(a, flat[a:b])
+    got, whole = h.result(flat.size), checksums(arr)
+    assert got.whole == whole.whole and (got.chunks is None) == (whole.chunks is None)
+    assert got.chunks is None or np.array_equal(got.chunks[1], whole.chunks[1])
+    assert got.whole == "xxh3_64:" + xxhash.xxh3_64_hexdigest(raw)
+    size = chunk_size(raw.size)
+    if size is None:
+        assert got.chunks is None
+    else:
+        assert got.chunks[0] == size
+        assert list(got.chunks[1]) == [xxhash.xxh3_64_intdigest(raw[i:i + size]) for i in range(0, raw.size, size)]
+    grid = tile_grid(arr.shape, item)
+    if grid is None:
+        assert got.tiles is None
+    else:
+        want = [xxhash.xxh3_64_intdigest(np.ascontiguousarray(arr[slice(*grid.row_span(b)), slice(*grid.col_span(j, j))]))
+                for b in range(grid.nr) for j in range(grid.nc)]
+        assert got.tiles[0] == grid and list(got.tiles[1]) == want

@@ -101,20 +101,29 @@ class IncrementalChecksum:
         if self.in_order and start == self.next_flat:
             raw = raw_bytes(flat)
             self.hasher.update(raw)
-            pos = 0
-            while self.size and pos < raw.size:
-                take = min(self.size - self.chunk_fill, raw.size - pos)
-                self.chunk.update(raw[pos:pos + take])
-                self.chunk_fill += take
-                pos += take
-                if self.chunk_fill == self.size:
-                    self.chunks.append(self.chunk.intdigest())
-                    self.chunk, self.chunk_fill = xxhash.xxh3_64(), 0
+            if self.size:
+                self._advance_chunks(raw)
             if self.tiles is not None:
                 self.tiles.advance(flat.reshape(-1))
             self.next_flat += flat.size
         elif flat.size:
             self.in_order = False  # out of order or overwrite: caller re-reads at close
+
+    def _advance_chunks(self, raw: np.ndarray) -> None:
+        size, pos, n = self.size, 0, raw.size
+        if self.chunk_fill:  # finish the chunk an earlier piece began
+            pos = min(size - self.chunk_fill, n)
+            self.chunk.update(raw[:pos])
+            self.chunk_fill += pos
+            if self.chunk_fill < size:
+                return
+            self.chunks.append(self.chunk.intdigest())
+            self.chunk, self.chunk_fill = xxhash.xxh3_64(), 0
+        stop = pos + (n - pos) // size * size  # whole chunks: one call each (equal to streaming them)
+        self.chunks.extend(xxhash.xxh3_64_intdigest(raw[i:i + size]) for i in range(pos, stop, size))
+        if stop < n:
+            self.chunk.update(raw[stop:])
+            self.chunk_fill = n - stop
 
     def result(self, total: int) -> Digests | None:
         """The dataset's :class:`Digests` if exactly ``total`` elements arrived in order, else None."""
