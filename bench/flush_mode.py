@@ -144,7 +144,7 @@ def main() -> None:
         rows.append((mode, statistics.median(times) / m, min(times) / m, max(times) / m, statistics.median(writes), len(writes)))
     parent.send(None)
     proc.join(timeout=30)
-    del buf
+    buf = None  # the view must go before the shared memory closes
     shm.close()
     shm.unlink()
     print(f"{'mode':8} {'iter x none':>12} {'min-max':>12} {'write s':>8} {'writes':>7}")
