@@ -202,6 +202,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, path: str, want: dict) -> No
             for k in ("exp_avg", "exp_avg_sq"):
                 assert _bits(s[k].full_tensor(), want[f"{k}/{names[p]}"]), (names[p], k)
         assert [g["weight_decay"] for g in opt.param_groups] == [WD, 0.0]
+        dist.barrier()  # both done with their collectives before either tears gloo down (a CI run aborted there once)
     finally:
         dist.destroy_process_group()
 
