@@ -79,6 +79,33 @@ def timed(cmd: list[str]) -> tuple[float, str]:
     return dt, p.stdout
 
 
+def cached_fraction(folder: Path) -> float | None:
+    """Share of the folder's file pages in the page cache right now (mincore), or None where that
+    cannot be asked. "Warm" runs are only warm when this stays near 1: some VMs reclaim the page
+    cache within seconds, and a source read back from disk makes a run several times slower."""
+    import ctypes
+    import mmap
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    page, held, total = mmap.PAGESIZE, 0, 0
+    for f in (p for p in folder.rglob("*") if p.is_file() and p.stat().st_size):
+        n = f.stat().st_size
+        pages = -(-n // page)
+        vec = (ctypes.c_ubyte * pages)()
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), n, access=mmap.ACCESS_COPY) as m:
+            start = ctypes.c_char.from_buffer(m)  # private, untouched: mincore sees the file's cached pages
+            rc = libc.mincore(ctypes.addressof(start), n, vec)
+            del start  # the buffer export must end before the mapping closes
+        if rc != 0:
+            return None
+        held += sum(b & 1 for b in vec)
+        total += pages
+    return held / total if total else None
+
+
 def rss_children_mb() -> float:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
@@ -217,24 +244,32 @@ def main() -> None:
                                                            "--no-fsync"],
             "  -> universal, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet"],
         }
-        results = {}
+        results, cached = {}, {}
         for name, cmd in ops.items():
-            times = []
+            times, warm = [], []
             rss_before = rss_children_mb()
             for i in range(args.repeat + 1):  # first run warms the page cache, not counted
                 out = work / f"out-{i}"
+                if i:
+                    warm.append(cached_fraction(src))
                 dt, text = timed(cmd(out))
                 if i:
                     times.append(dt)
                 last = text
                 shutil.rmtree(out)
             results[name] = (times, last, rss_children_mb() if rss_children_mb() > rss_before else None)
+            cached[name] = None if None in warm else min(warm)
         base = statistics.median(results["cp -r"][0])
-        print(f"\n{'operation':<28} {'median s':>9} {'min-max s':>13} {'x cp -r':>8}  notes  (warm cache, {args.repeat} runs)")
+        print(f"\n{'operation':<28} {'median s':>9} {'min-max s':>13} {'x cp -r':>8} {'cached':>6}  notes  "
+              f"(warm cache, {args.repeat} runs; cached: least share of the source in the page cache before a run)")
         for name, (times, text, rss) in results.items():
             med = statistics.median(times)
             note = text.strip().splitlines()[-1][:110] if text.strip() else ""
-            print(f"{name:<28} {med:9.2f} {min(times):6.2f}-{max(times):<6.2f} {med / base:8.2f}  {note}")
+            share = "?" if cached[name] is None else f"{cached[name]:.0%}"
+            print(f"{name:<28} {med:9.2f} {min(times):6.2f}-{max(times):<6.2f} {med / base:8.2f} {share:>6}  {note}")
+        if any(c is not None and c < 0.95 for c in cached.values()):
+            print("warning: the source was partly evicted from the page cache before some runs (the machine reclaims "
+                  "it): those runs read from disk and are not comparable to cp -r from cache")
         synced = statistics.median(results["cp -r + sync"][0])
         for name in ("  -> TP4·PP1·DP2, fsync", "  -> universal, fsync"):
             print(f"{name.strip():<28} vs cp -r + sync: {statistics.median(results[name][0]) / synced:.2f}x")
