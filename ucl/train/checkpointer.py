@@ -26,7 +26,7 @@ from .derive import TrainLayout
 from .flusher import Flusher
 from .layouts import Layouts
 from .optim import hyperparameters
-from .pool import BLOCK, HostPool, layout_bytes
+from .pool import HostPool, default_pool_bytes, layout_bytes
 from .progress import Progress
 from .promoter import Promoter
 from .snapshot import Snapshot, Snapshots
@@ -99,9 +99,9 @@ class Checkpointer:
         sizes = [e.tensor.numel() * e.tensor.element_size() for e in layout.entries]
         offsets, total = layout_bytes(sizes)
         pool = self._snapshots.pool
-        two = 2 * -(-total // BLOCK) * BLOCK  # the default pool: two snapshots, each starting on a block
-        if pool is None or (self.pool_bytes is None and pool.nbytes < two):
-            self._new_pool(max(self.pool_bytes or two, 1))
+        default = default_pool_bytes(total)
+        if pool is None or (self.pool_bytes is None and pool.nbytes < default):
+            self._new_pool(max(self.pool_bytes or default, 1))
         region, waited = self._snapshots.pool.allocate(
             total, closed=lambda: self._progress.failed or self._closed, reclaim=self._snapshots.forget)
         persist = step % self.persist_every == 0
@@ -193,7 +193,8 @@ class Checkpointer:
         step = self.root.latest_step() if os.path.isdir(self.root.root) else None
         if step is None:
             return
-        behind = tuple(i for i, t in enumerate(self.tiers) if (latest_of(t) is None or latest_of(t) < step))
+        latest = [latest_of(t) for t in self.tiers]  # one look at each tier (a remote one costs a request)
+        behind = tuple(i for i, s in enumerate(latest) if s is None or s < step)
         if behind:
             self._promoter.submit(self.root.path_for(step), step, behind)
 

@@ -93,6 +93,11 @@ class HostPool:
         return self.buffer[region.start:region.stop]
 
 
+def default_pool_bytes(total: int) -> int:
+    """The default pool for snapshots of ``total`` bytes: two of them, each starting on a block."""
+    return max(2 * -(-total // BLOCK) * BLOCK, 1)
+
+
 def layout_bytes(sizes) -> tuple[list[int], int]:
     """Offsets of tensors of ``sizes`` bytes packed with ALIGN, and the total."""
     offsets, pos = [], 0
