@@ -249,15 +249,20 @@ def test_frozen_parameter_with_optimizer_state_is_refused(pristine, tmp_path):
     assert "exp_avg/decoder.final_layernorm.weight" in msg and "frozen" in msg, msg
 
 
-@pytest.mark.parametrize("attr,value", [("ucl_chunk_bytes", 0), ("ucl_chunk_bytes", 3),
-                                        ("ucl_chunks", np.zeros(3, np.uint64))])
-def test_bad_chunk_attributes_are_refused(ckpt, tmp_path, attr, value):
+@pytest.mark.parametrize("what,attr,value", [("chunk", "ucl_chunk_bytes", 0), ("chunk", "ucl_chunk_bytes", 3),
+                                             ("chunk", "ucl_chunks", np.zeros(3, np.uint64)),
+                                             ("tile", "ucl_tiles", np.zeros((2, 4), np.uint64)),  # not the rule's grid
+                                             ("tile", "ucl_tiles", np.zeros(8, np.uint64)),
+                                             ("tile", "ucl_tiles", np.zeros(3, np.float64))])
+def test_bad_checksum_table_attributes_are_refused(ckpt, tmp_path, what, attr, value):
     with h5py.File(rank_file(ckpt, 1), "r+") as f:
+        if what == "tile":
+            assert "ucl_tiles" in f[FC2].attrs  # a 2-D dataset over 16 KiB carries tiles
         f[FC2].attrs[attr] = value
     msg = reshard_refused(ckpt, tmp_path, "UCL406")
-    assert "chunk checksum attributes" in msg
+    assert f"{what} checksum attributes" in msg
     loads_refused(ckpt, "UCL406")
-    verify_complains(ckpt, "chunk checksum")
+    verify_complains(ckpt, f"{what} checksum")
 
 
 def test_chunk_table_of_another_dataset_is_refused(ckpt, tmp_path):
@@ -268,19 +273,6 @@ def test_chunk_table_of_another_dataset_is_refused(ckpt, tmp_path):
         f[FC2].attrs["ucl_chunks"] = other
     loads_refused(ckpt, "UCL407")
     verify_complains(ckpt, "chunk checksums")
-
-
-@pytest.mark.parametrize("attr,value", [("ucl_tiles", np.zeros((2, 4), np.uint64)),  # not the rule's grid
-                                        ("ucl_tiles", np.zeros(8, np.uint64)),
-                                        ("ucl_tiles", np.zeros(3, np.float64))])
-def test_bad_tile_attributes_are_refused(ckpt, tmp_path, attr, value):
-    with h5py.File(rank_file(ckpt, 1), "r+") as f:
-        assert "ucl_tiles" in f[FC2].attrs  # a 2-D dataset over 16 KiB carries tiles
-        f[FC2].attrs[attr] = value
-    msg = reshard_refused(ckpt, tmp_path, "UCL406")
-    assert "tile checksum attributes" in msg
-    loads_refused(ckpt, "UCL406")
-    verify_complains(ckpt, "tile checksum")
 
 
 def test_tile_table_of_another_dataset_is_refused(ckpt, tmp_path):
