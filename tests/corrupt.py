@@ -30,3 +30,19 @@ def scramble(path, rng) -> None:
     for _ in range(rng.randint(1, 4)):
         data[rng.randrange(len(data))] = rng.randrange(256)
     path.write_bytes(bytes(data[: rng.randrange(len(data))] if rng.random() < 0.2 else data))
+
+
+def without_offsets(ckpt) -> None:
+    """Drop the manifest's byte offsets (``offset``, ``tables``) from checkpoint folder ``ckpt``, as
+    ucl wrote it before offsets existed: every read then goes through HDF5's own metadata."""
+    import json
+    import os
+    mpath = os.path.join(os.fspath(ckpt), "manifest.json")
+    with open(mpath) as fh:
+        m = json.load(fh)
+    for entries in m["datasets"]:
+        for e in entries.values():
+            e.pop("offset", None)
+            e.pop("tables", None)
+    with open(mpath, "w") as fh:
+        json.dump(m, fh)

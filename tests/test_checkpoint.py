@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import ucl
-from tests.corrupt import flip_byte
+from tests.corrupt import flip_byte, without_offsets
 import ucl.store.writer as store_writer
 from ucl.ops import IOStats
 from ucl.demo import llama_model, universal_state
@@ -575,9 +575,19 @@ def test_reshard_detects_a_corrupted_flat_buffer(saved, tmp_path, to):
 
 
 def test_damaged_hdf5_header_is_named(saved, tmp_path):
-    bad = _copy(saved("dp=2,tp=2"), tmp_path / "src")
+    """Reads go by the manifest's byte offsets, so a damaged HDF5 header costs no data (every byte
+    is still verified against its checksum); `verify` names it. A checkpoint without offsets (written
+    before they existed) is read through HDF5's metadata, and then the damage is the error."""
+    good = saved("dp=2,tp=2")
+    bad = _copy(good, tmp_path / "src")
     with open(os.path.join(bad, "rank_00000.h5"), "r+b") as fh:
         fh.write(b"\0" * 64)
+    want = ucl.load_rank(good, mesh=M("tp=2"), rank=0)
+    got = ucl.load_rank(bad, mesh=M("tp=2"), rank=0)
+    assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+    problems = ucl.open(bad).verify()
+    assert len(problems) == 1 and "rank_00000.h5" in problems[0], problems
+    without_offsets(bad)
     with pytest.raises(StoreError) as e:
         ucl.reshard(bad, tmp_path / "x", U, workers=1)
     assert "rank_00000.h5" in str(e.value)

@@ -19,6 +19,7 @@ import ucl
 from ucl.demo import llama_model, universal_state
 from ucl.errors import UclError
 from ucl.store import Checkpoint
+from tests.corrupt import without_offsets
 
 SRC_MESH = "dp=2,tp=2"
 M = ucl.Mesh.parse
@@ -43,6 +44,14 @@ def ckpt(pristine, tmp_path):
     dst = tmp_path / "ck" / "src"
     shutil.copytree(pristine["src"], dst)
     return str(dst)
+
+
+@pytest.fixture
+def h5ckpt(ckpt):
+    """The same copy as written before manifests recorded byte offsets: every read goes through HDF5's
+    own metadata, where links, virtual datasets and digest attributes are the attack surface."""
+    without_offsets(ckpt)
+    return ckpt
 
 
 def rank_file(path, rank):
@@ -124,7 +133,8 @@ def _replace_with(path, rank, key, make):
                 pass
 
 
-def test_external_link_is_refused(ckpt, tmp_path):
+def test_external_link_is_refused(h5ckpt, tmp_path):
+    ckpt = h5ckpt
     outside = _outside_copy(ckpt, tmp_path)
     _replace_with(ckpt, 1, FC2, lambda f, g, n: g.__setitem__(n, h5py.ExternalLink(outside, "/" + FC2)))
     msg = reshard_refused(ckpt, tmp_path, "UCL416")
@@ -133,7 +143,8 @@ def test_external_link_is_refused(ckpt, tmp_path):
     verify_complains(ckpt, "external link")
 
 
-def test_virtual_dataset_is_refused(ckpt, tmp_path):
+def test_virtual_dataset_is_refused(h5ckpt, tmp_path):
+    ckpt = h5ckpt
     outside = _outside_copy(ckpt, tmp_path)
     with h5py.File(outside, "r") as f:
         shape, dtype = f[FC2].shape, f[FC2].dtype
@@ -150,7 +161,8 @@ def test_virtual_dataset_is_refused(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["soft", "hard"])
-def test_links_aliasing_another_dataset_are_refused(ckpt, tmp_path, kind):
+def test_links_aliasing_another_dataset_are_refused(h5ckpt, tmp_path, kind):
+    ckpt = h5ckpt
     # exp_avg's flat buffer made an alias of the fp32 master's (same shape, same dtype)
     def alias(f, g, n):
         g[n] = h5py.SoftLink("/fp32/@flat0") if kind == "soft" else f["fp32/@flat0"]
@@ -162,7 +174,8 @@ def test_links_aliasing_another_dataset_are_refused(ckpt, tmp_path, kind):
     verify_complains(ckpt, "UCL416" if False else "plain datasets")
 
 
-def test_group_aliased_by_a_hard_link_is_refused(ckpt, tmp_path):
+def test_group_aliased_by_a_hard_link_is_refused(h5ckpt, tmp_path):
+    ckpt = h5ckpt
     with h5py.File(rank_file(ckpt, 0), "r+") as f:
         del f["exp_avg_sq"]
         f["exp_avg_sq"] = f["exp_avg"]  # every exp_avg_sq dataset now reads exp_avg's bytes
@@ -201,7 +214,8 @@ def test_swapped_rank_files_are_refused(ckpt, tmp_path, a, b):
     verify_complains(ckpt, "checksum mismatch")
 
 
-def test_swapped_files_are_refused_even_without_chunk_bindings(ckpt, tmp_path):
+def test_swapped_files_are_refused_even_without_chunk_bindings(h5ckpt, tmp_path):
+    ckpt = h5ckpt
     # manifests written before the 'chunks' key: the chunk table is bound by hashing the dataset once
     edit_manifest(ckpt, lambda d: [e.pop("chunks", None) for r in d["datasets"] for e in r.values()])
     ucl.load_rank(ckpt, mesh="tp=4", rank=1)  # still loads when intact
@@ -254,7 +268,8 @@ def test_frozen_parameter_with_optimizer_state_is_refused(pristine, tmp_path):
                                              ("tile", "ucl_tiles", np.zeros((2, 4), np.uint64)),  # not the rule's grid
                                              ("tile", "ucl_tiles", np.zeros(8, np.uint64)),
                                              ("tile", "ucl_tiles", np.zeros(3, np.float64))])
-def test_bad_checksum_table_attributes_are_refused(ckpt, tmp_path, what, attr, value):
+def test_bad_checksum_table_attributes_are_refused(h5ckpt, tmp_path, what, attr, value):
+    ckpt = h5ckpt
     with h5py.File(rank_file(ckpt, 1), "r+") as f:
         if what == "tile":
             assert "ucl_tiles" in f[FC2].attrs  # a 2-D dataset over 16 KiB carries tiles
@@ -265,7 +280,8 @@ def test_bad_checksum_table_attributes_are_refused(ckpt, tmp_path, what, attr, v
     verify_complains(ckpt, f"{what} checksum")
 
 
-def test_chunk_table_of_another_dataset_is_refused(ckpt, tmp_path):
+def test_chunk_table_of_another_dataset_is_refused(h5ckpt, tmp_path):
+    ckpt = h5ckpt
     # a consistent table, but copied from the other tp rank's copy of the dataset
     with h5py.File(rank_file(ckpt, 0), "r") as f:
         other = np.asarray(f[FC2].attrs["ucl_chunks"])
@@ -275,7 +291,8 @@ def test_chunk_table_of_another_dataset_is_refused(ckpt, tmp_path):
     verify_complains(ckpt, "chunk checksums")
 
 
-def test_tile_table_of_another_dataset_is_refused(ckpt, tmp_path):
+def test_tile_table_of_another_dataset_is_refused(h5ckpt, tmp_path):
+    ckpt = h5ckpt
     # a well-formed tile table, but the other tp rank's: the manifest's 'tiles' digest catches it
     with h5py.File(rank_file(ckpt, 0), "r") as f:
         other = np.asarray(f[FC2].attrs["ucl_tiles"])
@@ -296,6 +313,55 @@ def test_storage_beyond_the_end_of_the_file_is_refused(ckpt, tmp_path):
             fh.truncate(end - 10)
     msg = reshard_refused(ckpt, tmp_path)
     assert "rank_00001.h5" in msg
+
+
+# ---------------------------------------------------------------- 2b. byte offsets in the manifest
+
+def test_hdf5_links_cannot_redirect_reads_that_go_by_offsets(ckpt, pristine, tmp_path):
+    # the manifest says where the bytes are: an external link planted in the rank file is never
+    # followed, the load returns the true bytes, and verify names the tampered dataset
+    outside = _outside_copy(ckpt, tmp_path)
+    _replace_with(ckpt, 1, FC2, lambda f, g, n: g.__setitem__(n, h5py.ExternalLink(outside, "/" + FC2)))
+    os.unlink(outside)  # had it been followed, the read would fail
+    got = ucl.load_rank(ckpt, mesh=SRC_MESH, rank=1)
+    assert got[FC2].tobytes() == np.asarray(pristine["shards"][1][FC2]).tobytes()
+    verify_complains(ckpt, "external link")
+
+
+@pytest.mark.parametrize("value,code", [(-8, "UCL403"), ("0", "UCL403"), (True, "UCL403"), (10 ** 12, "UCL406")],
+                         ids=["negative", "string", "bool", "past-the-end"])
+def test_bad_data_offsets_are_refused(ckpt, tmp_path, value, code):
+    edit_manifest(ckpt, lambda d: d["datasets"][1][FC2].__setitem__("offset", value))
+    reshard_refused(ckpt, tmp_path, code)
+    loads_refused(ckpt, code)
+
+
+def test_offset_of_another_dataset_is_refused(ckpt, tmp_path):
+    # the other tp rank's dataset of the same shape sits at the same offset of its own file: point
+    # rank 1's entry at another dataset of this file instead; the checksums catch the wrong bytes
+    with h5py.File(rank_file(ckpt, 1), "r") as f:
+        other = int(f[PROJ].id.get_offset())
+    edit_manifest(ckpt, lambda d: d["datasets"][1][FC2].__setitem__("offset", other))
+    msg = reshard_refused(ckpt, tmp_path, "UCL407")
+    assert "checksum" in msg and "rank_00001.h5" in msg and FC2 in msg
+    loads_refused(ckpt, "UCL407")
+    verify_complains(ckpt, "places its data")
+
+
+@pytest.mark.parametrize("how", ["another-table", "past-the-end", "no-digest"])
+def test_bad_table_offsets_are_refused(ckpt, tmp_path, how):
+    def lie(d):
+        e = d["datasets"][1][FC2]
+        if how == "another-table":
+            e["tables"] = d["datasets"][1][PROJ]["tables"]
+        elif how == "past-the-end":
+            e["tables"] = 10 ** 12
+        else:
+            del e["chunks"], e["tiles"]
+    edit_manifest(ckpt, lie)
+    code = {"another-table": "UCL407", "past-the-end": "UCL406", "no-digest": "UCL403"}[how]
+    reshard_refused(ckpt, tmp_path, code)
+    loads_refused(ckpt, code)
 
 
 # ---------------------------------------------------------------- 3. bounded by the bytes there
@@ -356,7 +422,8 @@ def test_intact_checkpoint_still_loads_bit_exactly(ckpt, pristine):
 
 # ---------------------------------------------------------------- the command line
 
-def test_cli_refuses_a_hostile_checkpoint_without_a_traceback(ckpt, tmp_path):
+def test_cli_refuses_a_hostile_checkpoint_without_a_traceback(h5ckpt, tmp_path):
+    ckpt = h5ckpt
     import subprocess
     import sys
     outside = _outside_copy(ckpt, tmp_path)

@@ -21,7 +21,8 @@ from ucl.dtypes import storage_dtype
 from ucl.errors import StoreError
 from ucl.layout.boxes import Slot, flat_runs
 from ucl.store import Checkpoint, CheckpointWriter, StoreSource
-from ucl.store.checksum import MIN_CHUNK_BYTES, chunk_size, tile_grid
+from ucl.store.checksum import MIN_CHUNK_BYTES, chunk_count, chunk_size, tile_grid
+from tests.corrupt import without_offsets
 
 SETTINGS = settings(max_examples=int(os.environ.get("UCL_FUZZ_EXAMPLES", 40)), deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -130,12 +131,14 @@ def test_no_tiles_for_flat_small_or_narrow_datasets():
 
 @given(rows=st.integers(2, 300), cols=st.integers(40, 700), lead=st.sampled_from([None, 2, 3]),
        dtype=st.sampled_from(DTYPES), how=st.sampled_from(["whole", "flat", "box"]),
-       pieces=st.lists(st.integers(0, 10 ** 6), max_size=6), data=st.data())
+       pieces=st.lists(st.integers(0, 10 ** 6), max_size=6), offsets=st.booleans(), data=st.data())
 @SETTINGS
-def test_verified_box_reads_equal_numpy(tmp_path_factory, rows, cols, lead, dtype, how, pieces, data):
+def test_verified_box_reads_equal_numpy(tmp_path_factory, rows, cols, lead, dtype, how, pieces, offsets, data):
     shape = (rows, cols) if lead is None else (lead, max(1, rows // lead), cols)
     arr = _array(shape, dtype, seed=rows * cols)
     path = _save(tmp_path_factory.mktemp("t") / "c", {"w/x": (arr, dtype)}, how, pieces)
+    if not offsets:  # read through HDF5's metadata, as a checkpoint written before offsets
+        without_offsets(path)
     grid = tile_grid(shape, arr.itemsize)
     stored = _stored(path, "w/x")
     if grid is None:
@@ -157,12 +160,15 @@ def test_verified_box_reads_equal_numpy(tmp_path_factory, rows, cols, lead, dtyp
             assert _same(_box_read(ck, "w/x", shape, start, size), want)  # warm: cached tiles
 
 
-@given(rows=st.integers(8, 200), cols=st.integers(64, 500), data=st.data())
+@given(rows=st.integers(8, 200), cols=st.integers(64, 500), offsets=st.booleans(), verify=st.booleans(),
+       data=st.data())
 @SETTINGS
-def test_arbitrary_runs_read_by_tiles(tmp_path_factory, rows, cols, data):
+def test_arbitrary_runs_read_by_tiles(tmp_path_factory, rows, cols, offsets, verify, data):
     # runs that are not a box's rows (e.g. a flat slot laid over a 2-D dataset) still read exact bytes
     arr = _array((rows, cols), "float32", seed=rows)
     path = _save(tmp_path_factory.mktemp("r") / "c", {"w/x": (arr, "float32")})
+    if not offsets:
+        without_offsets(path)
     flat, runs, pos = arr.reshape(-1), [], 0
     for _ in range(data.draw(st.integers(1, 4))):
         start = data.draw(st.integers(pos, flat.size - 1))
@@ -175,7 +181,7 @@ def test_arbitrary_runs_read_by_tiles(tmp_path_factory, rows, cols, data):
             break
     want = np.concatenate([flat[s + i * t:s + i * t + b] for s, c, t, b in runs for i in range(c)])
     with Checkpoint.open(path) as ck:
-        assert _same(ck.read_runs(0, "w/x", runs, verify=True), want)
+        assert _same(ck.read_runs(0, "w/x", runs, verify=verify), want)
 
 
 def test_piecewise_writes_give_the_whole_writes_digests(tmp_path):
@@ -296,6 +302,7 @@ COLUMN_BLOCK = ((0, 512), (256, 512))
 ])
 def test_tampered_tile_attributes_are_refused(tiled, name, value, code):
     path, _, arr = tiled
+    without_offsets(path)  # the tables are read from the attributes (a checkpoint without offsets)
     if isinstance(value, str):
         with h5py.File(os.path.join(path, "rank_00000.h5"), "r") as h:
             value = np.array(h["w/x"].attrs["ucl_tiles"])
@@ -304,6 +311,23 @@ def test_tampered_tile_attributes_are_refused(tiled, name, value, code):
     with Checkpoint.open(path) as ck:
         _refused(lambda: _box_read(ck, "w/x", arr.shape, *COLUMN_BLOCK), code)
         assert ck.verify() != []
+        assert _same(ck.read(0, "w/x"), arr)  # the data itself is intact: whole reads still work
+
+
+def test_tampered_table_in_ucl_tables_is_refused(tiled):
+    # what readers use when the manifest locates the tables: one tile digest edited in ucl_tables
+    path, _, arr = tiled
+    with open(os.path.join(path, "manifest.json")) as fh:
+        e = json.load(fh)["datasets"][0]["w/x"]
+    at = e["tables"] + 8 * (chunk_count(arr.nbytes) + 17)  # tile 17, after the chunk digests
+    with open(os.path.join(path, "rank_00000.h5"), "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 1]))
+    with Checkpoint.open(path) as ck:
+        _refused(lambda: _box_read(ck, "w/x", arr.shape, *COLUMN_BLOCK), "UCL407")
+        assert any("ucl_tables" in p for p in ck.verify())
         assert _same(ck.read(0, "w/x"), arr)  # the data itself is intact: whole reads still work
 
 

@@ -314,6 +314,38 @@ def chunk_table(d: Any, nbytes: int, where: str) -> tuple[int, np.ndarray] | Non
                          f"(chunk size {got}; expected chunk size {want} and {count} uint64 digests)", code="UCL406")
     return want, table
 
+class H5Dataset:
+    """A dataset read through HDF5, with the reading interface of ``raw.RawDataset``: for datasets
+    whose manifest entry records no byte offset (written by ucl before offsets existed)."""
+
+    def __init__(self, d: Any, shape: tuple[int, ...]):
+        self.d, self.shape = d, shape
+
+    def read_flat_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        read_flat_into(self.d, self.shape, start, stop, out)
+
+    def read_rows_into(self, rows: tuple[int, int], cols: tuple[int, int], out: np.ndarray,
+                       at: tuple[int, int]) -> None:
+        read_rows_into(self.d, self.shape, rows, cols, out, at)
+
+
+def data_offset(d: Any) -> int | None:
+    """Byte offset of a contiguous dataset's allocated storage in its file; None if it has none."""
+    dsid = d.id
+    if dsid.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS or not dsid.get_storage_size():
+        return None
+    offset = dsid.get_offset()
+    return None if offset is None else int(offset)
+
+
+def create_table(f: Any, name: str, values: np.ndarray) -> int:
+    """A contiguous uint64 dataset ``name`` at the top of rank file ``f`` holding ``values``; returns
+    the byte offset of its storage."""
+    d, offset = create_allocated(f, name, values.shape, np.dtype("<u8"))
+    d.id.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(values, "<u8"))
+    return offset
+
+
 def read_runs_into(d: Any, runs: Sequence[tuple[int, int, int, int]], out: np.ndarray) -> None:
     """Elements of a 1-D dataset selected by regular runs ``(start, count, stride, block)``, with
     one HDF5 read."""

@@ -22,6 +22,7 @@ from .checksum import is_checksum
 FORMAT_NAME = "ucl-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+TABLES_NAME = "ucl_tables"  # each rank file's dataset of digest tables that entries' ``tables`` locate
 
 _FILE_RE = re.compile(r"^[A-Za-z0-9_.-]+\.h5$")
 # required keys: without them a reader cannot find or check a byte
@@ -51,6 +52,8 @@ class DatasetInfo:
     checksum: str
     chunks: str | None = None  # digest of the rank file's chunk-digest table (checksum.chunk_table_digest)
     tiles: str | None = None  # digest of the rank file's tile-digest table (checksum.tile_table_digest)
+    offset: int | None = None  # byte offset of the data in the rank file (contiguous storage)
+    tables: int | None = None  # byte offset of the chunk then tile digests in the rank file's ucl_tables
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -231,3 +234,8 @@ def check_entry(rank: int, key: str, e: Any) -> None:
     for k in ("chunks", "tiles"):
         if k in e and not is_checksum(e[k]):
             raise _bad(f"{where}: {k!r} must look like 'xxh3_64:<16 hex digits>'")
+    for k in ("offset", "tables"):
+        if k in e and not (_is_int(e[k]) and e[k] >= 0):
+            raise _bad(f"{where}: {k!r} must be a non-negative integer (a byte offset in the rank file)")
+    if "tables" in e and "chunks" not in e and "tiles" not in e:
+        raise _bad(f"{where}: 'tables' locates digest tables that no 'chunks' or 'tiles' digest binds")

@@ -18,9 +18,12 @@ from ..files import check_inside, read_bounded
 from ..plan.buffers import Arena
 from . import h5
 from .atomic import is_tmp_name
-from .checksum import (TileGrid, TilePlan, band_digests, checksum_of, chunk_count, chunk_table_digest, raw_bytes,
-                       tile_plan, tile_table_digest)
-from .manifest import MANIFEST_NAME, DatasetInfo, Manifest
+from ..layout.boxes import Slot, flat_runs
+from . import raw
+from .checksum import (TileGrid, TilePlan, band_digests, checksum_of, chunk_count, chunk_size, chunk_table_digest,
+                       raw_bytes, tile_grid, tile_plan, tile_table_digest)
+from .manifest import MANIFEST_NAME, TABLES_NAME, DatasetInfo, Manifest
+from .raw import RawFile
 
 MAX_MANIFEST_BYTES = 1 << 30  # ~16k ranks of a large model's datasets; a bigger manifest is hostile
 _MANIFESTS: OrderedDict[tuple, Manifest] = OrderedDict()  # parsed manifests by file identity
@@ -59,6 +62,7 @@ class Checkpoint:
         self.bytes_last_read = 0  # bytes the last read_runs took from disk
         self._scratch = Arena()  # warm memory for verified partial reads
         self._tables: dict[tuple[int, str, str], Any] = {}  # chunk/tile tables already bound to the manifest
+        self._raw_files: dict[int, RawFile] = {}  # rank files opened for reads at manifest offsets
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, max_open_files: int = 128) -> "Checkpoint":
@@ -86,6 +90,9 @@ class Checkpoint:
     def close(self) -> None:
         with self._lock:
             self._handles.close()
+            for f in self._raw_files.values():
+                f.close()
+            self._raw_files.clear()
 
     @property
     def nranks(self) -> int:
@@ -102,7 +109,8 @@ class Checkpoint:
         e = self._entries(rank).get(key)
         if e is None:
             raise StoreError(f"rank {rank} has no dataset {key!r} in {self.path}", code="UCL408")
-        return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"), e.get("tiles"))
+        return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"), e.get("tiles"),
+                           e.get("offset"), e.get("tables"))
 
     def _entries(self, rank: int) -> dict[str, Any]:
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.nranks:
@@ -171,12 +179,29 @@ class Checkpoint:
             cache[key] = d
         return d, info
 
+    def _raw_file(self, rank: int) -> RawFile:
+        f = self._raw_files.get(rank)
+        if f is None:
+            p, _ = self._rank_file(rank)  # checked to resolve inside the checkpoint: open what it resolves to
+            f = self._raw_files[rank] = RawFile(os.path.realpath(p), self._where(rank))
+        return f
+
+    def _located(self, rank: int, key: str) -> tuple[Any, DatasetInfo]:
+        """(where to read the dataset's bytes, its entry): straight from the rank file at the offset
+        the manifest records (no HDF5 call), else through HDF5 (entries written before offsets)."""
+        info = self.info(rank, key)
+        if info.offset is not None:
+            return raw.locate(self._raw_file(rank), info.offset, info.shape, info.storage_dtype, info.nbytes), info
+        d, info = self._dataset(rank, key)
+        return h5.H5Dataset(d, info.shape), info
+
     def read(self, rank: int, key: str, *, verify: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         """The whole dataset as a storage-typed array; checksum verified unless ``verify=False``."""
         with self._lock, self._guard(rank, key):
-            d, info = self._dataset(rank, key)
+            src, info = self._located(rank, key)
             out = h5.check_out(out, info.shape, info.storage_dtype)
-            h5.read_box_into(d, (0,) * len(info.shape), info.shape, out)
+            if info.size:
+                src.read_flat_into(0, info.size, out.reshape(-1))
         if verify:
             got = checksum_of(out)
             if got != info.checksum:
@@ -190,12 +215,12 @@ class Checkpoint:
     def read_flat(self, rank: int, key: str, start: int, stop: int, *, out: np.ndarray | None = None) -> np.ndarray:
         """Elements ``[start, stop)`` of the row-major flattening, as a 1-D storage array (no checksum)."""
         with self._lock, self._guard(rank, key):
-            d, info = self._dataset(rank, key)
+            src, info = self._located(rank, key)
             if not 0 <= start <= stop <= info.size:
                 raise StoreError(f"flat range [{start}, {stop}) out of bounds for {self._where(rank, key)} "
                                  f"of {info.size} elements", code="UCL409")
             out = h5.check_out(out, (stop - start,), info.storage_dtype)
-            h5.read_flat_into(d, info.shape, start, stop, out)
+            src.read_flat_into(start, stop, out)
             return out
 
     def read_box(self, rank: int, key: str, starts: Sequence[int], sizes: Sequence[int], *,
@@ -203,10 +228,13 @@ class Checkpoint:
         """The N-d box ``[starts, starts+sizes)`` read with ``read_direct`` (no checksum)."""
         starts, sizes = tuple(int(s) for s in starts), tuple(int(z) for z in sizes)
         with self._lock, self._guard(rank, key):
-            d, info = self._dataset(rank, key)
+            src, info = self._located(rank, key)
             h5.check_box(starts, sizes, info.shape, self._where(rank, key))
             out = h5.check_out(out, sizes, info.storage_dtype)
-            h5.read_box_into(d, starts, sizes, out)
+            if isinstance(src, raw.RawDataset):
+                src.read_runs_into(flat_runs(Slot(key, 0, info.shape, info.shape), starts, sizes), out.reshape(-1))
+            else:
+                h5.read_box_into(src.d, starts, sizes, out)
             return out
 
     def read_runs(self, rank: int, key: str, runs: Sequence[tuple[int, int, int, int]], *,
@@ -215,7 +243,7 @@ class Checkpoint:
         block)`` (``count`` blocks of ``block`` elements, ``stride`` apart), in increasing order and
         non-overlapping, as one 1-D array read with a single HDF5 call (no checksum)."""
         with self._lock, self._guard(rank, key):
-            d, info = self._dataset(rank, key)
+            src, info = self._located(rank, key)
             total = sum(c * b for _, c, _, b in runs)
             out = h5.check_out(out, (total,), info.storage_dtype)
             if total == 0:
@@ -226,25 +254,28 @@ class Checkpoint:
                     raise StoreError(f"run ({start}, {count}, {stride}, {block}) out of bounds for "
                                      f"{self._where(rank, key)} of {size} elements", code="UCL409")
             if verify:
-                self.bytes_last_read = self._read_runs_verified(rank, key, d, info, runs, out)
+                self.bytes_last_read = self._read_runs_verified(rank, key, src, info, runs, out)
                 return out
             self.bytes_last_read = out.nbytes
+            if isinstance(src, raw.RawDataset):
+                src.read_runs_into(runs, out)
+                return out
             if len(info.shape) != 1:  # flat selections address 1-D (flat buffer) datasets
                 flat = self.read(rank, key, verify=False).reshape(-1)
                 return np.concatenate([np.lib.stride_tricks.as_strided(flat[s:], (c, b), (t * flat.itemsize, flat.itemsize)).reshape(-1)
                                        for s, c, t, b in runs])
-            h5.read_runs_into(d, runs, out)
+            h5.read_runs_into(src.d, runs, out)
             return out
 
-    def _read_runs_verified(self, rank, key, d, info: DatasetInfo, runs, out: np.ndarray) -> int:
+    def _read_runs_verified(self, rank, key, src, info: DatasetInfo, runs, out: np.ndarray) -> int:
         """``read_runs`` reading the whole checksum chunks around the runs, or the tiles around them
         when those hold fewer bytes (column blocks), each verified before use (a small dataset is
         one chunk). Verified chunks are kept in a small LRU, so boxes of the same dataset do not
         read them again. Returns the bytes read from disk."""
         item = info.storage_dtype.itemsize
         size = info.size
-        table = self._bound_chunk_table(rank, key, d, info)  # checked even when tiles are used
-        tiles = self._bound_tile_table(rank, key, d, info)
+        table = self._bound_chunk_table(rank, key, info)  # checked even when tiles are used
+        tiles = self._bound_tile_table(rank, key, info)
         per = table[0] // item if table is not None else max(size, 1)
         n = -(-size // per) if size else 0
         touched = np.zeros(n + 1, dtype=np.int64)
@@ -257,7 +288,7 @@ class Checkpoint:
         if tiles is not None:  # by tiles when the tiles around the runs hold fewer bytes than the chunks
             plan = tile_plan(tiles[0], runs, lambda b, j: cache.get((rank, key, "tile", b, j)) is not None)
             if plan.bytes(item, cached=False) < int((np.minimum((need + 1) * per, size) - need * per).sum()) * item:
-                return self._read_tiles_verified(rank, key, d, info, tiles, plan, runs, out)
+                return self._read_tiles_verified(rank, key, src, info, tiles, plan, runs, out)
         have = {int(c): cache.get((rank, key, int(c))) for c in need}
         missing = [c for c, v in have.items() if v is None]
         digests = table[1] if table is not None else None
@@ -270,7 +301,7 @@ class Checkpoint:
             lo, hi = first * per, min((int(g[-1]) + 1) * per, size)
             # one group reads into reusable (warm) scratch memory; several need their own buffers
             buf = self._scratch.array((hi - lo,), info.storage_dtype) if len(groups) == 1 else np.empty(hi - lo, info.storage_dtype)
-            h5.read_flat_into(d, info.shape, lo, hi, buf)
+            src.read_flat_into(lo, hi, buf)
             read += buf.nbytes
             if len(groups) == 1 and len(g) == len(need):
                 whole_buf = buf
@@ -308,7 +339,33 @@ class Checkpoint:
                     pos, b, left = pos + take, b + take, left - take
         return read
 
-    def _bound_chunk_table(self, rank: int, key: str, d: Any, info: DatasetInfo) -> tuple[int, Any] | None:
+    def _stored_tables(self, rank: int, key: str, info: DatasetInfo) -> tuple[Any, Any]:
+        """(chunk table, tile table) as the rank file stores them, validated against the writer's rules
+        (UCL406), not yet bound to the manifest: read at the entry's ``tables`` offset when it has one,
+        else from the dataset's HDF5 attributes (a table the entry records no digest of is not read)."""
+        nchunks, grid = chunk_count(info.nbytes), tile_grid(info.shape, info.storage_dtype.itemsize)
+        where = self._where(rank, key)
+        if info.tables is None and info.offset is not None and not nchunks and info.tiles is None:
+            return None, None  # verified whole: no table to find
+        if info.tables is None:
+            d, _ = self._dataset(rank, key)
+            return h5.chunk_table(d, info.nbytes, where), \
+                h5.tile_table(d, info.shape, info.storage_dtype, where) if info.tiles is not None else None
+        if info.tiles is not None and grid is None:
+            raise StoreError(f"{where}: the manifest records tile checksums for a dataset of shape "
+                             f"{list(info.shape)}, which has none", code="UCL406")
+        if nchunks and info.chunks is None:
+            raise StoreError(f"{where}: the manifest locates chunk checksums but records no digest of them",
+                             code="UCL406")
+        ntiles = grid.nr * grid.nc if info.tiles is not None else 0
+        values = self._tables.get((rank, key, "stored"))
+        if values is None:  # both tables at once: the chunk and the tile table are read together
+            values = self._tables[(rank, key, "stored")] = raw.read_table(self._raw_file(rank), info.tables,
+                                                                          nchunks + ntiles)
+        return (chunk_size(info.nbytes), values[:nchunks]) if nchunks else None, \
+            (grid, values[nchunks:]) if ntiles else None
+
+    def _bound_chunk_table(self, rank: int, key: str, info: DatasetInfo) -> tuple[int, Any] | None:
         """The chunk table of a dataset, trusted only once bound to the manifest: its digest must
         equal the entry's ``chunks`` (a file swapped in from another rank or checkpoint fails
         here, UCL407). Entries written before ``chunks`` existed are bound by hashing the whole
@@ -316,7 +373,7 @@ class Checkpoint:
         if (rank, key, "chunks") in self._tables:
             return self._tables[(rank, key, "chunks")]
         where = self._where(rank, key)
-        table = h5.chunk_table(d, info.nbytes, where)
+        table, _ = self._stored_tables(rank, key, info)
         if table is None:
             if chunk_count(info.nbytes):  # the writer always stores a table for such a dataset
                 raise StoreError(f"{where} lacks the chunk checksums a dataset of {info.nbytes:,} bytes "
@@ -326,6 +383,7 @@ class Checkpoint:
                 raise StoreError(f"{where}: its chunk checksums do not match the manifest (the file "
                                  "belongs to another rank or checkpoint, or was altered)", code="UCL407")
         else:
+            d, _ = self._dataset(rank, key)
             got = h5.checksum_dataset(d, info.shape, info.storage_dtype)
             if got.whole != info.checksum or got.chunks is None or not np.array_equal(got.chunks[1], table[1]):
                 raise StoreError(f"checksum mismatch in {where}: manifest has {info.checksum}, data hashes "
@@ -333,7 +391,7 @@ class Checkpoint:
         self._tables[(rank, key, "chunks")] = table
         return table
 
-    def _bound_tile_table(self, rank: int, key: str, d: Any, info: DatasetInfo) -> tuple[TileGrid, Any] | None:
+    def _bound_tile_table(self, rank: int, key: str, info: DatasetInfo) -> tuple[TileGrid, Any] | None:
         """The tile table of a dataset whose manifest entry records one (``tiles``), checked against
         that digest (UCL407) after its shape is checked against the writer's rule (UCL406). None
         for entries without ``tiles`` (1-D, small, or written before tiles existed): those are read
@@ -343,7 +401,7 @@ class Checkpoint:
         table = None
         if info.tiles is not None:
             where = self._where(rank, key)
-            table = h5.tile_table(d, info.shape, info.storage_dtype, where)
+            _, table = self._stored_tables(rank, key, info)
             if table is None:
                 raise StoreError(f"{where} lacks the tile checksums its manifest entry records", code="UCL406")
             grid, digests = table
@@ -353,7 +411,7 @@ class Checkpoint:
         self._tables[(rank, key, "tiles")] = table
         return table
 
-    def _read_tiles_verified(self, rank, key, d, info: DatasetInfo, tiles, plan: TilePlan, runs,
+    def _read_tiles_verified(self, rank, key, src, info: DatasetInfo, tiles, plan: TilePlan, runs,
                              out: np.ndarray) -> int:
         """``read_runs`` by tiles: one hyperslab per group of tile bands (the tiles a box touches in
         them), every tile verified before use; edge tiles kept in the LRU for neighbouring boxes."""
@@ -367,7 +425,7 @@ class Checkpoint:
             bands, j0, j1 = t.bands, t.first, t.last
             ra, rb = grid.row_span(bands[0])[0], grid.row_span(bands[-1])[1]
             ca, cb = grid.col_span(j0, j1) if j1 >= j0 else (0, 0)
-            h5.read_rows_into(d, info.shape, (ra, rb), (ca, cb), buf, (ra - r0, ca - c0))
+            src.read_rows_into((ra, rb), (ca, cb), buf, (ra - r0, ca - c0))
             read += (rb - ra) * max(cb - ca, 0) * buf.itemsize
             for b in bands:
                 br0, br1 = grid.row_span(b)
@@ -396,6 +454,18 @@ class Checkpoint:
             pos += count * block
         return read
 
+    def _misplaced(self, rank: int, key: str, d: Any, info: DatasetInfo, chunks, tiles) -> str | None:
+        """What is wrong with the entry's ``offset`` and ``tables`` (readers go by them, not by HDF5):
+        they must locate the very bytes HDF5 holds for the dataset and its digest attributes."""
+        if info.offset is not None and info.offset != h5.data_offset(d):
+            return (f"the manifest places its data at byte {info.offset:,}, HDF5 at "
+                    f"{h5.data_offset(d)}")
+        if info.tables is not None:
+            raw_chunks, raw_tiles = self._stored_tables(rank, key, info)
+            if not (_same_table(raw_chunks, chunks) and _same_table(raw_tiles, tiles)):
+                return f"the digest tables at byte {info.tables:,} of {TABLES_NAME} differ from its HDF5 attributes"
+        return None
+
     def verify(self, ranks: Sequence[int] | None = None) -> list[str]:
         """Check files and every dataset checksum; returns a list of problems (empty = sound)."""
         problems: list[str] = []
@@ -411,7 +481,7 @@ class Checkpoint:
             except Exception as e:  # damaged metadata: report, keep going
                 problems.append(f"{self._where(rank)} cannot be listed (corrupt): {e}")
                 continue
-            for key in sorted(present - set(self._entries(rank))):
+            for key in sorted(present - set(self._entries(rank)) - {TABLES_NAME}):
                 problems.append(f"{self._where(rank, key)} is not listed in the manifest")
             for key in self.keys(rank):
                 try:
@@ -420,6 +490,10 @@ class Checkpoint:
                         digests = h5.checksum_dataset(d, info.shape, info.storage_dtype)
                         stored = h5.chunk_table(d, info.nbytes, self._where(rank, key))
                         stored_tiles = h5.tile_table(d, info.shape, info.storage_dtype, self._where(rank, key))
+                        misplaced = self._misplaced(rank, key, d, info, stored, stored_tiles)
+                    if misplaced:
+                        problems.append(f"{self._where(rank, key)}: {misplaced}")
+                        continue
                     got = digests.whole
                     if got == info.checksum:
                         got = _chunk_problem(stored, digests.chunks, info) or \
@@ -430,6 +504,10 @@ class Checkpoint:
                 except StoreError as e:
                     problems.append(str(e))
         return problems
+
+
+def _same_table(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a[1], b[1]))
 
 
 def _chunk_problem(stored, computed, info: DatasetInfo) -> str | None:

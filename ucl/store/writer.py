@@ -18,7 +18,7 @@ from . import h5
 from .atomic import TempDir, fsync_path, publish_dir, write_atomic
 from .checksum import IncrementalChecksum, checksum_fields, checksums, raw_bytes
 from .direct import MIN_DIRECT_BYTES, DirectWriter
-from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, check_entry, file_name, split_key
+from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLES_NAME, Manifest, check_entry, file_name, split_key
 
 
 class CheckpointWriter:
@@ -79,6 +79,9 @@ class CheckpointWriter:
         self._inflight: Future | None = None
         self._lock = threading.RLock()
         self._entries: list[dict[str, dict[str, Any]]] = [{} for _ in range(nranks)]
+        self._tables: list[list[np.ndarray]] = [[] for _ in range(nranks)]  # digest tables, per rank file
+        self._table_at: list[dict[str, int]] = [{} for _ in range(nranks)]  # key -> its first value's index there
+        self._table_len = [0] * nranks
         self._pending: dict[tuple[int, str], IncrementalChecksum] = {}
         self._created: set[int] = set()
         self._adopted: set[int] = set()
@@ -143,10 +146,37 @@ class CheckpointWriter:
                     self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
                 else:
                     d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
+                    offset = h5.data_offset(d)
                 d.attrs["ucl_dtype"] = logical
                 digests = checksums(arr)
                 h5.set_checksum_tables(d, digests)
-            self._entries[rank][key] = {"dtype": logical, "shape": list(arr.shape), **checksum_fields(digests)}
+            self._entries[rank][key] = self._entry(rank, key, logical, arr.shape, digests, offset)
+
+    def _entry(self, rank: int, key: str, dtype: str, shape: Sequence[int], digests: Any,
+               offset: int | None) -> dict[str, Any]:
+        """A manifest entry; its digest tables are queued for the rank file's ``ucl_tables``."""
+        e = {"dtype": dtype, "shape": list(shape), **checksum_fields(digests)}
+        if offset is not None:
+            e["offset"] = offset
+        parts = ([digests.chunks[1]] if digests.chunks is not None else []) + \
+            ([digests.tiles[1].reshape(-1)] if digests.tiles is not None else [])
+        if parts:
+            self._table_at[rank][key] = self._table_len[rank]
+            self._tables[rank].extend(parts)
+            self._table_len[rank] += sum(p.size for p in parts)
+        return e
+
+    def _write_tables(self, rank: int) -> None:
+        """The rank file's ``ucl_tables`` (every queued digest table, docs/format.md); each entry's
+        ``tables`` becomes the byte offset of its own."""
+        queued = self._tables[rank]
+        if not queued:
+            return
+        f, _ = self._handles.get(rank)
+        base = h5.create_table(f, TABLES_NAME, np.concatenate(queued))
+        for key, at in self._table_at[rank].items():
+            self._entries[rank][key]["tables"] = base + 8 * at
+        queued.clear()
 
     def _write_bytes(self, path: str, offset: int, raw: np.ndarray) -> None:
         if self._behind is None:
@@ -249,12 +279,14 @@ class CheckpointWriter:
                 shape = tuple(e["shape"])
                 d = self._handles.get(rank)[0][key]
                 digests = p.result(math.prod(shape)) or h5.checksum_dataset(d, shape, _dt.storage_dtype(e["dtype"]))
-                e.update(checksum_fields(digests))
+                e.update(self._entry(rank, key, e["dtype"], shape, digests, h5.data_offset(d)))
                 h5.set_checksum_tables(d, digests)
             self._pending.clear()
             for rank in ranks:
                 if rank not in self._created:
                     self._handles.get(rank)
+            for rank in sorted(self._created):
+                self._write_tables(rank)
             self._handles.close(strict=True)  # HDF5 writes metadata here: a full disk must fail the commit
             for rank in ranks if self.durable else ():
                 fsync_path(os.path.join(self.tmp_path, file_name(rank)))
