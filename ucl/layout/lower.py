@@ -22,6 +22,7 @@ from .boxes import Slot, flat_boxes
 from .dims import TensorFailure, build_dims, evaluate_in, fail, universal_dims
 from .fit import mesh_report, note_shared, warn_loose_fit
 from .mesh import Mesh
+from ..errors import UclError
 from .place import placement
 
 
@@ -67,6 +68,9 @@ class ShardMap:
     holdings: list[list[Holding]]  # by tensor id
     flat_fills: list[FlatFill] = field(default_factory=list)
     datasets: list[DatasetSlot] = field(default_factory=list)
+    # None: every tensor; else the ids of the tensors whose holdings are complete (``lower(tensors=)``)
+    focus: frozenset[int] | None = None
+    memo: dict = field(default_factory=dict)  # indexes built over this map (plan.compile)
 
     def ranks(self, fixed: dict) -> np.ndarray:
         return self.mesh.ranks_where(fixed)
@@ -125,17 +129,46 @@ def _enumerate(axes: list[str], mesh: Mesh, allowed: dict[str, list[int]]):
         yield dict(zip(names, combo))
 
 
-def lower(model: Model, mesh: Mesh, *, reuse: bool = True) -> ShardMap:
+def lower(model: Model, mesh: Mesh, *, reuse: bool = True, tensors: frozenset[int] | None = None) -> ShardMap:
     """The ShardMap of ``model`` on ``mesh`` (cached on the model: lowering is pure).
-    ``reuse=False`` computes it afresh, every tensor and flat buffer on its own (for tests)."""
+    ``reuse=False`` computes it afresh, every tensor and flat buffer on its own (for tests).
+    ``tensors`` (ids): a map whose holdings are complete for those tensors at least, lowering only
+    what they need (the flat buffers they lie in): what a plan for a few ranks reads and proves. Only
+    those tensors are checked against the mesh. The whole map is returned when it is cached."""
+    key = ("shardmap", mesh)
+    focused = model.memo.setdefault(("shardmap-focused", mesh), {})
+    # a process planning the ranks of several pipeline stages lowers the whole model once instead
+    if tensors is not None and key not in model.memo and reuse and (tensors in focused or len(focused) < 2):
+        sm = focused.get(tensors)
+        if sm is None:
+            with gc_paused():
+                sm = focused[tensors] = _lower(model, mesh, True, tensors)
+        return sm
     if not reuse:
         with gc_paused():
             return _lower(model, mesh, False)
-    key = ("shardmap", mesh)
     if key not in model.memo:
         with gc_paused():
             model.memo[key] = _lower(model, mesh, True)
     return model.memo[key]
+
+
+def tensors_on(model: Model, mesh: Mesh, coords: list[dict[str, int]]) -> frozenset[int]:
+    """Ids of the tensors placed (``on``, ``index ... over``) where some rank with ``coords`` is, from
+    placement alone: a superset of what those ranks hold. A tensor whose placement fails is included
+    (its lowering reports it)."""
+    env = model.env(mesh)
+    memo: dict = {}
+    out = []
+    for t in model.tensors:
+        try:
+            allowed, _ = placement(model, t, env, mesh, None, memo)
+        except (TensorFailure, UclError):
+            out.append(t.id)
+            continue
+        if any(all(c.get(a, 0) in v for a, v in allowed.items()) for c in coords):
+            out.append(t.id)
+    return frozenset(out)
 
 
 @contextmanager
@@ -152,9 +185,14 @@ def gc_paused():
             gc.enable()
 
 
-def _lower(model: Model, mesh: Mesh, reuse: bool) -> ShardMap:
+def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None = None) -> ShardMap:
     env = model.env(mesh)
-    sm = ShardMap(mesh, model, [[] for _ in model.tensors])
+    todo, members = range(len(model.tensors)), []
+    if focus is not None:  # a flat buffer is laid out from all its members: they are placed too (after)
+        todo = sorted(focus)
+        members = sorted({m.id for g in model.flat_groups if any(m.id in focus for m in g.members)
+                          for m in g.members} - focus)
+    sm = ShardMap(mesh, model, [[] for _ in model.tensors], focus=focus)
     if mesh.is_universal:
         for t in model.tensors:
             layouts = tuple(dim_layout(d, ()) for d in universal_dims(t.shape))
@@ -168,7 +206,7 @@ def _lower(model: Model, mesh: Mesh, reuse: bool) -> ShardMap:
     shared: dict | None = {} if reuse else None  # what every layer of a rule shares (stage sizes)
     one: dict[DimSpec, DimSpec] = {}  # equal dim trees (every layer's) as one object, kept alive
     layout_memo: dict | None = {} if reuse else None
-    for t in model.tensors:
+    for t in (model.tensors[i] for i in todo):
         try:
             dims = () if t.scalar else build_dims(model, t, env, mesh)
             if reuse:
@@ -189,13 +227,19 @@ def _lower(model: Model, mesh: Mesh, reuse: bool) -> ShardMap:
                 sm.datasets.append(DatasetSlot(fixed, key, shape, t.dtype))
         except TensorFailure as e:
             failures.append(e)
+    if members and not failures:
+        try:
+            _place_other_members(model, mesh, env, members, placed, shared, one if reuse else None)
+        except TensorFailure as e:
+            failures.append(e)
     if failures:
         raise mesh_report(model, mesh, failures)
     warn_loose_fit(model, mesh, notes)
 
     geometry_cache: dict = {}
     for g in model.flat_groups:
-        _lower_flat(model, g, placed, env, mesh, sm, geometry_cache, reuse, layout_memo)
+        if focus is None or any(m.id in focus for m in g.members):
+            _lower_flat(model, g, placed, env, mesh, sm, geometry_cache, reuse, layout_memo, focus)
     return sm
 
 
@@ -257,14 +301,37 @@ class FlatGeometry:
     partitions: list[FlatPartition]
 
 
-def _lower_flat(model, group, placed, env, mesh, sm: ShardMap, cache: dict, reuse: bool, layout_memo):
+def _place_other_members(model, mesh, env, ids: list[int], placed: dict, shared, one: dict | None) -> None:
+    """Place flat members outside a focused lowering's tensors. One that no coordinate shares with a
+    focused tensor (another pipeline stage) lies in no buffer the focus needs: only its placement and
+    split axes matter (the axes buffers differ over), and those come from its rule, its dims are built
+    once per rule. The others are placed in full."""
+    near = {tuple(sorted((a, tuple(c)) for a, c in p.allowed.items())) for p in placed.values()}
+    by_rule: dict[int, tuple] = {}
+    for t in (model.tensors[i] for i in ids):
+        allowed, local = placement(model, t, env, mesh, None, shared)
+        if any(all(set(allowed.get(a, c)) & set(c) for a, c in other) for other in near):
+            dims = () if t.scalar else build_dims(model, t, env, mesh)
+            if one is not None:
+                dims = tuple([one.setdefault(d, d) for d in dims])
+            placed[t.id] = Placed(dims, allowed, local, _dim_axes(dims))
+            continue
+        axes = by_rule.get(id(t.rule))
+        if axes is None:
+            axes = by_rule[id(t.rule)] = _dim_axes(() if t.scalar else build_dims(model, t, env, mesh))
+        placed[t.id] = Placed((), allowed, local, axes)
+
+
+def _lower_flat(model, group, placed, env, mesh, sm: ShardMap, cache: dict, reuse: bool, layout_memo,
+                focus: frozenset[int] | None = None):
     """Place one flat group's tensors. The geometry is shared by every kind of the same statement
-    with the same members (fp32, exp_avg, exp_avg_sq), so it is computed once."""
+    with the same members (fp32, exp_avg, exp_avg_sq), so it is computed once. ``focus``: only the
+    buffers holding one of those tensors."""
     if not group.members:
         return
     key = (group.number, tuple(t.name for t in group.members))
     if key not in cache:
-        cache[key] = _flat_geometry(model, group, placed, env, mesh, reuse, layout_memo)
+        cache[key] = _flat_geometry(model, group, placed, env, mesh, reuse, layout_memo, focus)
     geo: FlatGeometry = cache[key]
     held = {t.name: sm.holdings[t.id] for t in group.members}
     prefix = f"{group.kind}/"
@@ -329,7 +396,8 @@ def _buffers(entries, flat, opts: FlatOptions) -> list[list]:
     return buffers
 
 
-def _flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: dict | None) -> FlatGeometry:
+def _flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: dict | None,
+                   focus: frozenset[int] | None = None) -> FlatGeometry:
     flat = group.flat
     opts = _flat_options(model, group, mesh, env)
     parts = opts.parts
@@ -348,6 +416,8 @@ def _flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: di
         # The buffer on this coordinate: held members in order, each flattened, aligned.
         held = sorted(i for allowed, idx in alike.items()
                       if all(fixed.get(a) in c for a, c in allowed) for i in idx)
+        if focus is not None and not any(group.members[i].id in focus for i in held):
+            continue
         entries = []
         for i in held:
             t = group.members[i]

@@ -11,7 +11,7 @@ from ..errors import PlanError, UclError, detach
 from ..layout.algebra import I64, DimLayout, intersect, product
 from ..layout.bind import Model
 from ..layout.boxes import Slot
-from ..layout.lower import ShardMap, gc_paused, lower
+from ..layout.lower import ShardMap, gc_paused, lower, tensors_on
 from ..layout.mesh import Mesh, as_mesh
 from .ir import DATASET_COLUMNS, FILL_BOX_COLUMNS, FILL_COLUMNS, Plan
 from .ranksets import RankSets
@@ -105,11 +105,18 @@ def _compile(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Model | None 
 
 def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Model | None = None) -> Plan:
     src_model, model = model, (dst_model or model)
-    S, T = lower(src_model, src), lower(model, dst)
     wanted = None if ranks is None else np.unique(np.asarray(list(ranks), dtype=I64))
-    # a few target ranks (one rank's load): test their coordinates instead of enumerating the mesh
-    few = None if wanted is None or len(wanted) > 64 or T.mesh.is_universal else \
-        [(int(r), T.mesh.coords(int(r))) for r in wanted]
+    # a few target ranks (one rank's load): test their coordinates instead of enumerating the mesh,
+    # and lower only the tensors placed where they are (on both meshes)
+    few = None if wanted is None or len(wanted) > 64 or dst.is_universal else \
+        [(int(r), dst.coords(int(r))) for r in wanted]
+    if few is None:
+        S, T = lower(src_model, src), lower(model, dst)
+    else:
+        focus = tensors_on(model, dst, [c for _, c in few])
+        src_focus = focus if src_model is model else frozenset(
+            _matching_source(src_model, model.tensors[i]).id for i in focus)
+        S, T = lower(src_model, src, tensors=src_focus), lower(model, dst, tensors=focus)
 
     def target_ranks(fixed) -> np.ndarray:
         if few is not None:
@@ -222,7 +229,7 @@ def _matching(T: ShardMap, name: str, items, fixed_of, coords: list[dict]) -> li
     """The items of ``items()`` (in order) whose coordinates ``fixed_of(item)`` some rank with
     ``coords`` has: a plan for a few ranks looks at the distinct coordinates, not at every item.
     The index (distinct coordinates -> items) is cached on the model per mesh and ``name``."""
-    memo = T.model.memo.setdefault(("by-fixed", T.mesh), {})
+    memo = T.memo
     if name not in memo:
         index: dict[tuple, list] = {}
         for i, item in enumerate(items()):
