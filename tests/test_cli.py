@@ -316,8 +316,10 @@ def test_reshard_quiet(capsys, files, tmp_path):
     assert f"wrote {tmp_path / 'dst'} (pp=1,dp=2,tp=4)" in out and "datasets" in out
     model, truth = files["model"], files["truth"]
     want = ucl.execute_memory(ucl.compile(model, ucl.UNIVERSAL, ucl.Mesh.parse("pp=1,dp=2,tp=4")), {0: truth})
-    got = _read_all(tmp_path / "dst")
-    assert sorted(got) == sorted(want)
+    stored = _read_all(tmp_path / "dst")  # replicas only on their first holder: a subset, bit-exact
+    assert sorted(stored) == sorted(want)
+    assert all(stored[r][k].tobytes() == want[r][k].tobytes() for r in stored for k in stored[r])
+    got = {r: ucl.load_rank(tmp_path / "dst", mesh="pp=1,dp=2,tp=4", rank=r) for r in want}
     for r in want:
         assert sorted(got[r]) == sorted(want[r])
         for k in want[r]:
@@ -368,7 +370,7 @@ def test_reshard_missing_source(capsys, tmp_path):
 def test_inspect(capsys, files):
     rc, out, err = main(capsys, "inspect", files["src"])
     assert rc == 0, err
-    assert "ucl format v1" in out and "layout pp=2,dp=2,tp=2 (8 rank files)" in out
+    assert "ucl format v2" in out and "layout pp=2,dp=2,tp=2 (8 rank files)" in out
     assert "spec demo:llama_megatron" in out
     assert "hidden=256" in out and "kv_heads=4" in out
     assert '"step": 1000' in out
@@ -383,9 +385,12 @@ def test_inspect_ranks(capsys, files):
     for r in range(8):
         assert f"rank {r} (rank_{r:05d}.h5):" in out
     assert "fp32/@flat0" in out and "param/decoder.layers.1.self_attention.linear_qkv.weight" in out
-    # pp=2: rank 7 (last stage) holds the output layer with local layer numbers 0..1
+    # pp=2: rank 5 (last stage, dp=0, tp=1) stores the output layer with local layer numbers 0..1;
+    # rank 7, its dp replica, stores only its own parts of the flat optimizer buffers
+    last = out[out.index("rank 5 (rank_00005.h5):"):out.index("rank 6 (rank_00006.h5):")]
+    assert "param/output_layer.weight" in last and "decoder.layers.2." not in last
     tail = out[out.index("rank 7 (rank_00007.h5):"):]
-    assert "param/output_layer.weight" in tail and "decoder.layers.2." not in tail
+    assert "fp32/@flat0" in tail and "param/" not in tail
 
 
 def test_inspect_not_a_checkpoint(capsys, tmp_path):
@@ -426,7 +431,7 @@ def test_verify_newer_version_and_missing_manifest(files, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(files["src"], bad)
     m = json.loads((bad / "manifest.json").read_text())
-    m["version"] = 2
+    m["version"] = ucl.store.FORMAT_VERSION + 1
     (bad / "manifest.json").write_text(json.dumps(m))
     rc, out, err = run_cli("verify", bad)
     assert_clean_error(rc, out, err, "newer")

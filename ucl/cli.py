@@ -211,14 +211,14 @@ def _reshard_distributed(args, src: str, to, con) -> int:
 
 
 def _reshard_bytes(src: str, to) -> int:
-    """Bytes a reshard of ``src`` to ``to`` writes (every target dataset on every rank holding it): the
-    progress bar's total. The plan is cached on the model, so the reshard itself reuses it."""
+    """Bytes a reshard of ``src`` to ``to`` writes (every target dataset once, on the first rank holding
+    it): the progress bar's total. The plan is cached on the model, so the reshard itself reuses it."""
     from .dtypes import itemsize
     from .ops.prepare import mesh_of, model_of, open_checkpoint, plan_for
     with open_checkpoint(src) as ck:
         plan = plan_for(model_of(ck), mesh_of(ck), to)
     per = [_prod(d["shape"]) * itemsize(d["dtype"]) for d in plan.datasets]
-    return int(sum(per[int(i)] for i in plan.dataset_ranks["dataset"]))
+    return int(sum(per[int(i)] for i in plan.first_holders["dataset"]))
 
 
 def cmd_import(args) -> int:

@@ -44,7 +44,8 @@ class Description:
         datasets = [{k: {"dtype": e.dtype, "shape": list(e.shape), "checksum": NO_CHECKSUM} for k, e in table.items()}
                     for table in self.extents]
         files = list(self.files) or [f"{self.format}:{r}" for r in range(len(self.extents))]
-        return Manifest(dims=dict(self.dims), mesh=[(a, int(s)) for a, s in self.mesh], files=files,
+        # version 1: the extents name every rank's copy of a replicated tensor, as the framework wrote them
+        return Manifest(version=1, dims=dict(self.dims), mesh=[(a, int(s)) for a, s in self.mesh], files=files,
                         datasets=datasets, spec=self.spec, spec_name=self.spec_name,
                         params={n: list(s) for n, s in self.params.items()}, frozen=sorted(self.frozen),
                         state=self.state)

@@ -75,11 +75,15 @@ class ShardMap:
     def ranks(self, fixed: dict) -> np.ndarray:
         return self.mesh.ranks_where(fixed)
 
-    def rank_datasets(self, rank: int) -> dict[str, tuple[tuple, str]]:
-        """Every dataset rank ``rank`` holds: key -> (shape, logical dtype)."""
+    def rank_datasets(self, rank: int, stored: bool = False) -> dict[str, tuple[tuple, str]]:
+        """Every dataset rank ``rank`` holds: key -> (shape, logical dtype). ``stored``: only those it
+        stores, the format-2 rule (docs/format.md): a dataset that several ranks hold (replicas: the
+        ranks that differ only on axes it is not fixed on) is stored by the first of them, the one
+        whose coordinates on those axes are all 0; that is the copy plans read."""
         c = self.mesh.coords(rank) if not self.mesh.is_universal else {}
         return {d.key: (d.shape, d.dtype) for d in self.datasets
-                if all(c.get(a, 0) == v for a, v in d.fixed.items())}
+                if all(c.get(a, 0) == v for a, v in d.fixed.items())
+                and (not stored or all(v == 0 for a, v in c.items() if a not in d.fixed))}
 
 
 def _dim_axes(dims) -> tuple[tuple[str, ...], ...]:

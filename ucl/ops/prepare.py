@@ -103,10 +103,11 @@ def manifest_fields(model: Model, mesh: Mesh, state: Any = None) -> dict:
                 state=state if state is not None else {})
 
 
-def expected_datasets(model: Model, mesh: Mesh, rank: int) -> dict[str, tuple[tuple, str]]:
-    """key -> (shape, logical dtype) of every dataset ``rank`` must hold on ``mesh``."""
+def expected_datasets(model: Model, mesh: Mesh, rank: int, stored: bool = False) -> dict[str, tuple[tuple, str]]:
+    """key -> (shape, logical dtype) of every dataset ``rank`` holds on ``mesh``; ``stored``: of those
+    it stores (a replicated dataset only on its first replica, format version 2)."""
     try:
-        return lower(model, mesh).rank_datasets(rank)
+        return lower(model, mesh).rank_datasets(rank, stored)
     except UclError as e:  # lowering translates internal exceptions: show the UclError alone
         raise detach(e) from None
 
@@ -122,17 +123,21 @@ def check_stored(ckpt: Checkpoint, model: Model, ranks: Iterable[int] | None = N
     ranks = range(ckpt.nranks) if ranks is None else sorted({int(r) for r in ranks})
     problems: list[Diagnostic] = []
     unaccounted: set[str] = set()
+    once = stores_replicas_once(ckpt)
     for rank in ranks:
-        want, have = expected_datasets(model, mesh, rank), ckpt.manifest.datasets[rank]
-        for key in sorted(set(have) - set(want)):
+        # a replica is stored by its first holder only (version 2) or by every holder (1); an extra
+        # replica is allowed either way (plans read the first holder's)
+        held, have = expected_datasets(model, mesh, rank), ckpt.manifest.datasets[rank]
+        want = expected_datasets(model, mesh, rank, stored=True) if once else held
+        for key in sorted(set(have) - set(held)):
             problems.append(Diagnostic("UCL417", f"rank {rank} stores {key!r}, which the spec and parameter list "
                                                  "do not put there"))
             unaccounted.add(key)
         for key in sorted(set(want) - set(have)):
             problems.append(Diagnostic("UCL417", f"rank {rank} lacks {key!r} {list(want[key][0])} {want[key][1]} "
                                                  f"({_rule_of(model, key)})"))
-        for key in sorted(set(want) & set(have)):
-            shape, dtype = want[key]
+        for key in sorted(set(held) & set(have)):
+            shape, dtype = held[key]
             got = ckpt.info(rank, key)
             if got.shape != tuple(shape) or got.dtype != dtype:
                 problems.append(Diagnostic("UCL417", f"rank {rank} stores {key!r} as {list(got.shape)} {got.dtype}, "
@@ -155,6 +160,12 @@ def check_stored(ckpt: Checkpoint, model: Model, ranks: Iterable[int] | None = N
                          f"list ({n} problem{'s' * (n != 1)}); nothing was read:\n  " + "\n  ".join(lines),
                          code="UCL417")
     ckpt.check_files(ranks)
+
+
+def stores_replicas_once(ckpt: Checkpoint | ExtentCheckpoint) -> bool:
+    """Whether ``ckpt`` stores each replicated dataset on its first replica only (format version 2),
+    rather than on every rank that holds it (version 1, and other frameworks' checkpoints read in place)."""
+    return ckpt.manifest.version >= 2
 
 
 def _tensor_of(model: Model, key: str):
@@ -189,10 +200,12 @@ def _state_line(model: Model, key: str) -> int | None:
 
 
 def normalise(model: Model, mesh: Mesh, rank: int, tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Arrays in storage form, checked against the layout: names, shapes and dtypes. Problems are
+    """The arrays ``rank`` stores, in storage form, checked against the layout: names, shapes and
+    dtypes. Every dataset the rank stores must be given; a replica it holds but another rank stores
+    (format version 2) may be given, and is checked, not returned. Problems are
     reported at once, repeats grouped, with a hint for the usual causes (weights saved without
     optimizer state; a parameter dtype the spec does not declare)."""
-    want = expected_datasets(model, mesh, rank)
+    held, want = expected_datasets(model, mesh, rank), expected_datasets(model, mesh, rank, stored=True)
     problems: list[Diagnostic] = []
     missing = sorted(set(want) - set(tensors))
     retyped: list[tuple[str, str, str]] = []  # (key, got, expected): right shape, other dtype
@@ -200,17 +213,18 @@ def normalise(model: Model, mesh: Mesh, rank: int, tensors: Mapping[str, Any]) -
     for key in missing:
         problems.append(Diagnostic("UCL421", f"missing {key!r} {list(want[key][0])} {want[key][1]} "
                                              f"({_rule_of(model, key)})"))
-    for key in sorted(set(tensors) - set(want)):
+    for key in sorted(set(tensors) - set(held)):
         problems.append(Diagnostic("UCL421", f"unexpected {key!r}: the spec puts no such tensor on this rank"))
-    for key in sorted(set(tensors) & set(want)):
-        shape, dtype = want[key]
+    for key in sorted(set(tensors) & set(held)):
+        shape, dtype = held[key]
         arr, logical = to_numpy(tensors[key], dtype if _is_raw(tensors[key], dtype) else None)
         if tuple(arr.shape) != tuple(shape) or logical != dtype:
             problems.append(Diagnostic("UCL421", f"{key!r}: expected {list(shape)} {dtype}, got {list(arr.shape)} "
                                                  f"{logical} ({_rule_of(model, key)})"))
             if tuple(arr.shape) == tuple(shape):
                 retyped.append((key, logical, dtype))
-        out[key] = arr
+        if key in want:  # a replica another rank stores is checked, not kept
+            out[key] = arr
     if problems:
         lines = []
         for g in group_diagnostics(problems, limit=1):

@@ -329,7 +329,8 @@ def replica_groups(plan: Plan) -> list[ReplicaGroup]:
         for key in np.unique(row_keys[rows]) if len(rows) else []:
             rows_by[(r, key)] = rows[row_keys[rows] == key]
     found: dict[tuple, tuple] = {}  # content signature -> (dataset, ranks, rows)
-    for r, d in zip(plan.dataset_ranks["rank"], plan.dataset_ranks["dataset"]):
+    stores = plan.first_holders  # a dataset several ranks hold is written to the first of them only
+    for r, d in zip(stores["rank"], stores["dataset"]):
         ds = plan.datasets[d]
         rows = rows_by.get((int(r), ds["key"]), np.zeros(0, dtype=np.int64))
         sig_cols = np.stack([c[k][rows] for k in ("tensor", "src_rank", "src_slot", "dst_slot")], axis=1)

@@ -68,6 +68,13 @@ class Plan:
             self._expanded["dataset_ranks"] = {"rank": ranks, "dataset": self.stored_datasets["dataset"][row]}
         return self._expanded["dataset_ranks"]
 
+    @property
+    def first_holders(self) -> dict[str, np.ndarray]:
+        """``dataset_ranks`` with only the first (lowest) rank of each dataset's rank set: in a whole
+        plan, the rank that stores a dataset several ranks hold alike (checkpoint format 2)."""
+        sets = self.stored_datasets["dst_set"]
+        return {"rank": self.rank_sets.ranks[self.rank_sets.offsets[sets]], "dataset": self.stored_datasets["dataset"]}
+
     def _expand(self, name: str, table: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if name not in self._expanded:
             row, ranks = self.rank_sets.expand(table["dst_set"])

@@ -20,7 +20,7 @@ from ..files import parse_json
 from .checksum import is_checksum
 
 FORMAT_NAME = "ucl-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a replicated dataset is stored by its first replica only (docs/format.md)
 MANIFEST_NAME = "manifest.json"
 TABLES_NAME = "ucl_tables"  # each rank file's dataset of digest tables that entries' ``tables`` locate
 

@@ -88,7 +88,10 @@ class Flusher(Stage):
             self.root.adopt_newest()
 
     def _write(self, writer: CheckpointWriter, snap: Snapshot) -> None:
+        stored = self.layouts.stored(snap.layout)  # replicas another rank stores are not written
         for e, off in zip(snap.layout.entries, snap.offsets):
+            if e.key not in stored:
+                continue
             logical = logical_of_torch_dtype(e.tensor.dtype)
             n = e.tensor.numel() * e.tensor.element_size()
             raw = self.snapshots.bytes(snap, off, n)

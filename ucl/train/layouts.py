@@ -32,6 +32,7 @@ class Layouts:
         self.bound = bind_manual(spec, mesh)
         self.mesh = as_mesh(mesh) if mesh is not None else None
         self._models: dict[tuple, Model] = {}
+        self._stored: dict[tuple, frozenset[str]] = {}
 
     def current(self, module, optimizer) -> TrainLayout:
         """The layout of ``module`` and ``optimizer`` as they are now."""
@@ -47,6 +48,15 @@ class Layouts:
                 model = spec.bind(layout.dims, layout.params, frozen=layout.frozen)
             self._models[layout.signature] = model
         return model
+
+    def stored(self, layout: TrainLayout) -> frozenset[str]:
+        """The keys this rank writes: what it holds, less the replicas another rank stores."""
+        keys = self._stored.get(layout.signature)
+        if keys is None:
+            keys = self._stored[layout.signature] = frozenset(
+                expected_datasets(self.model_of(layout), layout.mesh, layout.rank, stored=True)
+                if layout.rank >= 0 else ())
+        return keys
 
     def validate(self, layout: TrainLayout) -> None:
         """UCL421 naming every mismatch when this rank's tensors are not what the layout says; each
