@@ -807,3 +807,53 @@ def test_save_durable_false_skips_fsync_of_rank_files(demo, tmp_path, monkeypatc
     path = ucl.save(tmp_path / "c", shards_for(model, truth, mesh), model=model, mesh=mesh, durable=durable)
     assert sorted(n for n in synced if n.endswith(".h5")) == ([f"rank_{r:05d}.h5" for r in range(4)] if durable else [])
     assert_intact(path, model, truth, mesh)  # committed and whole either way
+
+
+def test_version_1_checkpoints_with_every_replica_still_load(demo, tmp_path):
+    """Format 1 stored a replicated dataset on every rank holding it (and had no byte offsets): such
+    a checkpoint loads and reshards exactly; one missing a replica is refused, as it was then."""
+    from ucl.ops.prepare import manifest_fields
+    from ucl.store import CheckpointWriter
+    model, truth = demo
+    mesh = M("pp=2,dp=2,tp=2")
+    shards = shards_for(model, truth, mesh)
+    path = tmp_path / "v1"
+    with CheckpointWriter(path, mesh.size, **manifest_fields(model, mesh, {"step": 1}), version=1) as w:
+        for r in range(mesh.size):
+            dtypes = expected_datasets(model, mesh, r)
+            for k, a in shards[r].items():
+                w.write(r, k, a, dtype=dtypes[k][1])
+        w.commit()
+    without_offsets(path)
+    with ucl.open(path) as c:
+        assert c.manifest.version == 1 and c.verify() == []
+        assert "param/output_layer.weight" in c.keys(7)  # a dp replica's copy, as format 1 had it
+    for r in range(mesh.size):
+        assert_same_shards({r: ucl.load_rank(path, mesh=mesh, rank=r)}, {r: shards[r]}, f"v1 rank {r}")
+    ucl.reshard(path, tmp_path / "U", U)
+    assert_same_shards(read_all(tmp_path / "U"), {0: truth}, "v1 -> universal")
+    edit = json.loads((path / "manifest.json").read_text())
+    del edit["datasets"][7]["param/output_layer.weight"]
+    (path / "manifest.json").write_text(json.dumps(edit))
+    with pytest.raises(StoreError) as e:
+        ucl.load_rank(path, mesh=mesh, rank=7)
+    assert e.value.code == "UCL417" and "param/output_layer.weight" in str(e.value)
+
+
+def test_version_2_allows_extra_replicas(demo, tmp_path):
+    """A writer that stores a replica on every holder anyway (CheckpointWriter used directly) makes a
+    valid version-2 checkpoint: the extra copies are checked against the spec, never read."""
+    from ucl.ops.prepare import manifest_fields
+    from ucl.store import CheckpointWriter
+    model, truth = demo
+    mesh = M("dp=2,tp=2")
+    shards = shards_for(model, truth, mesh)
+    with CheckpointWriter(tmp_path / "c", mesh.size, **manifest_fields(model, mesh)) as w:
+        for r in range(mesh.size):
+            dtypes = expected_datasets(model, mesh, r)
+            for k, a in shards[r].items():
+                w.write(r, k, a, dtype=dtypes[k][1])
+        w.commit()
+    assert ucl.open(tmp_path / "c").manifest.version == 2
+    for r in range(mesh.size):
+        assert_same_shards({r: ucl.load_rank(tmp_path / "c", mesh=mesh, rank=r)}, {r: shards[r]}, f"rank {r}")
