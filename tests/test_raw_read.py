@@ -1,0 +1,87 @@
+"""Reads by byte offset (ucl.store.raw): every read equals numpy indexing of the same bytes.
+
+The oracle is numpy on the array the file was made from; the file holds it at an arbitrary offset
+between unrelated bytes, so an off-by-one in an offset reads those instead."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ucl.errors import StoreError
+from ucl.store.raw import RawFile, locate, read_table
+
+SETTINGS = settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _file(tmp_path, arr: np.ndarray, offset: int):
+    path = tmp_path / "f.bin"
+    rng = np.random.default_rng(offset)
+    junk = rng.integers(0, 256, offset + 4096, dtype=np.uint8)
+    path.write_bytes(junk[:offset].tobytes() + arr.tobytes() + junk[offset:].tobytes())
+    return RawFile(str(path), "test file")
+
+
+@given(rows=st.integers(1, 40), cols=st.integers(1, 3000), dtype=st.sampled_from(["uint8", "float32", "int64"]),
+       offset=st.integers(0, 5000), data=st.data())
+@SETTINGS
+def test_runs_and_rows_equal_numpy(tmp_path, rows, cols, dtype, offset, data):
+    # uint8 rows of 3000 elements, cut in big blocks, take the block-by-block path (>= 64 KiB blocks
+    # need wide rows: runs of whole rows reach it); short blocks are cut out of their span
+    arr = np.random.default_rng(rows * cols).integers(0, 100, (rows, cols)).astype(dtype)
+    f = _file(tmp_path, arr, offset)
+    try:
+        d = locate(f, offset, arr.shape, arr.dtype, arr.nbytes)
+        flat = arr.reshape(-1)
+        start = data.draw(st.integers(0, flat.size - 1))
+        block = data.draw(st.integers(1, flat.size - start))
+        stride = data.draw(st.integers(block, max(block, flat.size)))
+        count = data.draw(st.integers(1, (flat.size - start - block) // stride + 1))
+        out = np.empty(count * block, arr.dtype)
+        d.read_runs_into([(start, count, stride, block)], out)
+        want = np.concatenate([flat[start + i * stride:start + i * stride + block] for i in range(count)])
+        assert np.array_equal(out, want)
+        r0 = data.draw(st.integers(0, rows - 1))
+        r1 = data.draw(st.integers(r0 + 1, rows))
+        c0 = data.draw(st.integers(0, cols - 1))
+        c1 = data.draw(st.integers(c0 + 1, cols))
+        pad = data.draw(st.integers(0, 3))  # a destination wider than the box: rows are not contiguous
+        dst = np.zeros((r1 - r0 + 1, c1 - c0 + pad), arr.dtype)
+        d.read_rows_into((r0, r1), (c0, c1), dst, (1, pad))
+        assert np.array_equal(dst[1:, pad:], arr[r0:r1, c0:c1]) and not dst[0].any() and not dst[:, :pad].any()
+    finally:
+        f.close()
+
+
+def test_big_blocks_are_read_one_by_one(tmp_path):
+    arr = np.arange(4 * 70_000, dtype=np.uint8).reshape(4, 70_000)
+    f = _file(tmp_path, arr, 123)
+    d = locate(f, 123, arr.shape, arr.dtype, arr.nbytes)
+    out = np.empty(2 * 66_000, np.uint8)
+    d.read_runs_into([(10, 2, 140_000, 66_000)], out)  # rows 0 and 2, 66,000 bytes each
+    assert np.array_equal(out, np.concatenate([arr[0, 10:66_010], arr[2, 10:66_010]]))
+    f.close()
+
+
+@pytest.mark.parametrize("offset,nbytes", [(-1, 8), (10 ** 9, 8), (0, 10 ** 9), ("8", 8), (True, 8)])
+def test_offsets_outside_the_file_are_refused_before_reading(tmp_path, offset, nbytes):
+    f = _file(tmp_path, np.zeros(16, np.uint8), 0)
+    with pytest.raises(StoreError) as e:
+        locate(f, offset, (nbytes,), np.dtype(np.uint8), nbytes)
+    assert e.value.code == "UCL406" and "test file" in str(e.value)
+    with pytest.raises(StoreError):
+        read_table(f, offset, nbytes)
+    f.close()
+
+
+def test_a_file_cut_short_after_the_check_is_a_clear_error(tmp_path):
+    arr = np.arange(1000, dtype=np.int64)
+    f = _file(tmp_path, arr, 64)
+    d = locate(f, 64, arr.shape, arr.dtype, arr.nbytes)
+    with open(tmp_path / "f.bin", "r+b") as fh:  # truncated by someone else after the size was checked
+        fh.truncate(64 + 800)
+    with pytest.raises(StoreError) as e:
+        d.read_flat_into(0, 1000, np.empty(1000, np.int64))
+    assert e.value.code == "UCL406" and "truncated" in str(e.value)
+    f.close()
