@@ -140,7 +140,7 @@ def lower(model: Model, mesh: Mesh, *, reuse: bool = True, tensors: frozenset[in
     what they need (the flat buffers they lie in): what a plan for a few ranks reads and proves. Only
     those tensors are checked against the mesh. The whole map is returned when it is cached."""
     key = ("shardmap", mesh)
-    focused = model.memo.setdefault(("shardmap-focused", mesh), {})
+    focused = model.memo.setdefault(("shardmap-focused", mesh), {}) if tensors is not None and reuse else {}
     # a process planning the ranks of several pipeline stages lowers the whole model once instead
     if tensors is not None and key not in model.memo and reuse and (tensors in focused or len(focused) < 2):
         sm = focused.get(tensors)
@@ -154,6 +154,7 @@ def lower(model: Model, mesh: Mesh, *, reuse: bool = True, tensors: frozenset[in
     if key not in model.memo:
         with gc_paused():
             model.memo[key] = _lower(model, mesh, True)
+        model.memo.pop(("shardmap-focused", mesh), None)  # the whole map serves every later plan
     return model.memo[key]
 
 
