@@ -328,6 +328,22 @@ class H5Dataset:
                        at: tuple[int, int]) -> None:
         read_rows_into(self.d, self.shape, rows, cols, out, at)
 
+    def read_box_into(self, starts: Sequence[int], sizes: Sequence[int], out: np.ndarray) -> None:
+        read_box_into(self.d, starts, sizes, out)
+
+    def read_runs_into(self, runs: Sequence[tuple[int, int, int, int]], out: np.ndarray) -> None:
+        if len(self.shape) == 1:
+            read_runs_into(self.d, runs, out)
+            return
+        # HDF5 selects runs of 1-D datasets only (flat buffers); an N-d one is read whole, then cut
+        flat = np.empty(math.prod(self.shape), out.dtype)
+        self.read_flat_into(0, flat.size, flat)
+        pos = 0
+        for s, c, t, b in runs:
+            out[pos:pos + c * b].reshape(c, b)[...] = np.lib.stride_tricks.as_strided(
+                flat[s:], (c, b), (t * flat.itemsize, flat.itemsize))
+            pos += c * b
+
 
 def data_offset(d: Any) -> int | None:
     """Byte offset of a contiguous dataset's allocated storage in its file; None if it has none."""

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import StoreError
+from ..layout.boxes import Slot, flat_runs
 
 _SPAN_BYTES = 16 << 20  # a strided read takes its span in pieces of at most this (bounded memory)
 _DIRECT_BLOCK_BYTES = 64 << 10  # runs of blocks at least this long are read block by block, no span
@@ -86,6 +87,10 @@ class RawDataset:
                     view = np.lib.stride_tricks.as_strided(span, (k, block), (stride * item, item), writeable=False)
                     out[pos + i * block:pos + (i + k) * block].reshape(k, block)[...] = view
             pos += n
+
+    def read_box_into(self, starts: Sequence[int], sizes: Sequence[int], out: np.ndarray) -> None:
+        """The N-d box ``[starts, starts + sizes)`` into the C-contiguous ``out`` of its shape."""
+        self.read_runs_into(flat_runs(Slot("", 0, self.shape, self.shape), starts, sizes), out.reshape(-1))
 
     def read_rows_into(self, rows: tuple[int, int], cols: tuple[int, int], out: np.ndarray,
                        at: tuple[int, int]) -> None:

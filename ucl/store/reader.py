@@ -18,7 +18,6 @@ from ..files import check_inside, read_bounded
 from ..plan.buffers import Arena
 from . import h5
 from .atomic import is_tmp_name
-from ..layout.boxes import Slot, flat_runs
 from . import raw
 from .checksum import (TileGrid, TilePlan, band_digests, checksum_of, chunk_count, chunk_size, chunk_table_digest,
                        raw_bytes, tile_grid, tile_plan, tile_table_digest)
@@ -231,10 +230,7 @@ class Checkpoint:
             src, info = self._located(rank, key)
             h5.check_box(starts, sizes, info.shape, self._where(rank, key))
             out = h5.check_out(out, sizes, info.storage_dtype)
-            if isinstance(src, raw.RawDataset):
-                src.read_runs_into(flat_runs(Slot(key, 0, info.shape, info.shape), starts, sizes), out.reshape(-1))
-            else:
-                h5.read_box_into(src.d, starts, sizes, out)
+            src.read_box_into(starts, sizes, out)
             return out
 
     def read_runs(self, rank: int, key: str, runs: Sequence[tuple[int, int, int, int]], *,
@@ -257,14 +253,7 @@ class Checkpoint:
                 self.bytes_last_read = self._read_runs_verified(rank, key, src, info, runs, out)
                 return out
             self.bytes_last_read = out.nbytes
-            if isinstance(src, raw.RawDataset):
-                src.read_runs_into(runs, out)
-                return out
-            if len(info.shape) != 1:  # flat selections address 1-D (flat buffer) datasets
-                flat = self.read(rank, key, verify=False).reshape(-1)
-                return np.concatenate([np.lib.stride_tricks.as_strided(flat[s:], (c, b), (t * flat.itemsize, flat.itemsize)).reshape(-1)
-                                       for s, c, t, b in runs])
-            h5.read_runs_into(src.d, runs, out)
+            src.read_runs_into(runs, out)
             return out
 
     def _read_runs_verified(self, rank, key, src, info: DatasetInfo, runs, out: np.ndarray) -> int:

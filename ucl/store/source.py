@@ -59,13 +59,11 @@ class StoreSource:
             self.ckpt.read(rank, slot.key, verify=self.verify, out=out.reshape(info.shape))
         elif not self.verify and slot.is_whole:
             self.ckpt.read_box(rank, slot.key, start, size, out=out)
-        elif self.verify or len(info.shape) == 1:  # (unverified runs of an N-d dataset come back as a new array)
+        else:
             view = slot if not slot.is_whole else Slot(slot.key, 0, tuple(info.shape), tuple(info.shape))
             self.ckpt.read_runs(rank, slot.key, flat_runs(view, start, size), out=out.reshape(-1), verify=self.verify)
             self.bytes_read += self.ckpt.bytes_last_read
             return True
-        else:
-            return False
         self.bytes_read += out.nbytes
         return True
 
