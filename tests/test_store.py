@@ -491,6 +491,64 @@ def test_streaming_checksum_in_small_chunks(tmp_path, monkeypatch):
     assert ck.verify() == [] and np.array_equal(ck.read(0, "fp32/w"), a)
 
 
+@pytest.fixture(scope="module")
+def flat_ckpt(tmp_path_factory):
+    """One 4 MiB flat dataset (256 checksum chunks of 4096 elements), with and without offsets."""
+    data = np.arange(1 << 20, dtype=np.float32)
+    path = tmp_path_factory.mktemp("flat") / "c"
+    with CheckpointWriter(path, 1) as w:
+        w.write(0, "exp_avg/@flat0", data)
+        w.commit()
+    return path, data
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(a=st.integers(0, (1 << 20) - 1), n=st.integers(1, 40_000), hdf5=st.booleans(),
+       bad=st.sampled_from([None, "head", "inside", "tail"]))
+def test_verified_flat_range_reads_its_chunks_once_and_checks_each(flat_ckpt, tmp_path_factory, a, n, hdf5, bad):
+    """A flat range (a tensor in a flat buffer) read with verify=True: the bytes equal numpy's, it
+    reads exactly the chunks it touches (those inside straight into place, the edges rounded out),
+    and a flipped byte in the first, a middle or the last chunk it touches is refused."""
+    import shutil
+
+    import h5py
+    path, data = flat_ckpt
+    per = 4096
+    b = min(a + n, data.size)
+    first, last = a // per, (b - 1) // per
+    if bad is not None:
+        at = {"head": a, "tail": b - 1, "inside": (a + b) // 2}[bad]
+        copy = tmp_path_factory.mktemp("bad") / "c"
+        shutil.copytree(path, copy)
+        f = copy / "rank_00000.h5"
+        with h5py.File(f, "r") as h:
+            offset = h["exp_avg"]["@flat0"].id.get_offset()
+        with open(f, "r+b") as fh:
+            fh.seek(offset + 4 * at)
+            byte = fh.read(1)
+            fh.seek(offset + 4 * at)
+            fh.write(bytes([byte[0] ^ 0x10]))
+        path = copy
+    if hdf5:
+        copy = tmp_path_factory.mktemp("h5") / "c"
+        shutil.copytree(path, copy)
+        without_offsets(copy)
+        path = copy
+    with Checkpoint.open(path) as c:
+        if bad is not None:
+            with pytest.raises(StoreError) as e:
+                c.read_runs(0, "exp_avg/@flat0", [(a, 1, b - a, b - a)], verify=True)
+            assert e.value.code == "UCL407"
+            return
+        got = c.read_runs(0, "exp_avg/@flat0", [(a, 1, b - a, b - a)], verify=True)
+        assert np.array_equal(got, data[a:b])
+        assert c.bytes_last_read == 4 * (min((last + 1) * per, data.size) - first * per)
+        # the same range as adjacent runs of whole rows
+        half = a + (b - a) // 2
+        runs = [(a, 1, half - a, half - a), (half, 1, b - half, b - half)] if half > a else [(a, 1, b - a, b - a)]
+        assert np.array_equal(c.read_runs(0, "exp_avg/@flat0", runs, verify=True), data[a:b])
+
+
 def test_partial_read_is_verified_by_chunk_checksums(tmp_path):
     """A hyperslab read with verify=True reads only the checksum chunks around it and catches a
     flipped byte anywhere in them; an unverified read of other chunks is unaffected."""

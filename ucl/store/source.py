@@ -45,9 +45,8 @@ class StoreSource:
     def read_into(self, rank: int, slot: Slot, start, size, out: np.ndarray) -> bool:
         """Read the box straight into ``out`` (C-contiguous, of the box's shape and storage dtype;
         False otherwise): a whole dataset (with ``verify``, checked against its checksum after the
-        read: on a mismatch ``out`` holds the bad bytes and the error is raised), or any other box
-        (with ``verify``, cut out of the chunks or tiles around it once they are verified, so
-        ``out`` is untouched on a mismatch)."""
+        read), or any other box (with ``verify``, every chunk or tile it touches checked). On a
+        mismatch the error is raised and ``out`` may hold the bad bytes."""
         if not (out.flags.c_contiguous and out.flags.writeable):
             return False
         nd = len(slot.shape)
