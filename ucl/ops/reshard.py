@@ -23,7 +23,7 @@ from ..plan.buffers import Arena
 from ..plan.execute import run_copies
 from ..plan.ir import Plan
 from ..store.source import StoreSource
-from ..store.writer import CheckpointWriter
+from ..store.writer import CheckpointWriter, Filled
 from .collective import commit_collectively
 from .dist import allgather_json, gloo_group, initialized_dist
 from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for
@@ -70,12 +70,14 @@ class ReshardJob:
     verify: bool
     progress: object | None  # a multiprocessing queue of byte counts, or None
     format: str | None = None  # the source's format (None: detected)
+    laid: dict | None = None  # rank -> {key: byte offset} of the files several workers fill (lay_out)
 
 
 @dataclass(frozen=True)
 class WorkerResult:
     entries: dict  # rank -> manifest entries of its file
     stats: IOStats
+    filled: tuple[Filled, ...] = ()  # datasets written into laid-out files
 
 
 @dataclass(frozen=True)
@@ -122,18 +124,15 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
         return _reshard_distributed(os.fspath(src), os.fspath(dst), to, workers or 1, durable, verify, progress,
                                     float(timeout), t0, format)
     prep = _prepare(src, to, format)
-    workers = max(1, min(workers or min(2, os.cpu_count() or 1), to.size))
+    workers = max(1, workers or min(2, os.cpu_count() or 1))
     groups = replica_groups(prep.plan)
-    tasks = assign(groups, prep.plan, workers)
     stats = IOStats(compile_seconds=prep.compile_seconds)
     writer = CheckpointWriter(dst, to.size, durable=durable, **manifest_fields(prep.model, to, prep.state))
     try:
         job = ReshardJob(os.fspath(src), writer.tmp_path, to.size, prep.plan, tuple(groups), durable, verify, None,
                          format)
-        for r in _execute(job, tasks, progress, in_process=workers == 1):
-            for rank, entries in r.entries.items():
-                writer.adopt(int(rank), entries)
-            stats.merge(r.stats)
+        for rank, entries in _write_files(job, range(to.size), workers, progress, stats).items():
+            writer.adopt(int(rank), entries)
         writer.commit()
     except BaseException:
         writer.abort()
@@ -154,6 +153,37 @@ def _prepare(src: str | os.PathLike, to: Mesh, format: str | None = None) -> Pre
 
 class _Stopped(Exception):
     """Another process of a distributed reshard failed: this one stops writing (not reported)."""
+
+
+def _write_files(job: ReshardJob, files: Sequence[int], workers: int, progress: Callable[[int], None] | None,
+                 stats: IOStats, cancel: threading.Event | None = None) -> dict:
+    """Write target rank ``files`` (``job.groups`` name no others) with ``workers`` processes and
+    return their manifest entries (``{rank: entries}``, for the owner's ``adopt``). A file larger than
+    one worker's share (a universal target) is laid out first and filled by several workers at once.
+    One worker runs in this process, unless ``cancel`` is given (a distributed reshard: a forked pool
+    can be stopped when another process fails)."""
+    shared = split_files(job.groups, workers)
+    layer = CheckpointWriter.join(job.tmp, job.nranks, durable=job.durable) if shared else None
+    try:
+        if layer is not None:
+            job = replace(job, laid={r: layer.lay_out(r, datasets_on(job.groups, r)) for r in sorted(shared)})
+        tasks = assign(list(job.groups), job.plan, workers, files=files, shared=shared)
+        tasks = [t for t in tasks if t.groups or t.files] or tasks[:1]
+        entries: dict = {}
+        filled: list[Filled] = []
+        for r in _execute(job, tasks, progress, in_process=len(tasks) == 1 and cancel is None,
+                          cancel=cancel):
+            entries.update(r.entries)
+            filled += r.filled
+            stats.merge(r.stats)
+        if layer is not None:
+            layer.adopt_filled(filled)
+            entries.update(layer.finish(sorted(shared)))
+        return entries
+    except BaseException:
+        if layer is not None:
+            layer.abort()
+        raise
 
 
 def _execute(job: ReshardJob, tasks: Sequence[WorkerTask], progress: Callable[[int], None] | None, *,
@@ -228,14 +258,8 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
                 if not mine.files:  # e.g. a one-file target on every process but one
                     return {}
                 sub = [replace(groups[t.group], ranks=t.ranks) for t in mine.groups]
-                n = max(1, min(workers, len(mine.files)))
                 job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, None, format)
-                entries = {}
-                for r in _execute(job, assign(sub, prep.plan, n, files=mine.files), progress, in_process=False,
-                                  cancel=cancel):
-                    entries.update(r.entries)
-                    stats.merge(r.stats)
-                return entries
+                return _write_files(job, mine.files, workers, progress, stats, cancel)
             except Exception as e:
                 if not cancel.is_set():
                     own.append(e)
@@ -344,29 +368,58 @@ def replica_groups(plan: Plan) -> list[ReplicaGroup]:
             for ds, ranks, rows in found.values()]
 
 
-def assign(groups: list[ReplicaGroup], plan: Plan, workers: int,
-           files: Sequence[int] | None = None) -> list[WorkerTask]:
-    """Give each target rank file to one worker (files cannot be shared), keeping replica groups
-    together where the load allows, so their source bytes are read once. ``files`` are the target
-    ranks to share out (default: all; ``groups`` then name no others)."""
-    owner: dict[int, int] = {}
+def split_files(groups: Sequence[ReplicaGroup], workers: int) -> frozenset[int]:
+    """Target rank files larger than one worker's fair share of the bytes: with ``workers`` > 1 they
+    are laid out first and filled by several workers at once (a universal target is one file)."""
+    if workers < 2:
+        return frozenset()
+    size: dict[int, int] = {}
+    for g in groups:
+        for r in g.ranks:
+            size[r] = size.get(r, 0) + g.nbytes
+    total = sum(size.values())
+    return frozenset(r for r, n in size.items() if n * workers > total and n >= SPLIT_MIN_BYTES)
+
+
+SPLIT_MIN_BYTES = 64 << 20  # smaller files are not worth laying out first for several writers
+
+
+def datasets_on(groups: Sequence[ReplicaGroup], rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The datasets ``groups`` put in target rank ``rank``'s file: key -> (shape, dtype)."""
+    return {g.key: (g.shape, g.dtype) for g in groups if rank in g.ranks}
+
+
+def assign(groups: list[ReplicaGroup], plan: Plan, workers: int, files: Sequence[int] | None = None,
+           shared: frozenset[int] = frozenset()) -> list[WorkerTask]:
+    """Give each target rank file to one worker, keeping replica groups together where the load
+    allows, so their source bytes are read once; the datasets of ``shared`` files (laid out
+    beforehand, ``split_files``) are shared out one by one instead. ``files`` are the target ranks
+    to share out (default: all; ``groups`` then name no others)."""
+    owner: dict[int, int] = {}  # file -> its worker
+    piece: dict[tuple[int, int], int] = {}  # (group, shared file) -> the worker writing that dataset
     load = [0] * workers
     total = sum(g.nbytes * len(g.ranks) for g in groups) or 1
+    least = lambda: min(range(workers), key=load.__getitem__)  # noqa: E731
     for gi in sorted(range(len(groups)), key=lambda i: -groups[i].nbytes * len(groups[i].ranks)):
         g = groups[gi]
         for r in g.ranks:
-            if r in owner:
+            if r in owner or (r in shared and (gi, r) in piece):
                 continue
-            taken = [owner[x] for x in g.ranks if x in owner]
-            w = taken[0] if taken and load[taken[0]] < 1.1 * total / workers else min(range(workers), key=load.__getitem__)
-            owner[r] = w
+            taken = [owner[x] for x in g.ranks if x in owner] + [piece[gi, x] for x in g.ranks if (gi, x) in piece]
+            w = taken[0] if taken and load[taken[0]] < 1.1 * total / workers else least()
+            if r in shared:
+                piece[gi, r] = w
+            else:
+                owner[r] = w
         for r in g.ranks:
-            load[owner[r]] += g.nbytes
+            load[piece[gi, r] if r in shared else owner[r]] += g.nbytes
     for r in range(plan.dst_mesh.size) if files is None else files:
-        owner.setdefault(int(r), min(range(workers), key=load.__getitem__))
+        if int(r) not in shared:
+            owner.setdefault(int(r), least())
     tasks = []
     for w in range(workers):
-        mine = [GroupTask(gi, tuple(r for r in g.ranks if owner[r] == w)) for gi, g in enumerate(groups)]
+        mine = [GroupTask(gi, tuple(r for r in g.ranks if (piece[gi, r] if r in shared else owner[r]) == w))
+                for gi, g in enumerate(groups)]
         tasks.append(WorkerTask(tuple(t for t in mine if t.ranks), tuple(r for r in sorted(owner) if owner[r] == w)))
     return tasks
 
@@ -382,21 +435,25 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
         rows = job.groups[t.group].rows
         return (int(c["src_rank"][rows[0]]), int(c["src_slot"][rows[0]])) if len(rows) else (-1, -1)
 
+    laid = job.laid or {}
     with open_checkpoint(job.src, job.format) as ckpt:
         source = StoreSource(ckpt, Arena(), verify=job.verify)
         first = Arena()  # with direct writes, one is filled while the other is still being written (write_behind)
-        targets = (first, Arena() if writer.direct else first)
+        targets = (first, Arena() if writer.direct or laid else first)
         for i, t in enumerate(sorted(task.groups, key=first_source)):  # reads sweep each source file in order
             g = job.groups[t.group]
             covered = int(np.prod(c["size"][g.rows], axis=1).sum()) if len(g.rows) else 0
             buf = targets[i % 2].array(g.shape, storage_dtype(g.dtype), zero=covered < int(np.prod(g.shape, dtype=np.int64)))
             stats.bytes_needed += run_copies(job.plan, g.rows, source, {g.key: buf})
             for r in t.ranks:
-                writer.write(r, g.key, buf, dtype=g.dtype)
+                if r in laid:
+                    writer.fill(r, g.key, laid[r][g.key], buf, dtype=g.dtype)
+                else:
+                    writer.write(r, g.key, buf, dtype=g.dtype)
                 stats.bytes_written += buf.nbytes
                 stats.datasets_written += 1
                 if report:
                     report(buf.nbytes)
         entries = writer.finish(list(task.files))
         stats.bytes_read = source.bytes_read
-    return WorkerResult(entries, stats)
+    return WorkerResult(entries, stats, tuple(writer.filled))

@@ -41,9 +41,10 @@ class DirectWriter:
         self.direct_bytes = 0  # bytes that bypassed the page cache (for tests and benchmarks)
         self._refused: set[int] = set()  # st_dev of file systems that refused O_DIRECT
 
-    def write(self, path: str, offset: int, data: np.ndarray) -> None:
-        """Write the flat uint8 array ``data`` at byte ``offset`` of the existing file ``path``."""
-        aligned = data.size // BLOCK * BLOCK if offset % BLOCK == 0 and _O_DIRECT else 0
+    def write(self, path: str, offset: int, data: np.ndarray, direct: bool = True) -> None:
+        """Write the flat uint8 array ``data`` at byte ``offset`` of the existing file ``path``
+        (``direct=False``: every byte through the page cache)."""
+        aligned = data.size // BLOCK * BLOCK if direct and offset % BLOCK == 0 and _O_DIRECT else 0
         done = self._write_direct(path, offset, data[:aligned]) if aligned else 0
         if done < data.size:
             fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)

@@ -186,6 +186,13 @@ class Handles:
         self._open[rank] = entry
         return entry
 
+    def release(self, rank: int) -> None:
+        """Close ``rank``'s file now if it is open (a failure raises, as an OSError)."""
+        entry = self._open.get(rank)
+        if entry is not None:
+            close_file(entry[0])
+            del self._open[rank]
+
     def close(self, strict: bool = False) -> None:
         """Close every file; ``strict`` (a writer committing) raises the first failure as an OSError and
         keeps the files not yet closed for ``discard()``."""

@@ -7,7 +7,8 @@ import math
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -16,9 +17,21 @@ from ..errors import StoreError
 from ..layout.boxes import flat_boxes
 from . import h5
 from .atomic import TempDir, fsync_path, publish_dir, write_atomic
-from .checksum import IncrementalChecksum, checksum_fields, checksums, raw_bytes
+from .checksum import Digests, IncrementalChecksum, checksum_fields, checksums, raw_bytes
 from .direct import MIN_DIRECT_BYTES, DirectWriter
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLES_NAME, Manifest, check_entry, file_name, split_key
+
+
+@dataclass(frozen=True)
+class Filled:
+    """A dataset another process filled in a laid-out rank file (``CheckpointWriter.fill``): what the
+    writer that laid the file out needs to finish it (``adopt_filled``)."""
+
+    rank: int
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    digests: Digests
 
 
 class CheckpointWriter:
@@ -83,6 +96,8 @@ class CheckpointWriter:
         self._table_at: list[dict[str, int]] = [{} for _ in range(nranks)]  # key -> its first value's index there
         self._table_len = [0] * nranks
         self._pending: dict[tuple[int, str], IncrementalChecksum] = {}
+        self._laid: dict[int, dict[str, tuple[tuple[int, ...], str, int | None]]] = {}  # rank -> unfilled datasets
+        self.filled: list[Filled] = []  # datasets this writer filled in files other writers laid out
         self._created: set[int] = set()
         self._adopted: set[int] = set()
         self._handles = h5.Handles(self._open_rank, max_open)
@@ -127,7 +142,7 @@ class CheckpointWriter:
             raise StoreError(f"no rank {rank} ({self.nranks} ranks)", code="UCL408")
         if rank in self._adopted:
             raise StoreError(f"rank {rank} was adopted from another writer", code="UCL411")
-        if key in self._entries[rank]:
+        if key in self._entries[rank] or key in self._laid.get(rank, ()):
             raise StoreError(f"rank {rank} dataset {key!r} written twice", code="UCL411")
         if rank not in self._created and os.path.exists(os.path.join(self.tmp_path, file_name(rank))):
             raise StoreError(f"rank {rank}'s file was written by another writer", code="UCL411")
@@ -151,6 +166,66 @@ class CheckpointWriter:
                 digests = checksums(arr)
                 h5.set_checksum_tables(d, digests)
             self._entries[rank][key] = self._entry(rank, key, logical, arr.shape, digests, offset)
+
+    def lay_out(self, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]]) -> dict[str, int | None]:
+        """Create rank ``rank``'s file with every dataset of ``datasets`` (key -> (shape, dtype))
+        allocated, and close it: several processes then write the data at the returned byte offsets
+        (``fill``; None for an empty dataset) at once, and ``adopt_filled`` their reports here. Why:
+        one large file (a universal checkpoint) is written by many processes, not one."""
+        with self._lock:
+            for key in datasets:
+                self._new_key(rank, key)
+            laid = self._laid.setdefault(rank, {})
+            with self._io():
+                f, _ = self._handles.get(rank)
+                for key, (shape, dtype) in sorted(datasets.items()):
+                    kind, name = split_key(key)
+                    shape = tuple(int(x) for x in shape)
+                    if key in laid or any(x < 0 for x in shape):
+                        raise StoreError(f"cannot lay out rank {rank} dataset {key!r} of shape {list(shape)}",
+                                         code="UCL411")
+                    group, store = f.require_group(kind), _dt.storage_dtype(dtype)
+                    if math.prod(shape):
+                        d, offset = h5.create_allocated(group, name, shape, store)
+                    else:
+                        d, offset = h5.create_dataset(group, name, shape, store), None
+                    d.attrs["ucl_dtype"] = dtype
+                    laid[key] = (shape, dtype, offset)
+                self._handles.release(rank)  # others write into it from now on
+            return {key: offset for key, (_, _, offset) in laid.items()}
+
+    def fill(self, rank: int, key: str, offset: int | None, data: Any, *, dtype: str | None = None) -> None:
+        """Write a whole dataset's bytes at ``offset`` of a file another writer laid out (``lay_out``),
+        and hash them; the report joins ``self.filled`` for that writer's ``adopt_filled``."""
+        with self._lock:
+            self._check_open()
+            arr, logical = _dt.to_numpy(data, dtype)
+            with self._io():
+                self._settle()
+                if offset is not None and arr.nbytes:
+                    self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
+                digests = checksums(arr)
+            self.filled.append(Filled(int(rank), key, logical, tuple(arr.shape), digests))
+
+    def adopt_filled(self, filled: Iterable[Filled]) -> None:
+        """Finish the datasets other processes filled in files this writer laid out: their checksums
+        (attributes, digest tables, manifest entries). Each must match its layout, once."""
+        with self._lock:
+            self._check_open()
+            with self._io():
+                for p in filled:
+                    laid = self._laid.get(p.rank, {}).get(p.key)
+                    if laid is None:
+                        raise StoreError(f"rank {p.rank} dataset {p.key!r} was not laid out by this writer, or was "
+                                         "filled twice", code="UCL411")
+                    shape, dtype, offset = laid
+                    if (p.shape, p.dtype) != (shape, dtype):
+                        raise StoreError(f"rank {p.rank} dataset {p.key!r} was laid out as {dtype} {list(shape)}, "
+                                         f"filled with {p.dtype} {list(p.shape)}", code="UCL409")
+                    del self._laid[p.rank][p.key]
+                    f, _ = self._handles.get(p.rank)
+                    h5.set_checksum_tables(f[p.key], p.digests)
+                    self._entries[p.rank][p.key] = self._entry(p.rank, p.key, dtype, shape, p.digests, offset)
 
     def _entry(self, rank: int, key: str, dtype: str, shape: Sequence[int], digests: Any,
                offset: int | None) -> dict[str, Any]:
@@ -180,9 +255,9 @@ class CheckpointWriter:
 
     def _write_bytes(self, path: str, offset: int, raw: np.ndarray) -> None:
         if self._behind is None:
-            self._direct.write(path, offset, raw)
+            self._direct.write(path, offset, raw, self.direct)
         else:
-            self._inflight = self._behind.submit(self._direct.write, path, offset, raw)
+            self._inflight = self._behind.submit(self._direct.write, path, offset, raw, self.direct)
 
     def _settle(self) -> None:
         """Wait for the dataset in flight; its I/O error is raised here."""
@@ -282,6 +357,9 @@ class CheckpointWriter:
                 e.update(self._entry(rank, key, e["dtype"], shape, digests, h5.data_offset(d)))
                 h5.set_checksum_tables(d, digests)
             self._pending.clear()
+            unfilled = {r: sorted(laid) for r, laid in self._laid.items() if laid}
+            if unfilled:
+                raise StoreError(f"datasets laid out but never filled: {unfilled}", code="UCL411")
             for rank in ranks:
                 if rank not in self._created:
                     self._handles.get(rank)
