@@ -2,8 +2,8 @@
 torch.save and torch.distributed.checkpoint (DCP), measured in one run on the same seeded GPT-like toy
 transformer (torch.nn: embedding, N blocks of attention + MLP, AdamW; CPU).
 
-    python bench/save.py [--params-m 50] [--every 1 10] [--iters N] [--batch 2] [--seq 128] [--workdir DIR]
-    python bench/save.py --quick        # tiny model, 6 timed iterations: checks that everything runs
+    python bench/save.py [--params-m 50] [--every 1 10] [--iters N] [--rounds 3] [--batch 2] [--seq 128] [--workdir DIR]
+    python bench/save.py --quick        # tiny model, few timed iterations: checks that everything runs
 
 Variants: none; torch.save of model + optimizer state_dicts, then fsync; DCP save (FileSystemWriter
 fsyncs); DCP async_save in a thread (default stager: copies inside the call); DCP async_save with
@@ -13,7 +13,10 @@ optimizer step waits for it); ucl.Checkpointer. Async variants finish one checkp
 (`--variant X --interval K`, JSON on stdout), so peak RSS (getrusage maxrss) does not mix.
 
 Per run: 2 warm-up iterations (the second saves once: one-time setup shows as "1st durable"), drain,
-5 timed iterations without saving, then N timed iterations saving at every K-th. Medians (min-max) of:
+then --rounds rounds of: 4 timed iterations without saving, then N timed iterations saving at every
+K-th (saving every iteration, an untimed one before them saves too, so each timed one runs beside
+the previous checkpoint's flush), an untimed one whose optimizer step fences the last save, and an
+untimed drain. Alternating the phases lets the machine's drift hit both alike. Medians (min-max) of:
 stall = training-thread time in the save call plus the wait in the next optimizer step's pre-hook
 (ucl fence, DCP staging); call = the save call alone (torch.save: before fsync); iteration time over
 the same process's no-saving ones (median and mean: other load on the machine moves both); durable =
@@ -36,7 +39,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 VARIANTS = ["torch.save", "dcp", "dcp-async", "dcp-async-proc", "ucl", "ucl-host"]
 KEEP = 3  # checkpoints kept on disk
-BASE = 5  # iterations without checkpointing timed in every run, right before the checkpointing ones
+BASE = 4  # iterations without checkpointing timed in every round, right before the checkpointing ones
 
 
 # ---- model ---------------------------------------------------------------------------------------------
@@ -224,19 +227,28 @@ def run_variant(args) -> dict:
     saver.drain()
     first += time.perf_counter() - t  # the warm-up save: call -> durable
     saver.housekeep()
-    base = [iteration(2 + i, False)[0] for i in range(BASE)]  # this process's no-checkpoint iteration time
-    iters, stalls, saved = [], [], []
-    for i in range(args.iters + 1):  # the extra iteration's optimizer step fences the last save
-        step, save = 2 + BASE + i, i < args.iters and i % args.interval == 0 and args.variant != "none"
-        it, save_wall, wait = iteration(step, save)
-        if i < args.iters:
-            iters.append(it)
-        if saved and saved[-1][0] == step - 1:
-            stalls.append(saved[-1][1] + wait)
-        if save:
-            saved.append((step, save_wall))
+    base, iters, stalls, saved = [], [], [], []
+    step = 2
+    for _ in range(args.rounds):  # rounds alternate both phases: drift and noise of the machine hit both alike
+        for _ in range(BASE):  # this process's no-checkpoint iteration time
+            base.append(iteration(step, False)[0])
+            step += 1
+        # saving every iteration, the untimed first one saves too, so every timed one runs beside a flush;
+        # the untimed last one's optimizer step fences the last save
+        for i in range(-1, args.iters + 1):
+            timed = 0 <= i < args.iters
+            save = args.variant != "none" and (i % args.interval == 0 if timed else i == -1 and args.interval == 1)
+            it, save_wall, wait = iteration(step, save)
+            if timed:
+                iters.append(it)
+            if saved and saved[-1][0] == step - 1:
+                stalls.append(saved[-1][1] + wait)
+            if save:
+                saved.append((step, save_wall))
+            saver.housekeep()
+            step += 1
+        saver.drain()  # untimed: the next round starts with nothing in flight
         saver.housekeep()
-    saver.drain()
     steps = [s for s, _ in saved]
     out = dict(variant=args.variant, interval=args.interval, iters=iters, base=base, stall=stalls, first_durable=first,
                call=[saver.call[s] for s in steps], durable=[saver.durable[s] for s in steps if s in saver.durable],
@@ -282,7 +294,7 @@ def verify(cfg, saver, model, opt, iteration) -> dict:
 def spawn(args, variant: str, interval: int, iters: int) -> dict:
     cmd = [sys.executable, __file__, "--variant", variant, "--interval", str(interval), "--iters", str(iters),
            "--workdir", args.workdir, "--params-m", str(args.params_m), "--batch", str(args.batch),
-           "--seq", str(args.seq)] + (["--quick"] if args.quick else [])
+           "--seq", str(args.seq), "--rounds", str(args.rounds)] + (["--quick"] if args.quick else [])
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
@@ -301,7 +313,7 @@ def med(xs, scale=1.0, fmt="{:.0f}"):
 
 def report(results: list[dict], none: dict):
     x = lambda r, f: f(r["iters"]) / f(r["base"])
-    print(f"\nno checkpoint (own process): iteration {med(none['iters'], 1e3)} ms, x its first {BASE}: median "
+    print(f"\nno checkpoint (own process): iteration {med(none['iters'], 1e3)} ms, x its other rounds' {BASE}: median "
           f"{x(none, statistics.median):.2f}, mean {x(none, statistics.mean):.2f} (the noise floor); peak RSS "
           f"{none['rss_mb']:.0f} MiB")
     for interval in sorted({r["interval"] for r in results}):
@@ -337,10 +349,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params-m", type=float, default=50.0, help="model size in millions of parameters")
     ap.add_argument("--every", type=int, nargs="+", default=[1, 10], help="checkpoint intervals to measure")
-    ap.add_argument("--iters", type=int, default=0, help="timed iterations per run (default: max(6, 2 * every))")
+    ap.add_argument("--iters", type=int, default=0, help="timed checkpointing iterations per round (default: "
+                    "max(4, every))")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of %d iterations without checkpointing, then "
+                    "--iters with" % BASE)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--quick", action="store_true", help="tiny model, 6 timed iterations")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 4 timed iterations per round")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="which to measure")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
@@ -350,7 +365,7 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args)), flush=True)
         return
-    iters = {k: args.iters or (6 if args.quick else max(6, 2 * k)) for k in args.every}
+    iters = {k: args.iters or (4 if args.quick else max(4, k)) for k in args.every}
     args.workdir = work = tempfile.mkdtemp(prefix="ucl-bench-save-", dir=args.workdir)
     try:
         cfg = shape(args)
