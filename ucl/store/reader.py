@@ -474,11 +474,12 @@ class Checkpoint:
 
     def _misplaced(self, rank: int, key: str, d: Any, info: DatasetInfo, chunks, tiles) -> str | None:
         """What is wrong with the entry's ``offset`` and ``tables`` (readers go by them, not by HDF5):
-        they must locate the very bytes HDF5 holds for the dataset and its digest attributes."""
+        they must locate the very bytes HDF5 holds for the dataset, and the digest attributes, where
+        the dataset has them (they are optional beside ``tables``), must be the same."""
         if info.offset is not None and info.offset != h5.data_offset(d):
             return (f"the manifest places its data at byte {info.offset:,}, HDF5 at "
                     f"{h5.data_offset(d)}")
-        if info.tables is not None:
+        if info.tables is not None and (chunks is not None or tiles is not None):
             raw_chunks, raw_tiles = self._stored_tables(rank, key, info)
             if not (_same_table(raw_chunks, chunks) and _same_table(raw_tiles, tiles)):
                 return f"the digest tables at byte {info.tables:,} of {TABLES_NAME} differ from its HDF5 attributes"
@@ -509,6 +510,8 @@ class Checkpoint:
                         stored = h5.chunk_table(d, info.nbytes, self._where(rank, key))
                         stored_tiles = h5.tile_table(d, info.shape, info.storage_dtype, self._where(rank, key))
                         misplaced = self._misplaced(rank, key, d, info, stored, stored_tiles)
+                        if not misplaced and info.tables is not None and stored is None and stored_tiles is None:
+                            stored, stored_tiles = self._stored_tables(rank, key, info)  # no attributes: the tables
                     if misplaced:
                         problems.append(f"{self._where(rank, key)}: {misplaced}")
                         continue

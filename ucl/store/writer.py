@@ -19,6 +19,7 @@ from . import h5
 from .atomic import TempDir, fsync_path, publish_dir, write_atomic
 from .checksum import Digests, IncrementalChecksum, checksum_fields, checksums, raw_bytes
 from .direct import MIN_DIRECT_BYTES, DirectWriter
+from .template import RankTemplate
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLES_NAME, Manifest, check_entry, file_name, split_key
 
 
@@ -226,6 +227,39 @@ class CheckpointWriter:
                     f, _ = self._handles.get(p.rank)
                     h5.set_checksum_tables(f[p.key], p.digests)
                     self._entries[p.rank][p.key] = self._entry(p.rank, p.key, dtype, shape, p.digests, offset)
+
+    def template(self, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]]) -> RankTemplate:
+        """Lay out a rank file for ``datasets`` (key -> (shape, dtype)) once, for ``write_from`` to
+        replay at every checkpoint of the same layout (store.template)."""
+        with self._lock:
+            self._check_open()
+            with self._io():
+                return RankTemplate.build(os.path.join(self.tmp_path, f".template-{rank}-{os.getpid()}.h5"), rank,
+                                          datasets)
+
+    def write_from(self, rank: int, template: RankTemplate, arrays: Mapping[str, Any]) -> None:
+        """Write rank ``rank``'s whole file at once: ``template``'s structure and ``arrays`` (key ->
+        storage array, exactly the template's datasets), with no HDF5 call. Readers see what
+        ``write`` of each array gives, less the checksum attributes (the digests are in ``ucl_tables``)."""
+        with self._lock:
+            for key in template.datasets:
+                self._new_key(rank, key)
+            template.check(arrays)
+            path = os.path.join(self.tmp_path, file_name(rank))
+
+            def write_large(p: str, offset: int, raw: np.ndarray) -> None:
+                self._settle()  # one dataset in flight, as in write()
+                self._write_bytes(p, offset, raw)
+            with self._io():
+                self._settle()
+                placed = template.write(path, arrays, write_large, checksums)
+                self._settle()
+            self._created.add(rank)
+            for key, t in template.datasets.items():
+                where = placed[key]
+                e = {"dtype": t.dtype, "shape": list(t.shape), **checksum_fields(where["digests"])}
+                e.update({k: v for k, v in where.items() if k != "digests"})
+                self._entries[rank][key] = e
 
     def _entry(self, rank: int, key: str, dtype: str, shape: Sequence[int], digests: Any,
                offset: int | None) -> dict[str, Any]:

@@ -20,6 +20,9 @@ from .snapshot import Snapshot, Snapshots
 from .trace import Trace
 
 
+TEMPLATES_KEPT = 2  # rank-file templates kept: the current layout and the one before a reshape
+
+
 class Flusher(Stage):
     def __init__(self, root: CheckpointRoot, layouts: Layouts, snapshots: Snapshots, progress: Progress,
                  trace: Trace, *, keep: int, dist=None, group=None, promoter: Promoter | None = None):
@@ -28,6 +31,7 @@ class Flusher(Stage):
         self.rank = dist.get_rank() if dist else 0
         self.world = dist.get_world_size() if dist else 1
         self._hidden: str | None = None  # a checkpoint of the step being rewritten, hidden until replaced
+        self._templates: dict = {}  # (rank, datasets) -> RankTemplate, most recently used last
         super().__init__("ucl-flush")  # unbounded: bounded by the pool, save() waits for a region first
 
     def submit(self, snap: Snapshot) -> None:
@@ -88,15 +92,25 @@ class Flusher(Stage):
             self.root.adopt_newest()
 
     def _write(self, writer: CheckpointWriter, snap: Snapshot) -> None:
+        """The rank's file, replayed from its layout's template (store.template: the HDF5 structure
+        is built at the first checkpoint of a layout, not at every one)."""
         stored = self.layouts.stored(snap.layout)  # replicas another rank stores are not written
+        arrays, datasets = {}, {}
         for e, off in zip(snap.layout.entries, snap.offsets):
             if e.key not in stored:
                 continue
             logical = logical_of_torch_dtype(e.tensor.dtype)
             n = e.tensor.numel() * e.tensor.element_size()
             raw = self.snapshots.bytes(snap, off, n)
-            arr = raw.view(storage_dtype(logical)).reshape(tuple(e.tensor.shape))
-            writer.write(snap.layout.rank, e.key, arr, dtype=logical)
+            arrays[e.key] = raw.view(storage_dtype(logical)).reshape(tuple(e.tensor.shape))
+            datasets[e.key] = (tuple(e.tensor.shape), logical)
+        rank = snap.layout.rank
+        signature = (rank, tuple(datasets.items()))
+        template = self._templates.pop(signature, None) or writer.template(rank, datasets)
+        self._templates[signature] = template
+        while len(self._templates) > TEMPLATES_KEPT:
+            self._templates.pop(next(iter(self._templates)))
+        writer.write_from(rank, template, arrays)
 
     def _persist_collective(self, snap: Snapshot, path: str, fields: dict) -> None:
         """Every process writes its rank file; rank 0 commits once all are durable (ops.collective)."""

@@ -1,0 +1,178 @@
+"""A rank file's HDF5 structure, built once and replayed for every checkpoint of the same layout.
+
+Why: a training run writes the same datasets (keys, shapes, dtypes) at every checkpoint, and
+creating them through HDF5 (object headers, attributes, groups) cost as much CPU as hashing the data.
+A :class:`RankTemplate` lays the file out once with HDF5 (every dataset allocated, never filled, plus
+an allocated ``ucl_tables``), keeps every byte of it that is not the data of a large dataset (the
+"image": HDF5's metadata, with the small datasets' storage in between), and a checkpoint's rank file
+is then that image with the small datasets' bytes put in place, the large ones written at their
+offsets (store.direct) and the digest tables at theirs: no HDF5 call per checkpoint. The file is
+the one HDF5 would give, less the per-dataset checksum attributes: the digests live in ``ucl_tables``
+only, where the manifest's ``tables`` point (docs/format.md).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .. import dtypes as _dt
+from ..errors import StoreError
+from . import h5
+from .checksum import chunk_count, tile_grid
+from .direct import MIN_DIRECT_BYTES, pwrite_all
+from .manifest import FORMAT_NAME, FORMAT_VERSION, TABLES_NAME, split_key
+
+
+@dataclass(frozen=True)
+class TemplateDataset:
+    """Where one dataset lives in the template's file. ``offset`` None: no storage (empty);
+    ``piece`` >= 0: its bytes are inside image piece ``piece`` at ``at`` (a small dataset),
+    -1: written at ``offset`` on its own (a large one). ``table_at``: index of its first digest
+    in ``ucl_tables`` (None when it has no table)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    offset: int | None
+    piece: int
+    at: int
+    table_at: int | None
+    table_len: int
+
+
+class RankTemplate:
+    """One rank file's layout for a fixed set of datasets (``build``), filled by ``write``."""
+
+    def __init__(self, rank: int, size: int, datasets: dict[str, TemplateDataset],
+                 pieces: list[tuple[int, np.ndarray]], tables: TemplateDataset | None):
+        self.rank, self.size, self.datasets, self.pieces, self.tables = rank, size, datasets, pieces, tables
+
+    @classmethod
+    def build(cls, scratch: str, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]]) -> "RankTemplate":
+        """Lay out ``datasets`` (key -> (shape, logical dtype)) in the new file ``scratch`` with
+        HDF5, read back what the template keeps, and remove the file."""
+        specs = {k: (tuple(int(x) for x in shape), dtype) for k, (shape, dtype) in datasets.items()}
+        table_at, n_table = {}, 0
+        for key, (shape, dtype) in specs.items():
+            split_key(key)
+            if any(x < 0 for x in shape):
+                raise StoreError(f"negative shape {list(shape)} for {key!r}", code="UCL409")
+            item = _dt.storage_dtype(dtype).itemsize
+            grid = tile_grid(shape, item)
+            count = chunk_count(math.prod(shape) * item) + (grid.count if grid is not None else 0)
+            if count:
+                table_at[key], n_table = (n_table, count), n_table + count
+        offsets: dict[str, int | None] = {}
+        try:
+            f = h5.open_h5(scratch, "w-")
+            try:
+                f.attrs["ucl_format"], f.attrs["ucl_version"], f.attrs["ucl_rank"] = FORMAT_NAME, FORMAT_VERSION, rank
+                groups = {}
+                for key, (shape, dtype) in specs.items():
+                    kind, name = split_key(key)
+                    group = groups.get(kind) or groups.setdefault(kind, f.require_group(kind))
+                    store = _dt.storage_dtype(dtype)
+                    if math.prod(shape):
+                        d, offsets[key] = h5.create_allocated(group, name, shape, store)
+                    else:
+                        d, offsets[key] = h5.create_dataset(group, name, shape, store), None
+                    d.attrs["ucl_dtype"] = dtype
+                tables_offset = h5.create_allocated(f, TABLES_NAME, (n_table,), np.dtype("<u8"))[1] if n_table else None
+            finally:
+                h5.close_file(f)
+            size = os.path.getsize(scratch)
+            large = sorted((offsets[k], offsets[k] + _nbytes(*specs[k])) for k in specs
+                           if offsets[k] is not None and _nbytes(*specs[k]) >= MIN_DIRECT_BYTES)
+            if tables_offset is not None and 8 * n_table >= MIN_DIRECT_BYTES:
+                large = sorted(large + [(tables_offset, tables_offset + 8 * n_table)])
+            pieces, pos = [], 0
+            fd = os.open(scratch, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                for lo, hi in large + [(size, size)]:
+                    if lo > pos:
+                        buf = np.empty(lo - pos, np.uint8)
+                        if os.preadv(fd, [buf], pos) != buf.size:
+                            raise OSError(f"short read of the template {scratch}")
+                        pieces.append((pos, buf))
+                    pos = max(pos, hi)
+            finally:
+                os.close(fd)
+        finally:
+            if os.path.exists(scratch):
+                os.unlink(scratch)
+
+        def place(key: str, offset: int | None, nbytes: int, at_len: tuple[int, int] | None) -> TemplateDataset:
+            piece, at = -1, 0
+            if offset is not None and nbytes:
+                for i, (start, buf) in enumerate(pieces):
+                    if start <= offset and offset + nbytes <= start + buf.size:
+                        piece, at = i, offset - start
+                        break
+            t_at, t_len = at_len if at_len is not None else (None, 0)
+            shape, dtype = specs[key] if key in specs else ((nbytes // 8,), "uint64")
+            return TemplateDataset(key, shape, dtype, nbytes, offset, piece, at, t_at, t_len)
+
+        placed = {k: place(k, offsets[k], _nbytes(*specs[k]), table_at.get(k)) for k in specs}
+        tables = place(TABLES_NAME, tables_offset, 8 * n_table, None) if n_table else None
+        return cls(rank, size, placed, pieces, tables)
+
+    def write(self, path: str, arrays: Mapping[str, np.ndarray], write_large, digests_of) -> dict[str, dict]:
+        """Create rank file ``path`` (it must not exist) from the template and ``arrays`` (key ->
+        C-contiguous storage array, every dataset of the template, see ``check``). Large datasets
+        go to ``write_large(path, offset, raw)``; ``digests_of(array)`` returns a dataset's Digests
+        (it may overlap the large write in flight). Returns, per key, the manifest entry's
+        ``offset`` and ``tables``, and its Digests under ``digests``. The small datasets' bytes are
+        staged in the template's own image, so one template serves one writer at a time."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            os.ftruncate(fd, self.size)
+            table = np.zeros(self.tables.nbytes // 8 if self.tables is not None else 0, "<u8")
+            placed: dict[str, dict] = {}
+            for key, t in self.datasets.items():
+                arr = arrays[key]
+                raw = arr.reshape(-1).view(np.uint8)
+                if t.offset is not None and t.nbytes:
+                    if t.piece >= 0:
+                        self.pieces[t.piece][1][t.at:t.at + t.nbytes] = raw
+                    else:
+                        write_large(path, t.offset, raw)
+                digests = digests_of(arr)
+                where: dict = {"digests": digests} if t.offset is None else {"digests": digests, "offset": t.offset}
+                if t.table_at is not None:
+                    parts = ([digests.chunks[1]] if digests.chunks is not None else []) + \
+                        ([digests.tiles[1].reshape(-1)] if digests.tiles is not None else [])
+                    values = np.concatenate(parts) if len(parts) > 1 else parts[0]
+                    table[t.table_at:t.table_at + t.table_len] = values
+                    where["tables"] = self.tables.offset + 8 * t.table_at
+                placed[key] = where
+            if self.tables is not None:
+                if self.tables.piece >= 0:
+                    self.pieces[self.tables.piece][1][self.tables.at:self.tables.at + table.nbytes] = table.view(np.uint8)
+                else:
+                    write_large(path, self.tables.offset, table.view(np.uint8))
+            for start, buf in self.pieces:
+                pwrite_all(fd, buf, start)
+        finally:
+            os.close(fd)
+        return placed
+
+    def check(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Every dataset of the template, each of its shape and storage dtype (UCL409 otherwise)."""
+        if set(arrays) != set(self.datasets):
+            missing, extra = sorted(set(self.datasets) - set(arrays)), sorted(set(arrays) - set(self.datasets))
+            raise StoreError(f"rank {self.rank}: the arrays do not match the template's datasets (missing "
+                             f"{missing[:5]}, not in it {extra[:5]})", code="UCL409")
+        for key, t in self.datasets.items():
+            a = arrays[key]
+            if tuple(a.shape) != t.shape or a.dtype != _dt.storage_dtype(t.dtype) or not a.flags.c_contiguous:
+                raise StoreError(f"rank {self.rank} dataset {key!r}: the template has {t.dtype} {list(t.shape)}, "
+                                 f"the array is {a.dtype} {list(a.shape)}", code="UCL409")
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return math.prod(shape) * _dt.storage_dtype(dtype).itemsize
