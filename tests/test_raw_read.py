@@ -64,6 +64,22 @@ def test_big_blocks_are_read_one_by_one(tmp_path):
     f.close()
 
 
+def test_small_blocks_far_apart_are_read_one_by_one(tmp_path, monkeypatch):
+    """Column blocks of wide rows: one pread per block, not the span; spied on, checked against numpy."""
+    import ucl.store.raw as raw_mod
+    arr = np.arange(6 * 10_000, dtype=np.float32).reshape(6, 10_000)  # rows 40,000 bytes apart
+    f = _file(tmp_path, arr, 77)
+    d = locate(f, 77, arr.shape, arr.dtype, arr.nbytes)
+    reads = []
+    real = raw_mod.RawDataset.read_flat_into
+    monkeypatch.setattr(raw_mod.RawDataset, "read_flat_into",
+                        lambda self, a, b, out: reads.append(b - a) or real(self, a, b, out))
+    out = np.empty(6 * 500, np.float32)
+    d.read_runs_into([(2_000, 6, 10_000, 500)], out)
+    assert np.array_equal(out.reshape(6, 500), arr[:, 2_000:2_500]) and reads == [500] * 6
+    f.close()
+
+
 @pytest.mark.parametrize("offset,nbytes", [(-1, 8), (10 ** 9, 8), (0, 10 ** 9), ("8", 8), (True, 8)])
 def test_offsets_outside_the_file_are_refused_before_reading(tmp_path, offset, nbytes):
     f = _file(tmp_path, np.zeros(16, np.uint8), 0)

@@ -17,6 +17,10 @@ from ..layout.boxes import Slot, flat_runs
 
 _SPAN_BYTES = 16 << 20  # a strided read takes its span in pieces of at most this (bounded memory)
 _DIRECT_BLOCK_BYTES = 64 << 10  # runs of blocks at least this long are read block by block, no span
+# ... and so are blocks this far apart: one pread per block costs less than copying the gaps twice
+# (into the span, then out of it); measured from the page cache: 1.27x faster at 8 KiB blocks 32 KiB
+# apart, slower at 16 KiB apart (the Python per pread)
+_DIRECT_STRIDE_BYTES = 32 << 10
 
 
 class RawFile:
@@ -73,7 +77,7 @@ class RawDataset:
             n = count * block
             if count == 1 or stride == block:
                 self.read_flat_into(start, start + n, out[pos:pos + n])
-            elif block * item >= _DIRECT_BLOCK_BYTES:
+            elif block * item >= _DIRECT_BLOCK_BYTES or stride * item >= _DIRECT_STRIDE_BYTES:
                 for i in range(count):
                     b = start + i * stride
                     self.read_flat_into(b, b + block, out[pos + i * block:pos + (i + 1) * block])

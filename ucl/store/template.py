@@ -67,21 +67,11 @@ class RankTemplate:
             count = chunk_count(math.prod(shape) * item) + (grid.count if grid is not None else 0)
             if count:
                 table_at[key], n_table = (n_table, count), n_table + count
-        offsets: dict[str, int | None] = {}
         try:
             f = h5.open_h5(scratch, "w-")
             try:
                 f.attrs["ucl_format"], f.attrs["ucl_version"], f.attrs["ucl_rank"] = FORMAT_NAME, FORMAT_VERSION, rank
-                groups = {}
-                for key, (shape, dtype) in specs.items():
-                    kind, name = split_key(key)
-                    group = groups.get(kind) or groups.setdefault(kind, f.require_group(kind))
-                    store = _dt.storage_dtype(dtype)
-                    if math.prod(shape):
-                        d, offsets[key] = h5.create_allocated(group, name, shape, store)
-                    else:
-                        d, offsets[key] = h5.create_dataset(group, name, shape, store), None
-                    d.attrs["ucl_dtype"] = dtype
+                offsets = allocate(f, specs)
                 tables_offset = h5.create_allocated(f, TABLES_NAME, (n_table,), np.dtype("<u8"))[1] if n_table else None
             finally:
                 h5.close_file(f)
@@ -172,6 +162,24 @@ class RankTemplate:
             if tuple(a.shape) != t.shape or a.dtype != _dt.storage_dtype(t.dtype) or not a.flags.c_contiguous:
                 raise StoreError(f"rank {self.rank} dataset {key!r}: the template has {t.dtype} {list(t.shape)}, "
                                  f"the array is {a.dtype} {list(a.shape)}", code="UCL409")
+
+
+def allocate(f, datasets: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, int | None]:
+    """Create ``datasets`` (key -> (shape, logical dtype)) in the open HDF5 file ``f``, storage
+    allocated now and never filled by HDF5, each with its ``ucl_dtype``; returns their byte
+    offsets (None: empty, no storage)."""
+    offsets: dict[str, int | None] = {}
+    groups: dict = {}
+    for key, (shape, dtype) in datasets.items():
+        kind, name = split_key(key)
+        group = groups.get(kind) or groups.setdefault(kind, f.require_group(kind))
+        store = _dt.storage_dtype(dtype)
+        if math.prod(shape):
+            d, offsets[key] = h5.create_allocated(group, name, shape, store)
+        else:
+            d, offsets[key] = h5.create_dataset(group, name, shape, store), None
+        d.attrs["ucl_dtype"] = dtype
+    return offsets
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:

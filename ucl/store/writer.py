@@ -19,7 +19,7 @@ from . import h5
 from .atomic import TempDir, fsync_path, publish_dir, write_atomic
 from .checksum import Digests, IncrementalChecksum, checksum_fields, checksums, raw_bytes
 from .direct import MIN_DIRECT_BYTES, DirectWriter
-from .template import RankTemplate
+from .template import RankTemplate, allocate
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLES_NAME, Manifest, check_entry, file_name, split_key
 
 
@@ -177,21 +177,15 @@ class CheckpointWriter:
             for key in datasets:
                 self._new_key(rank, key)
             laid = self._laid.setdefault(rank, {})
+            specs = {key: (tuple(int(x) for x in shape), dtype) for key, (shape, dtype) in sorted(datasets.items())}
+            for key, (shape, _) in specs.items():
+                if key in laid or any(x < 0 for x in shape):
+                    raise StoreError(f"cannot lay out rank {rank} dataset {key!r} of shape {list(shape)}",
+                                     code="UCL411")
             with self._io():
                 f, _ = self._handles.get(rank)
-                for key, (shape, dtype) in sorted(datasets.items()):
-                    kind, name = split_key(key)
-                    shape = tuple(int(x) for x in shape)
-                    if key in laid or any(x < 0 for x in shape):
-                        raise StoreError(f"cannot lay out rank {rank} dataset {key!r} of shape {list(shape)}",
-                                         code="UCL411")
-                    group, store = f.require_group(kind), _dt.storage_dtype(dtype)
-                    if math.prod(shape):
-                        d, offset = h5.create_allocated(group, name, shape, store)
-                    else:
-                        d, offset = h5.create_dataset(group, name, shape, store), None
-                    d.attrs["ucl_dtype"] = dtype
-                    laid[key] = (shape, dtype, offset)
+                for key, offset in allocate(f, specs).items():
+                    laid[key] = (*specs[key], offset)
                 self._handles.release(rank)  # others write into it from now on
             return {key: offset for key, (_, _, offset) in laid.items()}
 
