@@ -60,6 +60,13 @@ class Digests:
     chunks: tuple[int, np.ndarray] | None = None
     tiles: tuple[TileGrid, np.ndarray] | None = None
 
+    def table(self) -> np.ndarray | None:
+        """The dataset's values in a rank file's ``ucl_tables``: its chunk digests, then its tile
+        digests (row-major); None when it has neither (docs/format.md)."""
+        parts = ([self.chunks[1]] if self.chunks is not None else []) + \
+            ([self.tiles[1].reshape(-1)] if self.tiles is not None else [])
+        return None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
+
 
 def checksums(arr: np.ndarray) -> Digests:
     """Every checksum of a storage array, the flat ones in one pass (chunk by chunk while each is

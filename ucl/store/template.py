@@ -22,7 +22,7 @@ import numpy as np
 from .. import dtypes as _dt
 from ..errors import StoreError
 from . import h5
-from .checksum import chunk_count, tile_grid
+from .checksum import Digests, checksums, chunk_count, tile_grid
 from .direct import MIN_DIRECT_BYTES, pwrite_all
 from .manifest import FORMAT_NAME, FORMAT_VERSION, TABLES_NAME, split_key
 
@@ -45,6 +45,15 @@ class TemplateDataset:
     table_len: int
 
 
+@dataclass(frozen=True)
+class Placed:
+    """A dataset written from a template: its checksums, and where its digest table went (byte
+    offset in the file; None when it has none)."""
+
+    digests: Digests
+    tables: int | None
+
+
 class RankTemplate:
     """One rank file's layout for a fixed set of datasets (``build``), filled by ``write``."""
 
@@ -59,7 +68,6 @@ class RankTemplate:
         specs = {k: (tuple(int(x) for x in shape), dtype) for k, (shape, dtype) in datasets.items()}
         table_at, n_table = {}, 0
         for key, (shape, dtype) in specs.items():
-            split_key(key)
             if any(x < 0 for x in shape):
                 raise StoreError(f"negative shape {list(shape)} for {key!r}", code="UCL409")
             item = _dt.storage_dtype(dtype).itemsize
@@ -111,18 +119,17 @@ class RankTemplate:
         tables = place(TABLES_NAME, tables_offset, 8 * n_table, None) if n_table else None
         return cls(rank, size, placed, pieces, tables)
 
-    def write(self, path: str, arrays: Mapping[str, np.ndarray], write_large, digests_of) -> dict[str, dict]:
+    def write(self, path: str, arrays: Mapping[str, np.ndarray], write_large) -> dict[str, Placed]:
         """Create rank file ``path`` (it must not exist) from the template and ``arrays`` (key ->
         C-contiguous storage array, every dataset of the template, see ``check``). Large datasets
-        go to ``write_large(path, offset, raw)``; ``digests_of(array)`` returns a dataset's Digests
-        (it may overlap the large write in flight). Returns, per key, the manifest entry's
-        ``offset`` and ``tables``, and its Digests under ``digests``. The small datasets' bytes are
-        staged in the template's own image, so one template serves one writer at a time."""
+        go to ``write_large(path, offset, raw)`` (hashing overlaps a write still in flight). The
+        small datasets' bytes are staged in the template's own image, so one template serves one
+        writer at a time."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             os.ftruncate(fd, self.size)
             table = np.zeros(self.tables.nbytes // 8 if self.tables is not None else 0, "<u8")
-            placed: dict[str, dict] = {}
+            placed: dict[str, Placed] = {}
             for key, t in self.datasets.items():
                 arr = arrays[key]
                 raw = arr.reshape(-1).view(np.uint8)
@@ -131,15 +138,12 @@ class RankTemplate:
                         self.pieces[t.piece][1][t.at:t.at + t.nbytes] = raw
                     else:
                         write_large(path, t.offset, raw)
-                digests = digests_of(arr)
-                where: dict = {"digests": digests} if t.offset is None else {"digests": digests, "offset": t.offset}
+                digests = checksums(arr)
+                at = None
                 if t.table_at is not None:
-                    parts = ([digests.chunks[1]] if digests.chunks is not None else []) + \
-                        ([digests.tiles[1].reshape(-1)] if digests.tiles is not None else [])
-                    values = np.concatenate(parts) if len(parts) > 1 else parts[0]
-                    table[t.table_at:t.table_at + t.table_len] = values
-                    where["tables"] = self.tables.offset + 8 * t.table_at
-                placed[key] = where
+                    table[t.table_at:t.table_at + t.table_len] = digests.table()
+                    at = self.tables.offset + 8 * t.table_at
+                placed[key] = Placed(digests, at)
             if self.tables is not None:
                 if self.tables.piece >= 0:
                     self.pieces[self.tables.piece][1][self.tables.at:self.tables.at + table.nbytes] = table.view(np.uint8)

@@ -35,6 +35,18 @@ class Filled:
     digests: Digests
 
 
+def entry_fields(dtype: str, shape: Sequence[int], digests: Digests, offset: int | None,
+                 tables: int | None = None) -> dict[str, Any]:
+    """A dataset's manifest entry (docs/format.md): dtype, shape, checksums, and where its bytes and
+    digest tables are in the rank file, where known."""
+    e = {"dtype": dtype, "shape": list(shape), **checksum_fields(digests)}
+    if offset is not None:
+        e["offset"] = offset
+    if tables is not None:
+        e["tables"] = tables
+    return e
+
+
 class CheckpointWriter:
     """Writes a checkpoint into a hidden temp directory; ``commit()`` publishes it atomically.
 
@@ -246,27 +258,22 @@ class CheckpointWriter:
                 self._write_bytes(p, offset, raw)
             with self._io():
                 self._settle()
-                placed = template.write(path, arrays, write_large, checksums)
+                placed = template.write(path, arrays, write_large)
                 self._settle()
             self._created.add(rank)
             for key, t in template.datasets.items():
-                where = placed[key]
-                e = {"dtype": t.dtype, "shape": list(t.shape), **checksum_fields(where["digests"])}
-                e.update({k: v for k, v in where.items() if k != "digests"})
-                self._entries[rank][key] = e
+                p = placed[key]
+                self._entries[rank][key] = entry_fields(t.dtype, t.shape, p.digests, t.offset, p.tables)
 
     def _entry(self, rank: int, key: str, dtype: str, shape: Sequence[int], digests: Any,
                offset: int | None) -> dict[str, Any]:
         """A manifest entry; its digest tables are queued for the rank file's ``ucl_tables``."""
-        e = {"dtype": dtype, "shape": list(shape), **checksum_fields(digests)}
-        if offset is not None:
-            e["offset"] = offset
-        parts = ([digests.chunks[1]] if digests.chunks is not None else []) + \
-            ([digests.tiles[1].reshape(-1)] if digests.tiles is not None else [])
-        if parts:
+        e = entry_fields(dtype, shape, digests, offset)
+        values = digests.table()
+        if values is not None:
             self._table_at[rank][key] = self._table_len[rank]
-            self._tables[rank].extend(parts)
-            self._table_len[rank] += sum(p.size for p in parts)
+            self._tables[rank].append(values)
+            self._table_len[rank] += values.size
         return e
 
     def _write_tables(self, rank: int) -> None:
