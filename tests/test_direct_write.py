@@ -120,8 +120,9 @@ def test_a_failing_direct_write_publishes_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "ck").exists() and os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("fail_at", [0, 1, 2])
-def test_write_behind_surfaces_a_failed_write_and_publishes_nothing(tmp_path, monkeypatch, fail_at):
+def test_write_behind_surfaces_a_failed_write_and_publishes_nothing(tmp_path, monkeypatch, fail_at, direct):
     real_pwrite, calls = os.pwrite, []
 
     def failing(fd, data, offset):  # dataset fail_at's write (one call each) fails, in the background
@@ -132,7 +133,7 @@ def test_write_behind_surfaces_a_failed_write_and_publishes_nothing(tmp_path, mo
 
     arrays = raw_arrays(np.random.default_rng(3), [MIN_DIRECT_BYTES] * 3, [0, 0, 0])
     monkeypatch.setattr(direct_mod.os, "pwrite", failing)
-    w = CheckpointWriter(tmp_path / "ck", 1, direct=True, write_behind=True, **FIELDS)
+    w = CheckpointWriter(tmp_path / "ck", 1, direct=direct, write_behind=True, **FIELDS)
     with pytest.raises(StoreError) as e:
         for i, a in enumerate(arrays):
             w.write(0, f"param/t{i}", a, dtype="uint8")
@@ -141,15 +142,20 @@ def test_write_behind_surfaces_a_failed_write_and_publishes_nothing(tmp_path, mo
     assert os.listdir(tmp_path) == []
 
 
-def test_write_behind_writes_every_dataset_exactly(tmp_path):
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_behind_writes_every_dataset_exactly(tmp_path, direct):
     arrays = raw_arrays(np.random.default_rng(4), [MIN_DIRECT_BYTES + 3, 10, 2 * MIN_DIRECT_BYTES], [0, 16, 0])
-    write(tmp_path / "ck", arrays, direct=True, write_behind=True)
+    write(tmp_path / "ck", arrays, direct=direct, write_behind=True)
+    write(tmp_path / "plain", arrays, direct=direct)
     assert all(np.array_equal(a, b) for a, b in zip(arrays, read_back(tmp_path / "ck", 3)))
+    with Checkpoint.open(tmp_path / "ck") as behind, Checkpoint.open(tmp_path / "plain") as plain:
+        assert behind.verify() == [] and behind.manifest.datasets == plain.manifest.datasets
 
 
-def test_write_behind_holds_an_array_only_until_the_next_write_returns(tmp_path, monkeypatch):
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_behind_holds_an_array_only_until_the_next_write_returns(tmp_path, monkeypatch, direct):
     """The reshard workers reuse a target buffer two datasets later: a small dataset in between (written
-    by HDF5, not behind) must still wait for the large one in flight."""
+    by HDF5, not behind) must still wait for the large one in flight, on the disk or the page cache."""
     real = DirectWriter.write
 
     def slow(self, *a):  # a slow device: the write is still in flight when the caller moves on
@@ -159,7 +165,7 @@ def test_write_behind_holds_an_array_only_until_the_next_write_returns(tmp_path,
     monkeypatch.setattr(DirectWriter, "write", slow)
     big = raw_arrays(np.random.default_rng(5), [MIN_DIRECT_BYTES + 100], [0])[0]
     want = big.copy()
-    w = CheckpointWriter(tmp_path / "ck", 1, direct=True, write_behind=True, **FIELDS)
+    w = CheckpointWriter(tmp_path / "ck", 1, direct=direct, write_behind=True, **FIELDS)
     w.write(0, "param/t0", big, dtype="uint8")
     w.write(0, "param/t1", np.arange(10, dtype=np.uint8), dtype="uint8")
     big[...] = 0  # allowed now

@@ -97,9 +97,11 @@ class CheckpointWriter:
         # pays for the disk anyway, and skips filling cache pages first.
         self.nranks, self._owner, self._state, self.durable = nranks, owner, "open", durable
         # write_behind: a large dataset's bytes are still being written when write() returns (while the
-        # caller hashes, reads and assembles the next one); the caller leaves that array untouched until
-        # its next write() (or finish/commit) returns. One dataset at most is in flight.
+        # caller hashes, reads and assembles the next one), directly or through the page cache; the
+        # caller leaves that array untouched until its next write() (or finish/commit) returns. One
+        # dataset at most is in flight.
         self.direct = durable if direct is None else bool(direct)
+        self.write_behind = bool(write_behind)
         self._direct = DirectWriter()
         self._behind: ThreadPoolExecutor | None = ThreadPoolExecutor(1, "ucl-write") if write_behind else None
         self._inflight: Future | None = None
@@ -169,7 +171,7 @@ class CheckpointWriter:
             with self._io():
                 self._settle()  # whatever path this dataset takes, the caller may reuse the last one's array
                 f, _ = self._handles.get(rank)
-                if self.direct and arr.nbytes >= MIN_DIRECT_BYTES:
+                if (self.direct or self.write_behind) and arr.nbytes >= MIN_DIRECT_BYTES:  # written by us
                     d, offset = h5.create_allocated(f.require_group(kind), name, arr.shape, arr.dtype)
                     self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
                 else:
