@@ -28,7 +28,7 @@ def _file(tmp_path, arr: np.ndarray, offset: int):
 @SETTINGS
 def test_runs_and_rows_equal_numpy(tmp_path, rows, cols, dtype, offset, data):
     # uint8 rows of 3000 elements, cut in big blocks, take the block-by-block path (>= 64 KiB blocks
-    # need wide rows: runs of whole rows reach it); short blocks are cut out of their span
+    # need wide rows: runs of whole rows reach it); short blocks are gathered from a mapping
     arr = np.random.default_rng(rows * cols).integers(0, 100, (rows, cols)).astype(dtype)
     f = _file(tmp_path, arr, offset)
     try:
@@ -91,13 +91,39 @@ def test_offsets_outside_the_file_are_refused_before_reading(tmp_path, offset, n
     f.close()
 
 
-def test_a_file_cut_short_after_the_check_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("runs", [[(0, 1, 1000, 1000)], [(0, 100, 10, 3)]], ids=["contiguous", "strided"])
+def test_a_file_cut_short_after_the_check_is_a_clear_error(tmp_path, runs):
+    """Read by pread or gathered from a mapping: a file truncated since its size was checked is a
+    StoreError (a mapped read past the end would be a SIGBUS)."""
     arr = np.arange(1000, dtype=np.int64)
     f = _file(tmp_path, arr, 64)
     d = locate(f, 64, arr.shape, arr.dtype, arr.nbytes)
     with open(tmp_path / "f.bin", "r+b") as fh:  # truncated by someone else after the size was checked
         fh.truncate(64 + 800)
     with pytest.raises(StoreError) as e:
-        d.read_flat_into(0, 1000, np.empty(1000, np.int64))
+        d.read_runs_into(runs, np.empty(sum(c * b for _, c, _, b in runs), np.int64))
     assert e.value.code == "UCL406" and "truncated" in str(e.value)
+    f.close()
+
+
+def test_short_blocks_close_together_are_gathered_from_a_mapping(tmp_path, monkeypatch):
+    """Column blocks of narrow rows: no pread of the span (spied on), the blocks copied out of a
+    mapping, released after each piece; checked against numpy."""
+    import ucl.store.raw as raw_mod
+    arr = np.arange(5000 * 96, dtype=np.float32).reshape(5000, 96)  # rows 384 bytes apart
+    f = _file(tmp_path, arr, 4099)  # the data starts past a page boundary, not on one
+    d = locate(f, 4099, arr.shape, arr.dtype, arr.nbytes)
+    reads, maps = [], []
+    monkeypatch.setattr(raw_mod.RawFile, "read_into", lambda self, offset, out: reads.append(offset))
+    real_mmap = raw_mod.mmap.mmap
+
+    def spy(*a, **kw):
+        maps.append(real_mmap(*a, **kw))
+        return maps[-1]
+    monkeypatch.setattr(raw_mod.mmap, "mmap", spy)
+    monkeypatch.setattr(raw_mod, "_SPAN_BYTES", 64 << 10)  # several pieces
+    out = np.empty(5000 * 24, np.float32)
+    d.read_runs_into([(40, 5000, 96, 24)], out)
+    assert np.array_equal(out.reshape(5000, 24), arr[:, 40:64]) and reads == []
+    assert len(maps) > 1 and all(m.closed for m in maps)
     f.close()

@@ -5,6 +5,7 @@ bytes are; every offset is checked against the file's size before a byte is read
 is verified against the manifest's checksums like any other read."""
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 from dataclasses import dataclass
@@ -41,6 +42,27 @@ class RawFile:
             os.close(self.fd)
             self.fd = -1
 
+    def gather_into(self, offset: int, count: int, stride: int, block: int, out: np.ndarray) -> None:
+        """``count`` blocks of ``block`` bytes, ``stride`` bytes apart from byte ``offset``, into
+        the C-contiguous uint8 ``out``: copied out of a read-only mapping of just that span, so only
+        the blocks are copied, not the gaps between them (a ``pread`` of the span copies those too).
+        The file's size is checked again right before: a file cut short since it was opened is a
+        clear error, not a SIGBUS (cut short during the copy, it is one, as for any mapped read)."""
+        end = offset + (count - 1) * stride + block
+        size = os.fstat(self.fd).st_size
+        if end > size:
+            raise StoreError(f"{self.where} ends at byte {size:,}, before the {end - offset:,} bytes at "
+                             f"{offset:,} its manifest places there (truncated)", code="UCL406")
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        window = mmap.mmap(self.fd, end - base, access=mmap.ACCESS_READ, offset=base)
+        try:
+            span = np.frombuffer(window, np.uint8)
+            blocks = np.lib.stride_tricks.as_strided(span[offset - base:], (count, block), (stride, 1), writeable=False)
+            out.reshape(count, block)[...] = blocks
+            del span, blocks  # the mapping closes only once no array points into it
+        finally:
+            window.close()
+
     def read_into(self, offset: int, out: np.ndarray) -> None:
         """Fill the C-contiguous ``out`` with the file's bytes from ``offset`` (short reads retried;
         a file that ends early raises UCL406)."""
@@ -71,7 +93,7 @@ class RawDataset:
     def read_runs_into(self, runs: Sequence[tuple[int, int, int, int]], out: np.ndarray) -> None:
         """Elements selected by regular runs ``(start, count, stride, block)`` of the flattening, in
         order, into the 1-D ``out``: a contiguous run or a long block is read straight into place;
-        short strided blocks are cut out of their span, read in bounded pieces."""
+        short strided blocks are copied out of a mapping of their span, in bounded pieces."""
         item, pos = self.dtype.itemsize, 0
         for start, count, stride, block in runs:
             n = count * block
@@ -81,15 +103,13 @@ class RawDataset:
                 for i in range(count):
                     b = start + i * stride
                     self.read_flat_into(b, b + block, out[pos + i * block:pos + (i + 1) * block])
-            else:
+            else:  # short blocks close together: gathered from a mapping of a bounded piece at a time
                 per = max(1, _SPAN_BYTES // (stride * item))  # blocks per piece
                 for i in range(0, count, per):
                     k = min(per, count - i)
-                    lo = start + i * stride
-                    span = np.empty((k - 1) * stride + block, self.dtype)
-                    self.read_flat_into(lo, lo + span.size, span)
-                    view = np.lib.stride_tricks.as_strided(span, (k, block), (stride * item, item), writeable=False)
-                    out[pos + i * block:pos + (i + k) * block].reshape(k, block)[...] = view
+                    dst = out[pos + i * block:pos + (i + k) * block].view(np.uint8)
+                    self.file.gather_into(self.offset + (start + i * stride) * item, k, stride * item,
+                                          block * item, dst)
             pos += n
 
     def read_box_into(self, starts: Sequence[int], sizes: Sequence[int], out: np.ndarray) -> None:
