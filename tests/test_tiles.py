@@ -242,6 +242,24 @@ def test_neighbouring_column_blocks_share_their_edge_tiles(tmp_path):
         assert ck.bytes_last_read == 256 * (1536 - 1024) * 4  # column 15 came from the cache
 
 
+def test_only_edge_tiles_a_read_takes_part_of_are_kept(tmp_path, monkeypatch):
+    """Column blocks on tile edges (a TP split of the columns) keep nothing for their neighbours, who
+    need none of their tiles; a block ending inside a tile keeps that tile (spied on the cache)."""
+    from ucl.store.h5 import ChunkCache
+    kept = []
+    real = ChunkCache.put
+    monkeypatch.setattr(ChunkCache, "put", lambda self, k, v: kept.append(k[2:]) or real(self, k, v))
+    arr = _array((256, 2048), "float32", seed=5)  # tiles of 64 x 64, 4 bands
+    path = _save(tmp_path / "e", {"w/x": (arr, "float32")})
+    with Checkpoint.open(path) as ck:
+        for c0 in (0, 1024):
+            assert _same(_box_read(ck, "w/x", arr.shape, (0, c0), (256, 1024)), arr[:, c0:c0 + 1024])
+            assert ck.bytes_last_read == 256 * 1024 * 4
+        assert [k for k in kept if k[0] == "tile"] == []
+        assert _same(_box_read(ck, "w/x", arr.shape, (0, 64), (256, 100)), arr[:, 64:164])
+        assert sorted(k for k in kept if k[0] == "tile") == [("tile", b, 2) for b in range(4)]
+
+
 # ---------------------------------------------------------------- tampering
 
 @pytest.fixture

@@ -439,6 +439,7 @@ class Checkpoint:
         cache, read = self._verified, 0
         # the cached tiles the plan counts on, held before this read's own puts can evict them
         held = {(b, j): cache.get((rank, key, "tile", b, j)) for t in plan.reads for b in t.bands for j in t.cached}
+        want = _columns_wanted(runs, grid.cols)
         for t in plan.reads:
             bands, j0, j1 = t.bands, t.first, t.last
             ra, rb = grid.row_span(bands[0])[0], grid.row_span(bands[-1])[1]
@@ -454,9 +455,10 @@ class Checkpoint:
                             tc0, tc1 = grid.col_span(j, j)
                             raise StoreError(f"checksum mismatch in {self._where(rank, key)} (tile {b},{j}: rows "
                                              f"{br0}..{br1}, columns {tc0}..{tc1})", code="UCL407")
-                    for j in {j0, j1}:  # edge tiles are the ones neighbouring boxes share
+                    for j in {j0, j1}:  # edge tiles the read takes part of are the ones neighbouring boxes share
                         tc0, tc1 = grid.col_span(j, j)
-                        cache.put((rank, key, "tile", b, j), buf[br0 - r0:br1 - r0, tc0 - c0:tc1 - c0].copy())
+                        if not want[0] <= tc0 < tc1 <= want[1]:
+                            cache.put((rank, key, "tile", b, j), buf[br0 - r0:br1 - r0, tc0 - c0:tc1 - c0].copy())
                 for j in t.cached:
                     tc0, tc1 = grid.col_span(j, j)
                     buf[br0 - r0:br1 - r0, tc0 - c0:tc1 - c0] = held[(b, j)]
@@ -525,6 +527,18 @@ class Checkpoint:
                 except StoreError as e:
                     problems.append(str(e))
         return problems
+
+
+def _columns_wanted(runs, cols: int) -> tuple[int, int]:
+    """The columns ``[lo, hi)`` the runs ``(start, count, stride, block)`` take, of rows ``cols``
+    wide: every column when a run leaves its row."""
+    lo, hi = cols, 0
+    for start, _, _, block in runs:
+        c = start % cols
+        if c + block > cols:
+            return 0, cols
+        lo, hi = min(lo, c), max(hi, c + block)
+    return lo, hi
 
 
 def _same_table(a, b) -> bool:
