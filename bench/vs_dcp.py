@@ -684,7 +684,9 @@ def main() -> None:
         lines = report(results, cfg, info)
         print()
         print("\n".join(lines))
-        print(f"\nwall: max over processes, barrier -> end of call; read MiB = rchar, disk rd = read_bytes, written = "
+        print(f"\nwall: max over processes, barrier -> end of call; read MiB = rchar (bytes copied by read calls: ucl "
+              f"copies short column blocks out of a mapping, which rchar does not see; its IOStats note counts "
+              f"them), disk rd = read_bytes, written = "
               f"wchar, all MiB summed over the processes; peak RSS = VmHWM during the call (max process), +RSS = peak "
               f"minus RSS at the call's start (MiB). Medians over {args.repeat} rounds; ucl/dcp = ratio of median walls.")
         print(f"per process held state: {info['local_bytes'] / 2**20:.0f} MiB at W={args.procs}. ucl spec (derived):\n  "
