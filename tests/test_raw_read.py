@@ -127,3 +127,24 @@ def test_short_blocks_close_together_are_gathered_from_a_mapping(tmp_path, monke
     assert np.array_equal(out.reshape(5000, 24), arr[:, 40:64]) and reads == []
     assert len(maps) > 1 and all(m.closed for m in maps)
     f.close()
+
+
+def test_a_file_system_refusing_mmap_gets_span_reads(tmp_path, monkeypatch):
+    """Where mmap is refused (ENODEV on some FUSE mounts), strided reads take their span by pread,
+    every piece after the first refusal too; equal to numpy."""
+    import errno
+    import ucl.store.raw as raw_mod
+    calls = []
+
+    def refuse(*a, **kw):
+        calls.append(a)
+        raise OSError(errno.ENODEV, "No such device")
+    monkeypatch.setattr(raw_mod.mmap, "mmap", refuse)
+    monkeypatch.setattr(raw_mod, "_SPAN_BYTES", 64 << 10)  # several pieces
+    arr = np.arange(3000 * 96, dtype=np.float32).reshape(3000, 96)
+    f = _file(tmp_path, arr, 13)
+    d = locate(f, 13, arr.shape, arr.dtype, arr.nbytes)
+    out = np.empty(3000 * 10, np.float32)
+    d.read_runs_into([(5, 3000, 96, 10)], out)
+    assert np.array_equal(out.reshape(3000, 10), arr[:, 5:15]) and len(calls) == 1 and f.unmappable
+    f.close()

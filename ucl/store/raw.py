@@ -38,6 +38,7 @@ class RawFile:
             os.close(self.fd)
             raise StoreError(f"{where} is not a regular file", code="UCL416")
         self.size = st.st_size
+        self.unmappable = False  # set once mmap is refused: strided reads then take their span by pread
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -56,7 +57,17 @@ class RawFile:
             raise StoreError(f"{self.where} ends at byte {size:,}, before the {end - offset:,} bytes at "
                              f"{offset:,} its manifest places there (truncated)", code="UCL406")
         base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        window = mmap.mmap(self.fd, end - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=base)
+        try:
+            window = None if self.unmappable else \
+                mmap.mmap(self.fd, end - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=base)
+        except OSError:  # a file system without mmap (some FUSE mounts): the span is read instead
+            self.unmappable, window = True, None
+        if window is None:
+            span = np.empty(end - offset, np.uint8)
+            self.read_into(offset, span)
+            out.reshape(count, block)[...] = np.lib.stride_tricks.as_strided(span, (count, block), (stride, 1),
+                                                                             writeable=False)
+            return
         try:
             span = np.frombuffer(window, np.uint8)
             blocks = np.lib.stride_tricks.as_strided(span[offset - base:], (count, block), (stride, 1), writeable=False)
