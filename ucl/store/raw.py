@@ -68,12 +68,13 @@ class RawFile:
             out.reshape(count, block)[...] = np.lib.stride_tricks.as_strided(span, (count, block), (stride, 1),
                                                                              writeable=False)
             return
+        span = blocks = None
         try:
             span = np.frombuffer(window, np.uint8)
             blocks = np.lib.stride_tricks.as_strided(span[offset - base:], (count, block), (stride, 1), writeable=False)
             out.reshape(count, block)[...] = blocks
-            del span, blocks  # the mapping closes only once no array points into it
         finally:
+            span = blocks = None  # the mapping closes only once no array points into it
             window.close()
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
