@@ -57,25 +57,25 @@ class RawFile:
             raise StoreError(f"{self.where} ends at byte {size:,}, before the {end - offset:,} bytes at "
                              f"{offset:,} its manifest places there (truncated)", code="UCL406")
         base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        window = None
+        if not self.unmappable:
+            try:
+                window = mmap.mmap(self.fd, end - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=base)
+            except OSError:  # a file system without mmap (some FUSE mounts): the span is read instead
+                self.unmappable = True
+        span = None
         try:
-            window = None if self.unmappable else \
-                mmap.mmap(self.fd, end - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=base)
-        except OSError:  # a file system without mmap (some FUSE mounts): the span is read instead
-            self.unmappable, window = True, None
-        if window is None:
-            span = np.empty(end - offset, np.uint8)
-            self.read_into(offset, span)
+            if window is not None:
+                span = np.frombuffer(window, np.uint8)[offset - base:]
+            else:
+                span = np.empty(end - offset, np.uint8)
+                self.read_into(offset, span)
             out.reshape(count, block)[...] = np.lib.stride_tricks.as_strided(span, (count, block), (stride, 1),
                                                                              writeable=False)
-            return
-        span = blocks = None
-        try:
-            span = np.frombuffer(window, np.uint8)
-            blocks = np.lib.stride_tricks.as_strided(span[offset - base:], (count, block), (stride, 1), writeable=False)
-            out.reshape(count, block)[...] = blocks
         finally:
-            span = blocks = None  # the mapping closes only once no array points into it
-            window.close()
+            span = None  # a mapping closes only once no array points into it
+            if window is not None:
+                window.close()
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
         """Fill the C-contiguous ``out`` with the file's bytes from ``offset`` (short reads retried;
