@@ -421,3 +421,44 @@ def test_incremental_checksums_of_any_pieces_equal_direct_hashes(rows, cols, ite
         want = [xxhash.xxh3_64_intdigest(np.ascontiguousarray(arr[slice(*grid.row_span(b)), slice(*grid.col_span(j, j))]))
                 for b in range(grid.nr) for j in range(grid.nc)]
         assert got.tiles[0] == grid and list(got.tiles[1]) == want
+
+
+@pytest.mark.parametrize("shape,item", [((3 << 20,), 1), ((1500, 1100), 4), ((3, 700, 333), 8)])
+def test_copy_checksummed_of_several_blocks(shape, item):
+    """Arrays of several copy blocks (about 1 MiB each; rows of 4,400 and 2,664 bytes do not divide it)."""
+    test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes.hypothesis.inner_test(shape, item, 5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 400), min_size=0, max_size=3).filter(lambda s: math.prod(s) <= 200_000),
+       item=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**31))
+def test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes(shape, item, seed):
+    """The copy is exact, and its digests are those hashed directly of the bytes: whole, per flat
+    chunk, and those `checksums` gives the copy (tiles included)."""
+    from ucl.store.checksum import copy_checksummed
+    dtype = np.dtype(f"u{item}")
+    src = np.random.default_rng(seed).integers(0, 255, shape, dtype=np.uint8).astype(dtype)
+    dst = np.full_like(src, 7)
+    got = copy_checksummed(dst, src)
+    assert np.array_equal(dst, src)
+    raw = src.reshape(-1).view(np.uint8)
+    assert got.whole == "xxh3_64:" + xxhash.xxh3_64_hexdigest(raw)
+    size = chunk_size(raw.size)
+    assert (got.chunks is None) == (size is None)
+    if size is not None:
+        assert list(got.chunks[1]) == [xxhash.xxh3_64_intdigest(raw[i:i + size]) for i in range(0, raw.size, size)]
+    grid = tile_grid(src.shape, item)
+    assert (got.tiles is None) == (grid is None)
+    if grid is not None:  # each tile copied out contiguously, hashed
+        arr = src.reshape(-1, src.shape[-1])
+        want = [xxhash.xxh3_64_intdigest(np.ascontiguousarray(arr[slice(*grid.row_span(b)), slice(*grid.col_span(j, j))]))
+                for b in range(grid.nr) for j in range(grid.nc)]
+        assert got.tiles[0] == grid and list(got.tiles[1]) == want
+
+
+def test_copy_checksummed_refuses_unlike_arrays():
+    from ucl.store.checksum import copy_checksummed
+    with pytest.raises(ValueError):
+        copy_checksummed(np.zeros((4, 4), np.float32), np.zeros((4, 4), np.float64))
+    with pytest.raises(ValueError):
+        copy_checksummed(np.zeros((4, 4), np.float32), np.zeros((4, 8), np.float32)[:, ::2])

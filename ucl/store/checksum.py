@@ -75,7 +75,7 @@ def checksums(arr: np.ndarray) -> Digests:
     grid = tile_grid(arr.shape, arr.itemsize)
     if grid is not None:  # one pass, a block of rows at a time: each block is read from memory once
         h, flat = IncrementalChecksum(arr.shape, arr.dtype), arr.reshape(-1)
-        step = grid.cols * max(1, _TILE_BLOCK_BYTES // (grid.cols * arr.itemsize))
+        step = _block_elements(arr.shape, arr.itemsize)
         for i in range(0, flat.size, step):
             h.advance(i, flat[i:i + step])
         return h.result(flat.size)
@@ -88,6 +88,29 @@ def checksums(arr: np.ndarray) -> Digests:
         whole.update(piece)
         digests[k] = xxhash.xxh3_64_intdigest(piece)
     return Digests(format_checksum(whole.hexdigest()), (size, digests))
+
+
+def copy_checksummed(dst: np.ndarray, src: np.ndarray) -> Digests:
+    """Copy ``src`` into ``dst`` (C-contiguous, same shape and dtype) and return ``checksums(dst)``,
+    hashing each block of about a megabyte right after copying it, while it is still in cache:
+    the checksums cost about what hashing from cache costs, not a second pass over memory."""
+    if dst.shape != src.shape or dst.dtype != src.dtype or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        raise ValueError(f"copy_checksummed: {dst.dtype} {dst.shape} from {src.dtype} {src.shape}, "
+                         "both C-contiguous, alike")
+    h, out, flat = IncrementalChecksum(dst.shape, dst.dtype), dst.reshape(-1), src.reshape(-1)
+    step = _block_elements(dst.shape, dst.itemsize)
+    for i in range(0, flat.size, step):
+        np.copyto(out[i:i + step], flat[i:i + step])
+        h.advance(i, out[i:i + step])
+    return h.result(flat.size)
+
+
+def _block_elements(shape: tuple[int, ...], itemsize: int) -> int:
+    """Elements hashed per step: about _TILE_BLOCK_BYTES, whole rows where the dataset has tiles."""
+    grid = tile_grid(tuple(shape), itemsize)
+    if grid is None:
+        return max(1, _TILE_BLOCK_BYTES // max(1, itemsize))
+    return grid.cols * max(1, _TILE_BLOCK_BYTES // (grid.cols * itemsize))
 
 
 class IncrementalChecksum:

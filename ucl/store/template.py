@@ -119,12 +119,15 @@ class RankTemplate:
         tables = place(TABLES_NAME, tables_offset, 8 * n_table, None) if n_table else None
         return cls(rank, size, placed, pieces, tables)
 
-    def write(self, path: str, arrays: Mapping[str, np.ndarray], write_large) -> dict[str, Placed]:
+    def write(self, path: str, arrays: Mapping[str, np.ndarray], write_large,
+              digests: Mapping[str, Digests] | None = None) -> dict[str, Placed]:
         """Create rank file ``path`` (it must not exist) from the template and ``arrays`` (key ->
         C-contiguous storage array, every dataset of the template, see ``check``). Large datasets
-        go to ``write_large(path, offset, raw)`` (hashing overlaps a write still in flight). The
-        small datasets' bytes are staged in the template's own image, so one template serves one
-        writer at a time."""
+        go to ``write_large(path, offset, raw)`` (hashing overlaps a write still in flight).
+        ``digests``: checksums of some arrays already computed (``checksums(arrays[key])``), not
+        hashed again. The small datasets' bytes are staged in the template's own image, so one
+        template serves one writer at a time."""
+        known = digests or {}
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             os.ftruncate(fd, self.size)
@@ -138,12 +141,12 @@ class RankTemplate:
                         self.pieces[t.piece][1][t.at:t.at + t.nbytes] = raw
                     else:
                         write_large(path, t.offset, raw)
-                digests = checksums(arr)
+                d = known.get(key) or checksums(arr)
                 at = None
                 if t.table_at is not None:
-                    table[t.table_at:t.table_at + t.table_len] = digests.table()
+                    table[t.table_at:t.table_at + t.table_len] = d.table()
                     at = self.tables.offset + 8 * t.table_at
-                placed[key] = Placed(digests, at)
+                placed[key] = Placed(d, at)
             if self.tables is not None:
                 if self.tables.piece >= 0:
                     self.pieces[self.tables.piece][1][self.tables.at:self.tables.at + table.nbytes] = table.view(np.uint8)

@@ -245,10 +245,13 @@ class CheckpointWriter:
                 return RankTemplate.build(os.path.join(self.tmp_path, f".template-{rank}-{os.getpid()}.h5"), rank,
                                           datasets)
 
-    def write_from(self, rank: int, template: RankTemplate, arrays: Mapping[str, Any]) -> None:
+    def write_from(self, rank: int, template: RankTemplate, arrays: Mapping[str, Any],
+                   digests: Mapping[str, Digests] | None = None) -> None:
         """Write rank ``rank``'s whole file at once: ``template``'s structure and ``arrays`` (key ->
         storage array, exactly the template's datasets), with no HDF5 call. Readers see what
-        ``write`` of each array gives, less the checksum attributes (the digests are in ``ucl_tables``)."""
+        ``write`` of each array gives, less the checksum attributes (the digests are in ``ucl_tables``).
+        ``digests``: the checksums of some arrays, computed as they were filled
+        (``store.checksum.copy_checksummed``); the caller vouches that the arrays have not changed since."""
         with self._lock:
             for key in template.datasets:
                 self._new_key(rank, key)
@@ -260,7 +263,7 @@ class CheckpointWriter:
                 self._write_bytes(p, offset, raw)
             with self._io():
                 self._settle()
-                placed = template.write(path, arrays, write_large)
+                placed = template.write(path, arrays, write_large, digests)
                 self._settle()
             self._created.add(rank)
             for key, t in template.datasets.items():

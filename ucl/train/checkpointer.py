@@ -83,7 +83,7 @@ class Checkpointer:
         if self._promoter is not None:
             self._catch_up_tiers()
         self._copier = Copier(self._snapshots, self._progress, self.trace, rank, cuda=cuda,
-                              then=self._flusher.submit)
+                              then=self._flusher.submit, stored=self._layouts.stored)
         self._hook = optimizer.register_step_pre_hook(lambda *a: self.fence()) if optimizer is not None else None
 
     # ---- public API ----------------------------------------------------------------------------

@@ -11,15 +11,18 @@ import numpy as np
 
 from ..errors import StoreError
 from .progress import Progress, Stage
+from ..store.checksum import copy_checksummed
+from .derive import TrainLayout
 from .snapshot import Snapshot, Snapshots
 from .trace import Trace
 
 
 class Copier(Stage):
     def __init__(self, snapshots: Snapshots, progress: Progress, trace: Trace, rank: int, *,
-                 cuda: bool, then: Callable[[Snapshot], None]):
+                 cuda: bool, then: Callable[[Snapshot], None], stored: Callable[[TrainLayout], frozenset[str]]):
         import torch
         self.snapshots, self.progress, self.trace, self.rank, self.then = snapshots, progress, trace, rank, then
+        self.stored = stored
         self._stream = torch.cuda.Stream() if cuda else None
         super().__init__("ucl-snapshot")  # unbounded: bounded by the pool, save() waits for a region first
 
@@ -48,12 +51,18 @@ class Copier(Stage):
         import torch
         stream = self._stream
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        # what this rank writes is hashed as it is copied, block by block while in cache, instead of
+        # by the flusher from memory (a second pass over the pool that training's threads feel)
+        hashed = self.stored(snap.layout) if snap.persist else frozenset()
         with ctx, torch.no_grad():
             for e, off in zip(snap.layout.entries, snap.offsets):
                 if e.eager:
                     continue
                 src = host_bytes(e.tensor) if stream is None else None
-                if src is not None:  # one thread, GIL released: no second team of intra-op threads
+                if src is not None and e.key in hashed:
+                    dst = self.snapshots.array(snap, e, off)
+                    snap.digests[e.key] = copy_checksummed(dst, src.view(dst.dtype).reshape(dst.shape))
+                elif src is not None:  # one thread, GIL released: no second team of intra-op threads
                     np.copyto(self.snapshots.bytes(snap, off, src.size), src)
                 else:
                     self.snapshots.view(snap, e, off).copy_(e.tensor, non_blocking=stream is not None)

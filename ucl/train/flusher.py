@@ -8,7 +8,7 @@ import os
 import shutil
 import time
 
-from ..dtypes import logical_of_torch_dtype, storage_dtype
+from ..dtypes import logical_of_torch_dtype
 from ..errors import StoreError, UclError
 from ..ops.collective import commit_collectively
 from ..store.root import CheckpointRoot
@@ -99,18 +99,15 @@ class Flusher(Stage):
         for e, off in zip(snap.layout.entries, snap.offsets):
             if e.key not in stored:
                 continue
-            logical = logical_of_torch_dtype(e.tensor.dtype)
-            n = e.tensor.numel() * e.tensor.element_size()
-            raw = self.snapshots.bytes(snap, off, n)
-            arrays[e.key] = raw.view(storage_dtype(logical)).reshape(tuple(e.tensor.shape))
-            datasets[e.key] = (tuple(e.tensor.shape), logical)
+            arrays[e.key] = self.snapshots.array(snap, e, off)
+            datasets[e.key] = (tuple(e.tensor.shape), logical_of_torch_dtype(e.tensor.dtype))
         rank = snap.layout.rank
         signature = (rank, tuple(datasets.items()))
         template = self._templates.pop(signature, None) or writer.template(rank, datasets)
         self._templates[signature] = template
         while len(self._templates) > TEMPLATES_KEPT:
             self._templates.pop(next(iter(self._templates)))
-        writer.write_from(rank, template, arrays)
+        writer.write_from(rank, template, arrays, snap.digests)  # hashed by the copier
 
     def _persist_collective(self, snap: Snapshot, path: str, fields: dict) -> None:
         """Every process writes its rank file; rank 0 commits once all are durable (ops.collective)."""

@@ -8,6 +8,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ..dtypes import logical_of_torch_dtype, storage_dtype
 from .derive import TrainLayout
 from .pool import HostPool, Region
 
@@ -22,6 +25,7 @@ class Snapshot:
     persist: bool
     state: dict  # JSON: step, extra, rng, optimizer hyperparameters
     copied: threading.Event = field(default_factory=threading.Event)
+    digests: dict = field(default_factory=dict)  # key -> store.checksum.Digests, hashed while copied
     holders: set = field(default_factory=set)
     cuda_event: Any = None
 
@@ -40,6 +44,12 @@ class Snapshots:
         n = t.numel() * t.element_size()
         raw = self.pool.view(snap.region)[offset:offset + n]
         return raw.view(t.dtype).view(t.shape) if n else raw[:0].view(t.dtype).reshape(t.shape)
+
+    def array(self, snap: Snapshot, entry, offset: int) -> np.ndarray:
+        """The pool bytes of ``entry`` in ``snap`` as its storage array (numpy; bf16 as its bits)."""
+        t = entry.tensor
+        raw = self.bytes(snap, offset, t.numel() * t.element_size())
+        return raw.view(storage_dtype(logical_of_torch_dtype(t.dtype))).reshape(tuple(t.shape))
 
     def bytes(self, snap: Snapshot, offset: int, nbytes: int):
         """``nbytes`` of ``snap``'s region from ``offset``, as a flat uint8 numpy array."""
