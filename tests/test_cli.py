@@ -660,3 +660,19 @@ def test_pytest_config_does_not_hide_the_pass_count():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         opts = tomllib.load(f)["tool"]["pytest"]["ini_options"]
     assert "-q" not in str(opts.get("addopts", "")).split()
+
+
+@pytest.mark.parametrize("preset", [None, "3"])
+def test_the_command_line_keeps_openblas_from_spinning_a_thread_per_core(preset):
+    """numpy is imported after main() set OPENBLAS_NUM_THREADS=1 (the commands do no linear
+    algebra), unless the user chose a value."""
+    code = ("import os, sys, ucl.cli\n"
+            "try:\n    ucl.cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
+            "import numpy\nprint(os.environ.get('OPENBLAS_NUM_THREADS'))")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    env["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+    if preset is not None:
+        env["OPENBLAS_NUM_THREADS"] = preset
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split()[-1] == (preset or "1")

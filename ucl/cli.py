@@ -582,6 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _single_threaded_blas()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -594,6 +595,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ucl: interrupted", file=sys.stderr)
         return 1
+
+
+def _single_threaded_blas() -> None:
+    """The commands do no linear algebra, but OpenBLAS starts a thread per core when numpy is first
+    imported, and each spins about 0.1 s of CPU before it sleeps: on a small machine, time taken
+    from the copy itself. A value the user set is kept."""
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 if __name__ == "__main__":
