@@ -5,8 +5,9 @@ optimizer buffers) on TP2·PP2·DP2, against `cp -r` of the same directory measu
     python bench/reshard.py --procs 1,2,4 [--to pp=1,dp=2,tp=4] [--size-gb 2] [--repeat 3]
     python bench/reshard.py --growth [--size-gb 1] [--repeat 3]
 
-Each operation runs as its own process (like a user would run it), after one warm-up, so the
-source is in the page cache ("warm"); medians with min-max are printed, plus ratios to `cp -r`,
+Each operation runs as its own process (like a user would run it), in interleaved rounds after one
+warm-up round; the source is read (untimed) right before every run, so it is in the page cache
+("warm") even on machines that reclaim cached pages; medians with min-max are printed, plus ratios to `cp -r`,
 bytes read vs needed and the peak RSS of the largest process. Before each timed run the benchmark
 touches and frees ``--pretouch-gb`` of memory, so that every run (cp -r included) finds hot free
 pages on VMs that hand freed memory back to the host.
@@ -101,7 +102,20 @@ def pretouch() -> None:
         raise SystemExit("the pretouch helper failed")
 
 
-def timed(cmd: list[str]) -> tuple[float, str]:
+def rewarm(folder: Path) -> None:
+    """Read every file of ``folder`` (untimed), so a run finds all of it in the page cache: some VMs
+    reclaim cached pages within seconds, and a run that reads part of its source from disk is not
+    comparable to one that does not."""
+    buf = bytearray(16 << 20)
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+def timed(cmd: list[str], warm: Path | None = None) -> tuple[float, str]:
+    if warm is not None:
+        rewarm(warm)
     pretouch()
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -160,12 +174,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def repeated(cmd, work: Path, repeat: int) -> tuple[list[float], str]:
-    """Wall times of ``repeat`` runs of ``cmd(out)`` after one warm-up run, and the last one's output."""
+def repeated(cmd, work: Path, repeat: int, warm: Path | None = None) -> tuple[list[float], str]:
+    """Wall times of ``repeat`` runs of ``cmd(out)`` after one warm-up run, and the last one's output;
+    ``warm``: a folder read (untimed) before each run."""
     times, last = [], ""
     for i in range(repeat + 1):
         out = work / f"out-{i}"
-        dt, last = timed(cmd(out))
+        dt, last = timed(cmd(out), warm=warm)
         if i:
             times.append(dt)
         shutil.rmtree(out)
@@ -180,10 +195,10 @@ def growth(args, work: Path) -> None:
 
     def row(label: str, src: Path) -> None:
         size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
-        cp, _ = repeated(lambda out: ["cp", "-r", str(src), str(out)], work, args.repeat)
+        cp, _ = repeated(lambda out: ["cp", "-r", str(src), str(out)], work, args.repeat, warm=src)
         cells = [f"{label:<22} {size / 2**30:6.2f} {statistics.median(cp):7.2f}"]
         for to in targets:
-            t, _ = repeated(lambda out: cli + [str(src), str(out), "--to", to, "--quiet", "--no-fsync"], work, args.repeat)
+            t, _ = repeated(lambda out: cli + [str(src), str(out), "--to", to, "--quiet", "--no-fsync"], work, args.repeat, warm=src)
             cells.append(f"{statistics.median(t):7.2f} ({min(t):.2f}-{max(t):.2f}) {statistics.median(t) / statistics.median(cp):5.2f}x")
         print("  ".join(cells), flush=True)
 
@@ -213,7 +228,7 @@ def scaling(args, src: Path, size: int, work: Path) -> None:
     def job(n: int):
         return lambda out: [torchrun, "--nproc_per_node", str(n), "--master_port", str(free_port()), "-m", "ucl",
                             "reshard", str(src), str(out), "--to", args.to, "--quiet", "--no-fsync", "--workers", "1"]
-    base, _ = repeated(lambda out: ["cp", "-r", str(src), str(out)], work, args.repeat)
+    base, _ = repeated(lambda out: ["cp", "-r", str(src), str(out)], work, args.repeat, warm=src)
     cp = statistics.median(base)
     print(f"\n{'operation':<30} {'median s':>9} {'min-max s':>13} {'GB/s':>6} {'x cp -r':>8} {'speedup':>8} "
           f"{'reshard s':>10} {'plan s':>7}  (warm cache, {args.repeat} runs, {os.cpu_count()} cores)")
@@ -224,7 +239,7 @@ def scaling(args, src: Path, size: int, work: Path) -> None:
     runs += [(f"torchrun x{n} -> {args.to}", job(n)) for n in procs]
     first = None
     for name, cmd in runs:
-        times, text = repeated(cmd, work, args.repeat)
+        times, text = repeated(cmd, work, args.repeat, warm=src)
         med = statistics.median(times)
         if name.startswith("torchrun"):
             first = first or med
@@ -280,25 +295,22 @@ def main() -> None:
                                                            "--no-fsync"],
             "  -> universal, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet"],
         }
-        results, cached = {}, {}
-        for name, cmd in ops.items():
-            times, warm = [], []
-            rss_before = rss_children_mb()
-            for i in range(args.repeat + 1):  # first run warms the page cache, not counted
-                out = work / f"out-{i}"
+        times = {name: [] for name in ops}
+        last, warm = {}, {name: [] for name in ops}
+        for i in range(args.repeat + 1):  # interleaved rounds, so drift hits every operation alike; round 0 warms up
+            for k, (name, cmd) in enumerate(ops.items()):
+                out = work / f"out-{k}-{i}"
+                dt, last[name] = timed(cmd(out), warm=src)
                 if i:
-                    warm.append(cached_fraction(src))
-                dt, text = timed(cmd(out))
-                if i:
-                    times.append(dt)
-                last = text
+                    times[name].append(dt)
+                    warm[name].append(cached_fraction(src))  # after the run: what it may have lost to reclaim
                 shutil.rmtree(out)
-            results[name] = (times, last, rss_children_mb() if rss_children_mb() > rss_before else None)
-            cached[name] = None if None in warm else min(warm)
+        results = {name: (times[name], last[name]) for name in ops}
+        cached = {name: None if None in warm[name] else min(warm[name]) for name in ops}
         base = statistics.median(results["cp -r"][0])
         print(f"\n{'operation':<28} {'median s':>9} {'min-max s':>13} {'x cp -r':>8} {'cached':>6}  notes  "
-              f"(warm cache, {args.repeat} runs; cached: least share of the source in the page cache before a run)")
-        for name, (times, text, rss) in results.items():
+              f"(warm cache, {args.repeat} interleaved rounds; cached: least share of the source in the page cache after a run)")
+        for name, (times, text) in results.items():
             med = statistics.median(times)
             note = text.strip().splitlines()[-1][:110] if text.strip() else ""
             share = "?" if cached[name] is None else f"{cached[name]:.0%}"
@@ -312,7 +324,7 @@ def main() -> None:
         # (d) load one target rank straight from the source (hyperslab reads only)
         loads = []
         for i in range(args.repeat + 1):
-            _, text = timed([py, "-c", LOAD_ONE, str(src), "pp=1,dp=2,tp=4", "3"])
+            _, text = timed([py, "-c", LOAD_ONE, str(src), "pp=1,dp=2,tp=4", "3"], warm=src)
             if i:
                 loads.append(json.loads(text))
         med = statistics.median(x["s"] for x in loads)

@@ -211,6 +211,23 @@ def test_workers_1_and_2_write_identical_content(demo, saved, tmp_path):
     assert_same_shards(read_all(tmp_path / "w1"), stored_for(model, truth, B), "workers=1 vs truth")
 
 
+def test_forked_workers_leave_the_callers_gc_as_it_was(saved, tmp_path):
+    """The heap is frozen while workers fork from it (no copy-on-write by their collections), then
+    thawed; a heap the caller froze stays frozen."""
+    import gc
+    src = saved("pp=2,dp=2,tp=2")
+    assert gc.get_freeze_count() == 0
+    ucl.reshard(src, tmp_path / "a", M("pp=1,dp=2,tp=4"), workers=2)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        ucl.reshard(src, tmp_path / "b", M("pp=1,dp=2,tp=4"), workers=2)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_progress_callback_counts_bytes(saved, tmp_path):
     seen = []
     stats = ucl.reshard(saved("pp=2,dp=2,tp=2"), tmp_path / "p", M("tp=2"), workers=1, progress=seen.append)

@@ -1,6 +1,6 @@
 """``python -m ucl``: the command line."""
 import sys
 
-from .cli import main
+from .cli import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -4,6 +4,7 @@ torch.distributed job writes its share of the target files (docs/distributed.md)
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -193,10 +194,14 @@ def _execute(job: ReshardJob, tasks: Sequence[WorkerTask], progress: Callable[[i
     global _JOB
     ctx = mp.get_context("fork")  # the plan is inherited, not serialised
     channel = ctx.Queue() if progress and not in_process else None
+    froze = False
     try:
         _JOB = replace(job, progress=channel)
         if in_process:
             return [_run_worker(t, progress) for t in tasks]
+        if gc.get_freeze_count() == 0:  # (a heap the caller froze is left as it is)
+            gc.freeze()  # what the workers inherit (the plan) is never swept for cycles there: no copy-on-write
+            froze = True
         with ctx.Pool(len(tasks), initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
             pending = [pool.apply_async(_run_worker, (t,)) for t in tasks]
             while True:
@@ -215,6 +220,8 @@ def _execute(job: ReshardJob, tasks: Sequence[WorkerTask], progress: Callable[[i
                 _drain(channel, progress, timeout=0)
             return [p.get() for p in pending]
     finally:
+        if froze:
+            gc.unfreeze()
         _JOB = None
         if channel is not None:
             channel.close()
