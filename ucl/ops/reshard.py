@@ -398,28 +398,36 @@ def datasets_on(groups: Sequence[ReplicaGroup], rank: int) -> dict[str, tuple[tu
 
 def assign(groups: list[ReplicaGroup], plan: Plan, workers: int, files: Sequence[int] | None = None,
            shared: frozenset[int] = frozenset()) -> list[WorkerTask]:
-    """Give each target rank file to one worker, keeping replica groups together where the load
-    allows, so their source bytes are read once; the datasets of ``shared`` files (laid out
-    beforehand, ``split_files``) are shared out one by one instead. ``files`` are the target ranks
+    """Give each target rank file to one worker, largest first to the least loaded (a file's load is
+    all its bytes), keeping files that share a replica group together where the load allows, so
+    their source bytes are read once; the datasets of ``shared`` files (laid out beforehand,
+    ``split_files``) are then shared out one by one, largest first. ``files`` are the target ranks
     to share out (default: all; ``groups`` then name no others)."""
-    owner: dict[int, int] = {}  # file -> its worker
-    piece: dict[tuple[int, int], int] = {}  # (group, shared file) -> the worker writing that dataset
     load = [0] * workers
     total = sum(g.nbytes * len(g.ranks) for g in groups) or 1
+    fair = 1.1 * total / workers
     least = lambda: min(range(workers), key=load.__getitem__)  # noqa: E731
-    for gi in sorted(range(len(groups)), key=lambda i: -groups[i].nbytes * len(groups[i].ranks)):
+    size: dict[int, int] = {}
+    partners: dict[int, set[int]] = {}  # file -> the files it shares a replica group with
+    for g in groups:
+        mates = [r for r in g.ranks if r not in shared]
+        for r in mates:
+            size[r] = size.get(r, 0) + g.nbytes
+            partners.setdefault(r, set()).update(mates)
+    owner: dict[int, int] = {}  # file -> its worker
+    for r in sorted(size, key=lambda r: (-size[r], r)):
+        near = [owner[x] for x in sorted(partners[r]) if x in owner]
+        w = next((x for x in near if load[x] + size[r] <= fair), None)
+        owner[r] = least() if w is None else w
+        load[owner[r]] += size[r]
+    piece: dict[tuple[int, int], int] = {}  # (group, shared file) -> the worker writing that dataset
+    for gi in sorted(range(len(groups)), key=lambda i: -groups[i].nbytes):
         g = groups[gi]
-        for r in g.ranks:
-            if r in owner or (r in shared and (gi, r) in piece):
-                continue
-            taken = [owner[x] for x in g.ranks if x in owner] + [piece[gi, x] for x in g.ranks if (gi, x) in piece]
-            w = taken[0] if taken and load[taken[0]] < 1.1 * total / workers else least()
-            if r in shared:
-                piece[gi, r] = w
-            else:
-                owner[r] = w
-        for r in g.ranks:
-            load[piece[gi, r] if r in shared else owner[r]] += g.nbytes
+        for r in (r for r in g.ranks if r in shared):
+            near = [owner[x] for x in g.ranks if x in owner] + [piece[gi, x] for x in g.ranks if (gi, x) in piece]
+            w = next((x for x in near if load[x] + g.nbytes <= fair), None)
+            piece[gi, r] = least() if w is None else w
+            load[piece[gi, r]] += g.nbytes
     for r in range(plan.dst_mesh.size) if files is None else files:
         if int(r) not in shared:
             owner.setdefault(int(r), least())
