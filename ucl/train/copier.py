@@ -10,9 +10,9 @@ from typing import Callable
 import numpy as np
 
 from ..errors import StoreError
-from .progress import Progress, Stage
 from ..store.checksum import copy_checksummed
 from .derive import TrainLayout
+from .progress import Progress, Stage
 from .snapshot import Snapshot, Snapshots
 from .trace import Trace
 
