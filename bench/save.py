@@ -21,8 +21,10 @@ stall = training-thread time in the save call plus the wait in the next optimize
 (ucl fence, DCP staging); call = the save call alone (torch.save: before fsync); iteration time over
 the same process's no-saving ones (median and mean: other load on the machine moves both); durable =
 save call -> fsync'd (ucl: -> `latest` moved, from its trace); peak RSS; bytes on disk per checkpoint;
-ratios to torch.save. Baselines delete checkpoints beyond 3 between iterations (untimed); ucl prunes
-itself (keep=3). A last run checks that a ucl checkpoint loads bit-exactly.
+ratios to torch.save; for ucl, its trace's phases and the CPU time of its snapshot and flush threads per
+checkpoint (on a machine whose cores training keeps busy, about what checkpointing costs it).
+Baselines delete checkpoints beyond 3 between iterations (untimed); ucl prunes itself (keep=3). A last
+run checks that a ucl checkpoint loads bit-exactly.
 """
 from __future__ import annotations
 
@@ -262,6 +264,7 @@ def run_variant(args) -> dict:
         fence = {e["step"]: e["end"] - e["start"] for e in pick("fence")}
         out["trace_stall"] = [b["end"] - b["start"] + fence.get(b["step"], 0.0) for b in pick("blocked")]
         out["trace"] = {ph: [e["end"] - e["start"] for e in pick(ph)] for ph in ("blocked", "fence", "snapshot", "flush")}
+        out["trace_cpu"] = {ph: [e["cpu"] for e in pick(ph) if "cpu" in e] for ph in ("snapshot", "flush")}
         out.update(pool_high_water=max(e.get("pool_high_water") or 0 for e in ev),
                    pool_waits=sum(b.get("waited_for_pool", 0) > 0.001 for b in pick("blocked")))
     out["writer_rss_mb"] = saver.writer_rss_mb() if isinstance(saver, DCPAsync) and saver.process else None
@@ -343,6 +346,10 @@ def report(results: list[dict], none: dict):
                       f" + fence {med(t['fence'], 1e3)} ms; snapshot {med(t['snapshot'], 1e3)} ms; flush "
                       f"{med(t['flush'], 1, '{:.2f}')} s; pool high water {r['pool_high_water'] / 2**20:.0f} MiB; "
                       f"{r['pool_waits']} saves waited for pool space")
+                cpu = r.get("trace_cpu") or {}
+                if cpu.get("snapshot") and cpu.get("flush"):  # what the background threads cost the cores, per checkpoint
+                    print(f"  {r['variant']} CPU per checkpoint: snapshot {med(cpu['snapshot'], 1e3)} ms, flush "
+                          f"{med(cpu['flush'], 1e3)} ms (thread CPU time, the flush's write-behind included)")
 
 
 def main() -> None:

@@ -63,7 +63,9 @@ def expected_summary(raw: list[dict]) -> dict:
         return out
     durable, promoted = save_to_end("flush"), save_to_end("promote")
     peaks = [e["pool_high_water"] for e in raw if "pool_high_water" in e]
-    return {"ranks": sorted({e["rank"] for e in raw}), "saves": len(saves),
+    cpu = {f"{p}_cpu_s": sum(e["cpu"] for e in raw if e["phase"] == p and "cpu" in e)
+           if any(e["phase"] == p and "cpu" in e for e in raw) else None for p in ("snapshot", "flush", "promote")}
+    return {**cpu, "ranks": sorted({e["rank"] for e in raw}), "saves": len(saves),
             "checkpoints": len({e["step"] for e in raw if e["phase"] == "flush"}),
             "blocked_s": sum(e["end"] - e["start"] for e in saves),
             "blocked_median_s": statistics.median(e["end"] - e["start"] for e in saves),
@@ -91,6 +93,9 @@ def test_every_saved_step_has_its_events_in_order(real_root):
         assert {"blocked", "snapshot", "flush"} <= set(mine), (step, sorted(mine))
         assert mine["blocked"]["start"] <= mine["snapshot"]["start"] <= mine["flush"]["start"]
         assert mine["flush"]["bytes"] == mine["snapshot"]["bytes"] > 0
+        for phase in ("snapshot", "flush", "promote"):  # thread CPU time: one thread, at most its wall time
+            assert 0 < mine[phase]["cpu"], (step, phase)
+        assert mine["snapshot"]["cpu"] <= mine["snapshot"]["end"] - mine["snapshot"]["start"] + 1e-3
         assert mine["flush"]["end"] <= mine["promote"]["start"] and mine["promote"]["tier"] == 2
     assert [e["step"] for e in events if e["phase"] == "blocked"] == list(range(STEPS))
     assert [e["step"] for e in events if e["phase"] == "flush"] == list(range(STEPS))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import time
 
 import numpy as np
 
@@ -39,19 +40,24 @@ class DirectWriter:
     def __init__(self):
         self._bounce: np.ndarray | None = None
         self.direct_bytes = 0  # bytes that bypassed the page cache (for tests and benchmarks)
+        self.cpu_seconds = 0.0  # CPU time of the writing thread inside write() (the checkpointer's trace)
         self._refused: set[int] = set()  # st_dev of file systems that refused O_DIRECT
 
     def write(self, path: str, offset: int, data: np.ndarray, direct: bool = True) -> None:
         """Write the flat uint8 array ``data`` at byte ``offset`` of the existing file ``path``
         (``direct=False``: every byte through the page cache)."""
-        aligned = data.size // BLOCK * BLOCK if direct and offset % BLOCK == 0 and _O_DIRECT else 0
-        done = self._write_direct(path, offset, data[:aligned]) if aligned else 0
-        if done < data.size:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                pwrite_all(fd, data[done:], offset + done)
-            finally:
-                os.close(fd)
+        cpu = time.thread_time()
+        try:
+            aligned = data.size // BLOCK * BLOCK if direct and offset % BLOCK == 0 and _O_DIRECT else 0
+            done = self._write_direct(path, offset, data[:aligned]) if aligned else 0
+            if done < data.size:
+                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    pwrite_all(fd, data[done:], offset + done)
+                finally:
+                    os.close(fd)
+        finally:
+            self.cpu_seconds += time.thread_time() - cpu
 
     def _write_direct(self, path: str, offset: int, data: np.ndarray) -> int:
         """Bytes of ``data`` (block-aligned length and offset) written with O_DIRECT from the start."""

@@ -293,6 +293,12 @@ class CheckpointWriter:
             self._entries[rank][key]["tables"] = base + 8 * at
         queued.clear()
 
+    @property
+    def write_cpu_seconds(self) -> float:
+        """CPU time spent writing large datasets' bytes so far, in whichever thread wrote them
+        (write-behind included; read it after ``commit``, when no write is in flight)."""
+        return self._direct.cpu_seconds
+
     def _write_bytes(self, path: str, offset: int, raw: np.ndarray) -> None:
         if self._behind is None:
             self._direct.write(path, offset, raw, self.direct)

@@ -30,7 +30,7 @@ class Copier(Stage):
         self._put(snap)
 
     def _handle(self, snap: Snapshot) -> None:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             self._copy(snap)
         except BaseException as e:  # surfaces on the next call
@@ -42,7 +42,7 @@ class Copier(Stage):
                 self.progress.done()
             return
         self.trace.add("snapshot", t0, time.perf_counter(), step=snap.step,
-                       bytes=snap.region.stop - snap.region.start)
+                       bytes=snap.region.stop - snap.region.start, cpu=round(time.thread_time() - cpu0, 6))
         self.snapshots.remember(snap)
         if snap.persist:
             self.then(snap)

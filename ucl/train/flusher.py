@@ -53,7 +53,8 @@ class Flusher(Stage):
             self.progress.done()
 
     def _persist(self, snap: Snapshot) -> None:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        writers: list[CheckpointWriter] = []  # whose write-behind CPU the trace adds to this thread's
         layout = snap.layout
         model = self.layouts.model_of(layout)
         os.makedirs(self.root.root, exist_ok=True)
@@ -64,10 +65,11 @@ class Flusher(Stage):
         if self.world == 1:
             self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
             with CheckpointWriter(path, layout.mesh.size, write_behind=True, **fields) as w:  # the pool holds still
+                writers.append(w)
                 self._write(w, snap)
                 w.commit()
         else:
-            self._persist_collective(snap, path, fields)
+            self._persist_collective(snap, path, fields, writers)
         if self.rank == 0:
             self.root.set_latest(snap.step)
             self.root.discard_after(snap.step)  # after load(step=k), later steps belong to an abandoned run
@@ -75,8 +77,9 @@ class Flusher(Stage):
                 shutil.rmtree(self._hidden, ignore_errors=True)
                 self._hidden = None
             self.root.prune(self.keep)
+        cpu = time.thread_time() - cpu0 + sum(w.write_cpu_seconds for w in writers)
         self.trace.add("flush", t0, time.perf_counter(), step=snap.step, bytes=snap.region.stop - snap.region.start,
-                       pool_high_water=self.snapshots.pool.high_water)
+                       pool_high_water=self.snapshots.pool.high_water, cpu=round(cpu, 6))
         if self.rank == 0 and self.promoter is not None:
             self.promoter.submit(path, snap.step)  # waits while the promoter's queue is full
         if self.world > 1:
@@ -109,11 +112,12 @@ class Flusher(Stage):
             self._templates.pop(next(iter(self._templates)))
         writer.write_from(rank, template, arrays, snap.digests)  # hashed by the copier
 
-    def _persist_collective(self, snap: Snapshot, path: str, fields: dict) -> None:
+    def _persist_collective(self, snap: Snapshot, path: str, fields: dict, writers: list) -> None:
         """Every process writes its rank file; rank 0 commits once all are durable (ops.collective)."""
         layout = snap.layout
 
         def write(writer: CheckpointWriter) -> list[int]:
+            writers.append(writer)
             if layout.rank < 0:
                 return []
             self._write(writer, snap)

@@ -59,13 +59,14 @@ class Promoter(Stage):
         try:
             for i in item.tiers:
                 tier = self.tiers[i]
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.thread_time()
                 try:
                     promote_to(tier, item.staged.path, item.step, self.keep, list(item.files))
                 except Exception as e:  # each tier is tried; the first error surfaces
                     self.progress.fail(self._error(item.step, f"tier {i + 2} ({describe(tier)})", e))
                     continue
-                self.trace.add("promote", t0, time.perf_counter(), step=item.step, tier=i + 2)
+                self.trace.add("promote", t0, time.perf_counter(), step=item.step, tier=i + 2,
+                               cpu=round(time.thread_time() - cpu0, 6))
         finally:
             item.staged.discard()
             self.trace.flush()

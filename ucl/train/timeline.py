@@ -105,7 +105,9 @@ def summarize(events: list[dict]) -> dict:
     (fence waits outside save, which blocked_s already holds), ``durable_median_s`` (per step: the
     last end of its flush on any rank minus the first start of its save), ``promoted_median_s``
     (the same to the last end of its promotions to further tiers; None without any),
-    ``pool_peak_mib`` (host pool high-water), ``ranks`` and ``span_s``."""
+    ``pool_peak_mib`` (host pool high-water), ``snapshot_cpu_s``, ``flush_cpu_s`` and
+    ``promote_cpu_s`` (CPU time of those background phases, all ranks; None where the events
+    carry none), ``ranks`` and ``span_s``."""
     by_phase = {p: [e for e in events if e["phase"] == p] for p in LANES}
     blocked = [e["end"] - e["start"] for e in by_phase["blocked"]]
     saves_of_rank: dict[int, list] = {}
@@ -129,7 +131,13 @@ def summarize(events: list[dict]) -> dict:
             "fence_s": fence, "durable_median_s": statistics.median(durable) if durable else None,
             "promoted_median_s": statistics.median(promoted) if promoted else None,
             "pool_peak_mib": max(peaks) / 2**20 if peaks else None,
+            **{f"{p}_cpu_s": _total_cpu(by_phase[p]) for p in ("snapshot", "flush", "promote")},
             "span_s": max(e["end"] for e in events) - min(e["start"] for e in events) if events else 0.0}
+
+
+def _total_cpu(events: list[dict]) -> float | None:
+    cpu = [e["cpu"] for e in events if _is_number(e.get("cpu"))]
+    return sum(cpu) if cpu else None
 
 
 def _save_to_last_end(events: list[dict], begun: dict[int, list]) -> list[float]:
