@@ -453,8 +453,7 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
     laid = job.laid or {}
     with open_checkpoint(job.src, job.format) as ckpt:
         source = StoreSource(ckpt, Arena(), verify=job.verify)
-        first = Arena()  # one is filled while the other is still being written (write_behind)
-        targets = (first, Arena() if writer.write_behind or laid else first)
+        targets = (Arena(), Arena())  # one is filled while the other is still being written (write_behind)
         for i, t in enumerate(sorted(task.groups, key=first_source)):  # reads sweep each source file in order
             g = job.groups[t.group]
             covered = int(np.prod(c["size"][g.rows], axis=1).sum()) if len(g.rows) else 0

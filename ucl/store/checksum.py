@@ -41,6 +41,9 @@ MIN_CHUNK_BYTES = 16 << 10
 MAX_CHUNKS = 1024
 
 
+_HASH_BLOCK_BYTES = 1 << 20  # bytes hashed per step: each block is read from memory once, then from cache
+
+
 def chunk_size(nbytes: int) -> int | None:
     """Chunk size in bytes for a dataset of ``nbytes``; None when it is small enough to verify whole."""
     if nbytes <= MIN_CHUNK_BYTES:
@@ -106,11 +109,11 @@ def copy_checksummed(dst: np.ndarray, src: np.ndarray) -> Digests:
 
 
 def _block_elements(shape: tuple[int, ...], itemsize: int) -> int:
-    """Elements hashed per step: about _TILE_BLOCK_BYTES, whole rows where the dataset has tiles."""
+    """Elements hashed per step: about _HASH_BLOCK_BYTES, whole rows where the dataset has tiles."""
     grid = tile_grid(tuple(shape), itemsize)
     if grid is None:
-        return max(1, _TILE_BLOCK_BYTES // max(1, itemsize))
-    return grid.cols * max(1, _TILE_BLOCK_BYTES // (grid.cols * itemsize))
+        return max(1, _HASH_BLOCK_BYTES // max(1, itemsize))
+    return grid.cols * max(1, _HASH_BLOCK_BYTES // (grid.cols * itemsize))
 
 
 class IncrementalChecksum:
@@ -201,7 +204,6 @@ def checksum_fields(d: Digests) -> dict[str, str]:
 # powers of two, so a split of the columns into 2, 4, 8... parts falls on tile edges when it is even.
 MAX_TILE_GRID = 32
 MIN_TILE_ROW_BYTES = 256  # narrower tile rows would make reads and hashing slow, byte for byte
-_TILE_BLOCK_BYTES = 1 << 20  # rows hashed per step: each block is read from memory once, then from cache
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,7 @@ class BandHasher:
         w, nt = self.width, len(self.hashers)
         ncols = rows.shape[1]
         full = min(nt, ncols // w)
-        step = max(1, _TILE_BLOCK_BYTES // max(1, ncols * rows.itemsize))
+        step = max(1, _HASH_BLOCK_BYTES // max(1, ncols * rows.itemsize))
         for r in range(0, rows.shape[0], step):
             block = rows[r:r + step]
             n = block.shape[0]
