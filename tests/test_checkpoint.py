@@ -754,6 +754,30 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+def test_a_killed_worker_fails_the_reshard_at_once_and_publishes_nothing(demo, saved, tmp_path):
+    """A worker process the OOM killer (here: SIGKILL) takes mid-reshard is an error naming it, raised
+    as soon as it dies; nothing appears and the temp dir is gone. (multiprocessing.Pool, used before,
+    waits forever for the dead worker's result.)"""
+    import multiprocessing
+    src = saved("pp=2,dp=2,tp=2")
+    out = tmp_path / "out"
+    out.mkdir()
+    killed = []
+
+    def kill_one(n):  # called in this process as the workers report bytes
+        if not killed:
+            victim = multiprocessing.active_children()[0]
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append(victim.pid)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match=r"worker process (\d+) died \(killed by SIGKILL") as e:
+        ucl.reshard(src, out / "target", M("pp=1,dp=2,tp=4"), workers=2, progress=kill_one)
+    assert e.value.code == "UCL410" and f"process {killed[0]} died" in str(e.value)
+    assert time.monotonic() - t0 < 30
+    assert os.listdir(out) == []
+    assert multiprocessing.active_children() == []  # the other worker was stopped too
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigkill_mid_reshard_leaves_source_intact_and_no_target(demo, saved, tmp_path, workers):
     """`ucl reshard` killed with SIGKILL half-way: the target never appears, the source still verifies;

@@ -3,13 +3,8 @@ through worker processes, committed atomically; with ``distributed=True`` every 
 torch.distributed job writes its share of the target files (docs/distributed.md)."""
 from __future__ import annotations
 
-import ctypes
 import gc
-import multiprocessing as mp
 import os
-import queue
-import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -29,6 +24,7 @@ from .collective import commit_collectively
 from .dist import allgather_json, gloo_group, initialized_dist
 from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for
 from .stats import IOStats
+from .workers import run_forked
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,6 @@ class ReshardJob:
     groups: tuple[ReplicaGroup, ...]
     durable: bool
     verify: bool
-    progress: object | None  # a multiprocessing queue of byte counts, or None
     format: str | None = None  # the source's format (None: detected)
     laid: dict | None = None  # rank -> {key: byte offset} of the files several workers fill (lay_out)
 
@@ -130,7 +125,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     stats = IOStats(compile_seconds=prep.compile_seconds)
     writer = CheckpointWriter(dst, to.size, durable=durable, **manifest_fields(prep.model, to, prep.state))
     try:
-        job = ReshardJob(os.fspath(src), writer.tmp_path, to.size, prep.plan, tuple(groups), durable, verify, None,
+        job = ReshardJob(os.fspath(src), writer.tmp_path, to.size, prep.plan, tuple(groups), durable, verify,
                          format)
         for rank, entries in _write_files(job, range(to.size), workers, progress, stats).items():
             writer.adopt(int(rank), entries)
@@ -150,10 +145,6 @@ def _prepare(src: str | os.PathLike, to: Mesh, format: str | None = None) -> Pre
         check_stored(ckpt, model)  # every source rank: a reshard reads them all
         state = ckpt.manifest.state
     return Prepared(model, plan, state, time.perf_counter() - t0)
-
-
-class _Stopped(Exception):
-    """Another process of a distributed reshard failed: this one stops writing (not reported)."""
 
 
 def _write_files(job: ReshardJob, files: Sequence[int], workers: int, progress: Callable[[int], None] | None,
@@ -189,42 +180,22 @@ def _write_files(job: ReshardJob, files: Sequence[int], workers: int, progress: 
 
 def _execute(job: ReshardJob, tasks: Sequence[WorkerTask], progress: Callable[[int], None] | None, *,
              in_process: bool, cancel: threading.Event | None = None) -> list[WorkerResult]:
-    """Run ``tasks`` in this process (one task) or in a pool of forked workers, one per task; the
-    first worker error is raised as soon as it happens, and ``cancel`` stops the pool."""
+    """Run ``tasks`` in this process (one task) or in forked workers, one per task (ops.workers); the
+    first worker error is raised as soon as it happens, and ``cancel`` stops the workers."""
     global _JOB
-    ctx = mp.get_context("fork")  # the plan is inherited, not serialised
-    channel = ctx.Queue() if progress and not in_process else None
     froze = False
     try:
-        _JOB = replace(job, progress=channel)
+        _JOB = job
         if in_process:
             return [_run_worker(t, progress) for t in tasks]
         if gc.get_freeze_count() == 0:  # (a heap the caller froze is left as it is)
             gc.freeze()  # what the workers inherit (the plan) is never swept for cycles there: no copy-on-write
             froze = True
-        with ctx.Pool(len(tasks), initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
-            pending = [pool.apply_async(_run_worker, (t,)) for t in tasks]
-            while True:
-                for p in pending:
-                    if p.ready() and not p.successful():
-                        p.get()  # raises that worker's error; leaving the block stops the others
-                if all(p.ready() for p in pending):
-                    break
-                if cancel is not None and cancel.is_set():
-                    raise _Stopped()
-                if channel is not None:
-                    _drain(channel, progress, timeout=0.1)
-                else:
-                    next(p for p in pending if not p.ready()).wait(0.1)
-            if channel is not None:
-                _drain(channel, progress, timeout=0)
-            return [p.get() for p in pending]
+        return run_forked(_run_worker, tasks, progress, cancel, name="reshard worker")
     finally:
         if froze:
             gc.unfreeze()
         _JOB = None
-        if channel is not None:
-            channel.close()
 
 
 def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bool, verify: bool,
@@ -265,7 +236,7 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
                 if not mine.files:  # e.g. a one-file target on every process but one
                     return {}
                 sub = [replace(groups[t.group], ranks=t.ranks) for t in mine.groups]
-                job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, None, format)
+                job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, format)
                 return _write_files(job, mine.files, workers, progress, stats, cancel)
             except Exception as e:
                 if not cancel.is_set():
@@ -307,43 +278,6 @@ def _destroy(dist, group) -> None:
     try:
         dist.destroy_process_group(group)
     except Exception:  # a group broken by a dead process: nothing left to release
-        pass
-
-
-_PR_SET_PDEATHSIG = 1
-PARENT_POLL_S = 0.25  # how often a worker checks that the reshard that forked it is still there
-
-
-def _die_with_parent(parent: int) -> None:
-    """Pool initializer: a worker must not outlive the reshard that forked it. A parent killed with
-    SIGKILL cannot stop its pool, and the workers would go on writing into a temp directory that no
-    one will ever commit (and, holding its lock, that ``ucl gc`` must leave alone)."""
-    if sys.platform.startswith("linux"):
-        # the kernel sends SIGKILL when the forking thread exits: reshard() forks from the thread that
-        # calls it and waits for the pool there, so that thread outlives the workers
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # it died before the line above took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-    # everywhere (and where prctl is missing): re-parenting shows the parent is gone
-    threading.Thread(target=_watch_parent, args=(parent,), name="ucl-parent-watch", daemon=True).start()
-
-
-def _watch_parent(parent: int) -> None:
-    while True:
-        time.sleep(PARENT_POLL_S)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _drain(channel, progress: Callable[[int], None], timeout: float) -> None:
-    try:
-        progress(channel.get(timeout=timeout) if timeout else channel.get_nowait())
-        while True:
-            progress(channel.get_nowait())
-    except queue.Empty:
         pass
 
 
@@ -441,7 +375,6 @@ def assign(groups: list[ReplicaGroup], plan: Plan, workers: int, files: Sequence
 
 def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None) -> WorkerResult:
     job = _JOB
-    report = progress or (job.progress.put if job.progress is not None else None)
     writer = CheckpointWriter.join(job.tmp, job.nranks, durable=job.durable, write_behind=True)
     stats = IOStats()
     c = job.plan.copies
@@ -466,8 +399,8 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
                     writer.write(r, g.key, buf, dtype=g.dtype)
                 stats.bytes_written += buf.nbytes
                 stats.datasets_written += 1
-                if report:
-                    report(buf.nbytes)
+                if progress:
+                    progress(buf.nbytes)
         entries = writer.finish(list(task.files))
         stats.bytes_read = source.bytes_read
     return WorkerResult(entries, stats, tuple(writer.filled))
