@@ -676,3 +676,22 @@ def test_the_command_line_keeps_openblas_from_spinning_a_thread_per_core(preset)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split()[-1] == (preset or "1")
+
+
+def test_the_command_collects_cycles_less_often_and_freezes_the_heap_before_exit(capsys, monkeypatch):
+    """``entry`` (the console script) raises the collector's thresholds for the short-lived process
+    and freezes the heap once ``main`` returns (no sweep of every object at exit); ``main`` as a
+    library call leaves the collector alone."""
+    import gc
+    from ucl import cli
+    before = gc.get_threshold()
+    monkeypatch.setattr(sys, "argv", ["ucl", "--version"])
+    try:
+        with pytest.raises(SystemExit):
+            cli.entry()
+        assert gc.get_threshold() == cli.CLI_GC_THRESHOLD
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+    assert main(capsys, "--version")[0] == 0 and gc.get_threshold() == before
