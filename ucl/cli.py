@@ -173,18 +173,20 @@ def cmd_reshard(args) -> int:
     from .ops.dist import torchrun_world
     from .ops.reshard import reshard
     from .layout.mesh import Mesh
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
     to = Mesh.parse(args.to)
     con = _console()
     src = _checkpoint(args.src)
     if torchrun_world() > 1:  # under torchrun: every process writes its share (docs/distributed.md)
         return _reshard_distributed(args, src, to, con)
-    total = None if args.quiet else _reshard_bytes(src, to)
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                  console=con, transient=True, disable=args.quiet) as bar:
-        task = bar.add_task(_e(f"reshard -> {to}"), total=total)
-        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync,
-                        progress=lambda n: bar.advance(task, n))
+    if args.quiet:
+        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync)
+    else:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TimeRemainingColumn(), console=con, transient=True) as bar:
+            task = bar.add_task(_e(f"reshard -> {to}"), total=_reshard_bytes(src, to))
+            stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync,
+                            progress=lambda n: bar.advance(task, n))
     con.print("[green]wrote[/] " + _e(f"{args.dst} ({to}): {stats.datasets_written} datasets, "
               f"{stats.bytes_written:,} B written, {stats.bytes_read:,} B read "
               f"({stats.bytes_needed:,} B needed) in {stats.seconds:.2f} s (plan {stats.compile_seconds:.2f} s)"))
