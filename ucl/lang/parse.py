@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 
-from lark import Lark, Token, Tree
+from lark import Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from . import ast
 from ..errors import Diagnostic, Span, SpecError, did_you_mean
 from .expr import LIMIT, MAX_DEPTH
-from .resources import data_dir
+from .grammar import parser
 
 KEYWORDS = ("dims", "from", "let", "mesh", "ignore", "state", "for", "split", "over", "uneven", "shared",
             "replicate", "view", "as", "concat", "pad", "to", "multiple_of", "on", "first", "last",
@@ -22,12 +21,6 @@ _READABLE = {
     "DIMREF": "a dimension (0, 0.1, 0.q)", "_NL": "end of line", "$END": "end of file",
     "SPLIT_MODE": "uneven or shared",
 }
-
-
-@lru_cache(maxsize=1)
-def _parser() -> Lark:
-    grammar = (data_dir("grammar") / "ucl.lark").read_text()
-    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
 
 
 def _span_of(meta_or_tok) -> Span:
@@ -288,14 +281,14 @@ def _plan(tree: Tree, to_ast: _ToAst):
 
 
 def _describe_expected(expected) -> str:
-    parser = _parser()
+    lalr = parser()
     words = []
     for name in sorted(expected):
         if name in _READABLE:
             words.append(_READABLE[name])
             continue
         try:
-            term = parser.get_terminal(name)
+            term = lalr.get_terminal(name)
             pattern = term.pattern
             words.append(f"'{pattern.value}'" if pattern.type == "str" else name.lower())
         except KeyError:
@@ -310,10 +303,10 @@ def _expected(err: UnexpectedInput) -> set:
     """The tokens that could have come instead: exactly those the parser accepts in its state (the
     LALR table's error set can list tokens only a merged state allows), else what lark reports."""
     expected = set(getattr(err, "expected", None) or getattr(err, "allowed", None) or ())
-    parser = getattr(err, "interactive_parser", None)
-    if parser is not None:
+    interactive = getattr(err, "interactive_parser", None)
+    if interactive is not None:
         try:
-            accepted = parser.accepts()
+            accepted = interactive.accepts()
         except Exception:  # pragma: no cover - a lark internals change: keep lark's own set
             return expected
         if accepted:
@@ -376,7 +369,7 @@ def _parse_recovering(source: str):
     diagnostics: list[Diagnostic] = []
     pos, resumed = 0, {0}
     while True:
-        cursor = _parser().parse_interactive(source)
+        cursor = parser().parse_interactive(source)
         if pos:
             cursor.lexer_thread.state.line_ctr.feed(source[:pos])  # resume at a statement boundary
         try:
