@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import importlib
 import os
+import threading
 import time
 
 import h5py
@@ -106,6 +107,43 @@ def test_short_and_refused_direct_writes_fall_back_without_losing_bytes(tmp_path
     arrays = raw_arrays(np.random.default_rng(2), [MIN_DIRECT_BYTES + 4097], [0])
     write(tmp_path / "ck", arrays, direct=True)
     assert np.array_equal(arrays[0], read_back(tmp_path / "ck", 1)[0])
+
+
+@pytest.mark.parametrize("shift", [0, 64, BLOCK - 1])
+def test_unaligned_memory_is_written_exactly_through_the_bounce_pipeline(tmp_path, monkeypatch, shift):
+    """Memory off a block boundary (torch's: 64 bytes past a page) goes through two bounce buffers,
+    one copied while the other is written: many pieces per dataset, each piece where it belongs."""
+    monkeypatch.setattr(direct_mod, "PIECE", 2 * BLOCK)  # many pieces per dataset
+    threads = {t.name for t in threading.enumerate()}
+    arrays = raw_arrays(np.random.default_rng(shift), [MIN_DIRECT_BYTES + 5 * BLOCK + 3, MIN_DIRECT_BYTES], [shift] * 2)
+    w = write(tmp_path / "ck", arrays, direct=True)
+    for a, back in zip(arrays, read_back(tmp_path / "ck", len(arrays))):
+        assert np.array_equal(a, back)
+    assert w._direct.direct_bytes in (0, sum(a.size // BLOCK * BLOCK for a in arrays))
+    assert {t.name for t in threading.enumerate()} <= threads  # the pipeline's helper is gone
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 5])
+def test_a_failing_bounced_write_publishes_nothing(tmp_path, monkeypatch, fail_at):
+    probe = DirectWriter()
+    (tmp_path / "probe").write_bytes(bytes(2 * BLOCK))
+    probe.write(str(tmp_path / "probe"), 0, raw_arrays(np.random.default_rng(0), [2 * BLOCK], [0])[0])
+    if not probe.direct_bytes:
+        pytest.skip("this file system refuses O_DIRECT")
+    real_pwrite, calls = os.pwrite, []
+
+    def failing(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == fail_at + 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwrite(fd, data, offset)
+    monkeypatch.setattr(direct_mod, "PIECE", 2 * BLOCK)
+    monkeypatch.setattr(direct_mod.os, "pwrite", failing)
+    w = CheckpointWriter(tmp_path / "ck", 1, direct=True, **FIELDS)
+    with pytest.raises(StoreError) as e:
+        w.write(0, "param/t0", raw_arrays(np.random.default_rng(1), [MIN_DIRECT_BYTES], [64])[0], dtype="uint8")
+    assert e.value.code == "UCL410" and "Input/output error" in str(e.value)
+    assert not (tmp_path / "ck").exists()
 
 
 def test_a_failing_direct_write_publishes_nothing(tmp_path, monkeypatch):
@@ -318,7 +356,7 @@ def test_arena_arrays_go_to_the_disk_without_a_bounce_copy(tmp_path, monkeypatch
     for n in (10, MIN_DIRECT_BYTES + 8, 3 * MIN_DIRECT_BYTES, 2 * MIN_DIRECT_BYTES):
         a = arena.array((n // 8,), np.float64)
         assert a.ctypes.data % BLOCK == 0 and a.size == n // 8
-    monkeypatch.setattr(DirectWriter, "_bounce_buffer", lambda self: pytest.fail("bounce copy of aligned memory"))
+    monkeypatch.setattr(DirectWriter, "_bounce_buffers", lambda self: pytest.fail("bounce copy of aligned memory"))
     a = arena.array((3 * MIN_DIRECT_BYTES,), np.uint8)
     a[...] = np.random.default_rng(8).integers(0, 256, a.size, dtype=np.uint8)
     w = write(tmp_path / "ck", [a], direct=True)

@@ -14,6 +14,7 @@ import errno
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -38,10 +39,11 @@ class DirectWriter:
     writer (it owns a bounce buffer for memory that is not block-aligned); not thread-safe."""
 
     def __init__(self):
-        self._bounce: np.ndarray | None = None
+        self._bounce: tuple[np.ndarray, np.ndarray] | None = None
         self.direct_bytes = 0  # bytes that bypassed the page cache (for tests and benchmarks)
         self.cpu_seconds = 0.0  # CPU time of the writing thread inside write() (the checkpointer's trace)
         self._refused: set[int] = set()  # st_dev of file systems that refused O_DIRECT
+        self._accepted: set[int] = set()  # ... and of those that took it
 
     def write(self, path: str, offset: int, data: np.ndarray, direct: bool = True) -> None:
         """Write the flat uint8 array ``data`` at byte ``offset`` of the existing file ``path``
@@ -74,9 +76,11 @@ class DirectWriter:
         done = 0
         try:
             while done < data.size:
+                if data.ctypes.data % BLOCK and (done or dev in self._accepted):  # (known to take O_DIRECT)
+                    return done + self._write_bounced(fd, offset + done, data[done:])
                 piece = data[done:done + PIECE]
                 if piece.ctypes.data % BLOCK:  # memory must be aligned too: copy through the bounce buffer
-                    bounce = self._bounce_buffer()[:piece.size]
+                    bounce = self._bounce_buffers()[0][:piece.size]
                     np.copyto(bounce, piece)
                     piece = bounce
                 try:
@@ -88,11 +92,45 @@ class DirectWriter:
                     break
                 done += piece.size
                 self.direct_bytes += piece.size
+                self._accepted.add(dev)
         finally:
             os.close(fd)
         return done
 
-    def _bounce_buffer(self) -> np.ndarray:
-        if self._bounce is None:  # anonymous mmap: page-aligned
-            self._bounce = np.frombuffer(mmap.mmap(-1, PIECE), dtype=np.uint8)
+    def _write_bounced(self, fd: int, offset: int, data: np.ndarray) -> int:
+        """All of ``data`` (memory not block-aligned: torch's allocations start 64 bytes past a page)
+        at ``offset`` of ``fd`` (O_DIRECT), through two bounce buffers: one piece is copied while the
+        one before is written by a helper thread, so the copy hides behind the device (a 1 GiB save
+        of torch tensors took 1.6x as long as of aligned memory when the two alternated)."""
+        buffers, pending = self._bounce_buffers(), []
+        cpu: list[float] = []
+
+        def write(piece: np.ndarray, at: int) -> None:
+            t = time.thread_time()
+            try:
+                pwrite_all(fd, piece, at)
+            finally:
+                cpu.append(time.thread_time() - t)
+        with ThreadPoolExecutor(1, "ucl-direct") as io:
+            try:
+                for k, at in enumerate(range(0, data.size, PIECE)):
+                    piece = data[at:at + PIECE]
+                    if len(pending) == 2:
+                        pending.pop(0).result()  # the write from the buffer about to be refilled
+                    bounce = buffers[k % 2][:piece.size]
+                    np.copyto(bounce, piece)
+                    pending.append(io.submit(write, bounce, offset + at))
+                for f in pending:
+                    f.result()
+            finally:
+                for f in pending:
+                    f.cancel()
+        self.cpu_seconds += sum(cpu)  # the helper's; the caller's own is counted by write()
+        self.direct_bytes += data.size
+        return data.size
+
+    def _bounce_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._bounce is None:  # anonymous mmaps: page-aligned
+            self._bounce = tuple(np.frombuffer(mmap.mmap(-1, PIECE), dtype=np.uint8) for _ in range(2))
         return self._bounce
+
