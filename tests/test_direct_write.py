@@ -123,6 +123,47 @@ def test_unaligned_memory_is_written_exactly_through_the_bounce_pipeline(tmp_pat
     assert {t.name for t in threading.enumerate()} <= threads  # the pipeline's helper is gone
 
 
+def test_memory_the_device_takes_unaligned_is_written_without_a_copy(tmp_path, monkeypatch):
+    """Devices differ in the memory alignment O_DIRECT needs (NVMe: 4 bytes, virtio: 512): once the
+    device has taken O_DIRECT, memory off a page boundary is tried straight, and bounced only where
+    the device refuses that alignment (remembered). Whatever it does, the bytes read back exactly."""
+    bounced = []
+    real = DirectWriter._bounce_buffers
+    monkeypatch.setattr(DirectWriter, "_bounce_buffers", lambda self: bounced.append(1) or real(self))
+    arrays = raw_arrays(np.random.default_rng(5), [MIN_DIRECT_BYTES] * 3, [512] * 3)
+    w = write(tmp_path / "ck", arrays, direct=True)
+    for a, back in zip(arrays, read_back(tmp_path / "ck", 3)):
+        assert np.array_equal(a, back)
+    d = w._direct
+    if not d.direct_bytes:
+        pytest.skip("this file system refuses O_DIRECT")
+    dev = os.stat(tmp_path).st_dev
+    if d._memory_taken.get(dev) == 512:  # taken: only the first piece (is O_DIRECT taken at all?) was bounced
+        assert len(bounced) == 1
+    else:  # refused: remembered, and every later piece bounced
+        assert d._memory_refused[dev] == 512 and d.direct_bytes == sum(a.size for a in arrays)
+
+
+def test_a_device_refusing_unaligned_memory_keeps_o_direct_for_the_rest(tmp_path, monkeypatch):
+    import fcntl
+    real_pwrite, refused = os.pwrite, []
+
+    def picky(fd, data, offset):  # a device that takes O_DIRECT only from page-aligned memory
+        direct = fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0)
+        if direct and np.frombuffer(data, np.uint8).ctypes.data % BLOCK:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+    monkeypatch.setattr(direct_mod.os, "pwrite", picky)
+    arrays = raw_arrays(np.random.default_rng(6), [MIN_DIRECT_BYTES, MIN_DIRECT_BYTES + 7, MIN_DIRECT_BYTES], [64, 64, 0])
+    w = write(tmp_path / "ck", arrays, direct=True)
+    for a, back in zip(arrays, read_back(tmp_path / "ck", 3)):
+        assert np.array_equal(a, back)
+    if w._direct.direct_bytes:
+        assert len(refused) == 1  # tried once, then remembered
+        assert w._direct.direct_bytes == sum(a.size // BLOCK * BLOCK for a in arrays)  # every aligned byte direct
+
+
 @pytest.mark.parametrize("fail_at", [1, 2, 5])
 def test_a_failing_bounced_write_publishes_nothing(tmp_path, monkeypatch, fail_at):
     probe = DirectWriter()

@@ -34,6 +34,11 @@ def pwrite_all(fd: int, data: memoryview | np.ndarray, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def _alignment(address: int) -> int:
+    """The largest power of two dividing ``address`` (BLOCK at most)."""
+    return min(address & -address, BLOCK) if address else BLOCK
+
+
 class DirectWriter:
     """Writes byte ranges into existing files, directly where the file system allows it. One per
     writer (it owns a bounce buffer for memory that is not block-aligned); not thread-safe."""
@@ -44,6 +49,8 @@ class DirectWriter:
         self.cpu_seconds = 0.0  # CPU time of the writing thread inside write() (the checkpointer's trace)
         self._refused: set[int] = set()  # st_dev of file systems that refused O_DIRECT
         self._accepted: set[int] = set()  # ... and of those that took it
+        self._memory_taken: dict[int, int] = {}  # st_dev -> least memory alignment O_DIRECT took there
+        self._memory_refused: dict[int, int] = {}  # st_dev -> greatest memory alignment refused there
 
     def write(self, path: str, offset: int, data: np.ndarray, direct: bool = True) -> None:
         """Write the flat uint8 array ``data`` at byte ``offset`` of the existing file ``path``
@@ -76,26 +83,46 @@ class DirectWriter:
         done = 0
         try:
             while done < data.size:
-                if data.ctypes.data % BLOCK and (done or dev in self._accepted):  # (known to take O_DIRECT)
-                    return done + self._write_bounced(fd, offset + done, data[done:])
                 piece = data[done:done + PIECE]
-                if piece.ctypes.data % BLOCK:  # memory must be aligned too: copy through the bounce buffer
+                how = self._memory_rule(dev, piece.ctypes.data)
+                if how == "bounce" and dev in self._accepted:
+                    return done + self._write_bounced(fd, offset + done, data[done:])
+                if how == "bounce":  # the first piece on this device: is O_DIRECT taken at all?
                     bounce = self._bounce_buffers()[0][:piece.size]
                     np.copyto(bounce, piece)
                     piece = bounce
                 try:
-                    pwrite_all(fd, piece, offset + done)
-                except OSError as e:  # an alignment this device does not accept: the rest buffered
+                    n = os.pwrite(fd, piece, offset + done)
+                except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
-                    self._refused.add(dev)
+                    align = _alignment(piece.ctypes.data)
+                    if how == "try":  # this memory alignment is refused, O_DIRECT is not: bounce it
+                        self._memory_refused[dev] = max(self._memory_refused.get(dev, 0), align)
+                        continue
+                    self._refused.add(dev)  # an alignment this device does not accept: the rest buffered
                     break
-                done += piece.size
-                self.direct_bytes += piece.size
+                if n <= 0:
+                    raise OSError(errno.EIO, f"pwrite wrote {n} bytes")
+                if how == "try":
+                    self._memory_taken[dev] = min(self._memory_taken.get(dev, BLOCK), _alignment(piece.ctypes.data))
                 self._accepted.add(dev)
+                done += n
+                self.direct_bytes += n
         finally:
             os.close(fd)
         return done
+
+    def _memory_rule(self, dev: int, address: int) -> str:
+        """How memory at ``address`` goes to the device ``dev`` with O_DIRECT: straight (``direct``),
+        by trying it (``try``: devices differ, NVMe takes memory aligned to 4 bytes, virtio disks to
+        512), or through a page-aligned bounce buffer (``bounce``)."""
+        align = _alignment(address)
+        if align >= self._memory_taken.get(dev, BLOCK):
+            return "direct"
+        if dev not in self._accepted or align <= self._memory_refused.get(dev, 0):
+            return "bounce"
+        return "try"
 
     def _write_bounced(self, fd: int, offset: int, data: np.ndarray) -> int:
         """All of ``data`` (memory not block-aligned: torch's allocations start 64 bytes past a page)
