@@ -4,6 +4,7 @@ worker that dies without a result (the OOM killer, a SIGKILL) fails the run at o
 leaving the parent waiting; a worker never outlives its parent."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import multiprocessing.connection
@@ -115,9 +116,11 @@ def _worker_main(work, task, send, parent: int, reports: bool) -> None:
         message = ("failed", _portable(e), "".join(traceback.format_exception(e)))
     try:
         send.send(message)
-    except Exception as e:  # a result that cannot be pickled
-        send.send(("failed", StoreError(f"a worker's result could not be sent back: {e}", code="UCL410"), ""))
-    send.close()
+    except Exception as e:  # a result that cannot be pickled (or a parent gone: then this fails too)
+        with contextlib.suppress(Exception):
+            send.send(("failed", StoreError(f"a worker's result could not be sent back: {e}", code="UCL410"), ""))
+    finally:
+        send.close()
 
 
 def _portable(e: BaseException) -> BaseException:
