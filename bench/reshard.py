@@ -187,6 +187,25 @@ def repeated(cmd, work: Path, repeat: int, warm: Path | None = None) -> tuple[li
     return times, last
 
 
+def interleaved(ops: dict, work: Path, repeat: int, src: Path) -> tuple[dict, dict, dict]:
+    """``repeat`` rounds of every operation ``ops[name](out) -> command`` in turn, after one warm-up
+    round (interleaved, so the machine's drift hits every operation alike), ``src`` re-read before
+    each run: wall times per operation, each one's last output, and the least share of ``src`` in
+    the page cache after its runs (None where that cannot be asked)."""
+    times = {name: [] for name in ops}
+    last, warm = {}, {name: [] for name in ops}
+    for i in range(repeat + 1):
+        for k, (name, cmd) in enumerate(ops.items()):
+            out = work / f"out-{k}-{i}"
+            dt, last[name] = timed(cmd(out), warm=src)
+            if i:
+                times[name].append(dt)
+                warm[name].append(cached_fraction(src))  # after the run: what it may have lost to reclaim
+            shutil.rmtree(out)
+    cached = {name: None if None in warm[name] else min(warm[name]) for name in ops}
+    return times, last, cached
+
+
 def growth(args, work: Path) -> None:
     """Time against size, and against the source's rank count at equal bytes, each as a ratio to
     `cp -r` of the same source measured right before it (warm cache, page-cache writes)."""
@@ -195,15 +214,19 @@ def growth(args, work: Path) -> None:
 
     def row(label: str, src: Path) -> None:
         size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
-        cp, _ = repeated(lambda out: ["cp", "-r", str(src), str(out)], work, args.repeat, warm=src)
-        cells = [f"{label:<22} {size / 2**30:6.2f} {statistics.median(cp):7.2f}"]
+        ops = {"cp": lambda out: ["cp", "-r", str(src), str(out)]}
+        ops.update({to: (lambda out, to=to: cli + [str(src), str(out), "--to", to, "--quiet", "--no-fsync"])
+                    for to in targets})
+        times, _, _ = interleaved(ops, work, args.repeat, src)
+        cp = statistics.median(times["cp"])
+        cells = [f"{label:<22} {size / 2**30:6.2f} {cp:7.2f}"]
         for to in targets:
-            t, _ = repeated(lambda out: cli + [str(src), str(out), "--to", to, "--quiet", "--no-fsync"], work, args.repeat, warm=src)
-            cells.append(f"{statistics.median(t):7.2f} ({min(t):.2f}-{max(t):.2f}) {statistics.median(t) / statistics.median(cp):5.2f}x")
+            t = times[to]
+            cells.append(f"{statistics.median(t):7.2f} ({min(t):.2f}-{max(t):.2f}) {statistics.median(t) / cp:5.2f}x")
         print("  ".join(cells), flush=True)
 
     head = f"{'source':<22} {'GiB':>6} {'cp -r s':>7}  " + "  ".join(f"{'-> ' + t:<26}" for t in targets)
-    print(f"\ntime vs size (source TP2·PP2·DP2; medians of {args.repeat} warm runs, min-max, x cp -r)\n{head}")
+    print(f"\ntime vs size (source TP2·PP2·DP2; medians of {args.repeat} interleaved warm rounds, min-max, x cp -r)\n{head}")
     for gb in (0.25, 0.5, 1.0, 2.0):
         src = work / f"src-{gb}"
         build_source(src, dims_for(gb))
@@ -295,18 +318,8 @@ def main() -> None:
                                                            "--no-fsync"],
             "  -> universal, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet"],
         }
-        times = {name: [] for name in ops}
-        last, warm = {}, {name: [] for name in ops}
-        for i in range(args.repeat + 1):  # interleaved rounds, so drift hits every operation alike; round 0 warms up
-            for k, (name, cmd) in enumerate(ops.items()):
-                out = work / f"out-{k}-{i}"
-                dt, last[name] = timed(cmd(out), warm=src)
-                if i:
-                    times[name].append(dt)
-                    warm[name].append(cached_fraction(src))  # after the run: what it may have lost to reclaim
-                shutil.rmtree(out)
+        times, last, cached = interleaved(ops, work, args.repeat, src)
         results = {name: (times[name], last[name]) for name in ops}
-        cached = {name: None if None in warm[name] else min(warm[name]) for name in ops}
         base = statistics.median(results["cp -r"][0])
         print(f"\n{'operation':<28} {'median s':>9} {'min-max s':>13} {'x cp -r':>8} {'cached':>6}  notes  "
               f"(warm cache, {args.repeat} interleaved rounds; cached: least share of the source in the page cache after a run)")

@@ -332,36 +332,40 @@ def datasets_on(groups: Sequence[ReplicaGroup], rank: int) -> dict[str, tuple[tu
 
 def assign(groups: list[ReplicaGroup], plan: Plan, workers: int, files: Sequence[int] | None = None,
            shared: frozenset[int] = frozenset()) -> list[WorkerTask]:
-    """Give each target rank file to one worker, largest first to the least loaded (a file's load is
-    all its bytes), keeping files that share a replica group together where the load allows, so
-    their source bytes are read once; the datasets of ``shared`` files (laid out beforehand,
-    ``split_files``) are then shared out one by one, largest first. ``files`` are the target ranks
-    to share out (default: all; ``groups`` then name no others)."""
+    """Give each target rank file to one worker, and each dataset of the ``shared`` files (laid out
+    beforehand, ``split_files``) to one worker: all of them largest first (a file's load is all its
+    bytes) to the least loaded worker (LPT: within 4/3 of the best), or to a worker already writing a
+    replica of the same data while that stays within 1.1x the fair share, so its source bytes are
+    read once. ``files`` are the target ranks to share out (default: all; ``groups`` then name no others)."""
     load = [0] * workers
     total = sum(g.nbytes * len(g.ranks) for g in groups) or 1
     fair = 1.1 * total / workers
     least = lambda: min(range(workers), key=load.__getitem__)  # noqa: E731
-    size: dict[int, int] = {}
-    partners: dict[int, set[int]] = {}  # file -> the files it shares a replica group with
-    for g in groups:
-        mates = [r for r in g.ranks if r not in shared]
-        for r in mates:
-            size[r] = size.get(r, 0) + g.nbytes
-            partners.setdefault(r, set()).update(mates)
-    owner: dict[int, int] = {}  # file -> its worker
-    for r in sorted(size, key=lambda r: (-size[r], r)):
-        near = [owner[x] for x in sorted(partners[r]) if x in owner]
-        w = next((x for x in near if load[x] + size[r] <= fair), None)
-        owner[r] = least() if w is None else w
-        load[owner[r]] += size[r]
+    size: dict[int, int] = {}  # whole file -> its bytes
+    groups_of: dict[int, list[int]] = {}  # whole file -> the groups it holds
+    for gi, g in enumerate(groups):
+        for r in g.ranks:
+            if r not in shared:
+                size[r] = size.get(r, 0) + g.nbytes
+                groups_of.setdefault(r, []).append(gi)
+    owner: dict[int, int] = {}  # whole file -> its worker
     piece: dict[tuple[int, int], int] = {}  # (group, shared file) -> the worker writing that dataset
-    for gi in sorted(range(len(groups)), key=lambda i: -groups[i].nbytes):
-        g = groups[gi]
-        for r in (r for r in g.ranks if r in shared):
-            near = [owner[x] for x in g.ranks if x in owner] + [piece[gi, x] for x in g.ranks if (gi, x) in piece]
-            w = next((x for x in near if load[x] + g.nbytes <= fair), None)
-            piece[gi, r] = least() if w is None else w
-            load[piece[gi, r]] += g.nbytes
+
+    def near(gis: list[int]) -> list[int]:
+        """Workers already writing a replica of these groups (they read the same source bytes)."""
+        return [w for gi in gis for x in groups[gi].ranks
+                for w in [piece.get((gi, x)) if x in shared else owner.get(x)] if w is not None]
+    # whole files and the datasets of shared files together, largest first (LPT)
+    items = [(size[r], r, -1) for r in size] + [(g.nbytes, r, gi) for gi, g in enumerate(groups)
+                                                for r in g.ranks if r in shared]
+    for nbytes, r, gi in sorted(items, key=lambda it: (-it[0], it[2] >= 0, it[1], it[2])):
+        w = next((x for x in near(groups_of[r] if gi < 0 else [gi]) if load[x] + nbytes <= fair), None)
+        w = least() if w is None else w
+        if gi < 0:
+            owner[r] = w
+        else:
+            piece[gi, r] = w
+        load[w] += nbytes
     for r in range(plan.dst_mesh.size) if files is None else files:
         if int(r) not in shared:
             owner.setdefault(int(r), least())
