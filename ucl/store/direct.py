@@ -41,7 +41,8 @@ def _alignment(address: int) -> int:
 
 class DirectWriter:
     """Writes byte ranges into existing files, directly where the file system allows it. One per
-    writer (it owns a bounce buffer for memory that is not block-aligned); not thread-safe."""
+    writer (it owns the bounce buffers for memory the device will not take, and remembers what each
+    device took); not thread-safe."""
 
     def __init__(self):
         self._bounce: tuple[np.ndarray, np.ndarray] | None = None
