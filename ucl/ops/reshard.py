@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -351,10 +351,11 @@ def assign(groups: list[ReplicaGroup], plan: Plan, workers: int, files: Sequence
     owner: dict[int, int] = {}  # whole file -> its worker
     piece: dict[tuple[int, int], int] = {}  # (group, shared file) -> the worker writing that dataset
 
-    def near(gis: list[int]) -> list[int]:
-        """Workers already writing a replica of these groups (they read the same source bytes)."""
-        return [w for gi in gis for x in groups[gi].ranks
-                for w in [piece.get((gi, x)) if x in shared else owner.get(x)] if w is not None]
+    def near(gis: list[int]) -> Iterator[int]:
+        """Workers already writing a replica of these groups (they read the same source bytes), lazily:
+        the first that has room is taken, and a file may hold hundreds of groups."""
+        return (w for gi in gis for x in groups[gi].ranks
+                for w in [piece.get((gi, x)) if x in shared else owner.get(x)] if w is not None)
     # whole files and the datasets of shared files together, largest first (LPT)
     items = [(size[r], r, -1) for r in size] + [(g.nbytes, r, gi) for gi, g in enumerate(groups)
                                                 for r in g.ranks if r in shared]
