@@ -77,24 +77,20 @@ class DimLayout:
         """Hashable identity of the geometry (plans of equal geometry are computed once)."""
         return (self.local, self.segs.tobytes(), self.fills.tobytes())
 
+    @cached_property
+    def _runs(self) -> tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int], ...]]:
+        """``segs`` and ``fills`` as Python ints: a dim has a few runs, and restricting them in
+        Python is several times faster than a dozen numpy calls on tiny arrays."""
+        return tuple(map(tuple, self.segs.tolist())), tuple(map(tuple, self.fills.tolist()))
+
     def restrict(self, lo: int, hi: int) -> "DimLayout":
         """Keep local positions [lo, hi) (coordinates stay those of the whole local dim)."""
-        s = self.segs
-        if len(s) == 1 and len(self.fills) == 0:  # the common case, without numpy overhead
-            g, l, n = (int(x) for x in s[0])
-            a, b = max(l, lo), min(l + n, hi)
-            segs = np.array([[g + a - l, a, b - a]], dtype=I64) if a < b else _EMPTY3
-            return DimLayout(hi - lo, segs, _EMPTY2)
-        a = np.maximum(s[:, 1], lo)
-        b = np.minimum(s[:, 1] + s[:, 2], hi)
-        keep = a < b
-        segs = np.stack([s[keep, 0] + (a - s[:, 1])[keep], a[keep], (b - a)[keep]], axis=1) if keep.any() else _EMPTY3
-        f = self.fills
-        fa = np.maximum(f[:, 0], lo)
-        fb = np.minimum(f[:, 0] + f[:, 1], hi)
-        fkeep = fa < fb
-        fills = np.stack([fa[fkeep], (fb - fa)[fkeep]], axis=1) if fkeep.any() else _EMPTY2
-        return DimLayout(hi - lo, segs.astype(I64), fills.astype(I64))
+        seg_runs, fill_runs = self._runs
+        segs = [(g + a - l, a, b - a) for g, l, n in seg_runs
+                for a, b in ((max(l, lo), min(l + n, hi)),) if a < b]
+        fills = [(a, b - a) for l, n in fill_runs for a, b in ((max(l, lo), min(l + n, hi)),) if a < b]
+        return DimLayout(hi - lo, np.array(segs, dtype=I64) if segs else _EMPTY3,
+                         np.array(fills, dtype=I64) if fills else _EMPTY2)
 
 
 _EMPTY3 = np.zeros((0, 3), dtype=I64)

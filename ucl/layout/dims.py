@@ -3,6 +3,7 @@ any mesh coordinate is chosen. Used by binding (structural checks) and by loweri
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ..errors import BindError, Diagnostic
 from ..lang import ast
@@ -65,17 +66,41 @@ def build_dims(model, tensor, env: dict, mesh: Mesh) -> tuple[DimSpec, ...]:
                 fail(model, tensor, t.span, LayoutError("UCL205", f"cannot pad dim {t.dim} of size {n} down to {padded}"), mesh)
             pads[t.dim.root] = padded
 
-    def first_below(path) -> float:
+    builder = _TreeBuilder(model, tensor, env, mesh, structure, splits)
+    dims = []
+    for d, n in enumerate(shape):
+        padded = pads.get(d, n)
+        dims.append(DimSpec(n, padded, builder.build((d,), padded)))
+    return tuple(dims)
+
+
+@dataclass(frozen=True, eq=False)
+class _TreeBuilder:
+    """Builds one tensor's dim trees (a class rather than nested recursive closures, which would be
+    reference cycles left for the cyclic collector: one per tensor lowered)."""
+
+    model: object
+    tensor: object
+    env: dict
+    mesh: Mesh
+    structure: dict
+    splits: dict  # path -> [(order, (axes, mode))]
+
+    def number(self, expr, extent: str):
+        return evaluate_in(self.model, self.tensor, expr, self.env, self.mesh, extent)
+
+    def first_below(self, path) -> float:
         """Order of the first split of a strict descendant of ``path`` (inf if none)."""
-        orders = [o for p, xs in splits.items() if len(p) > len(path) and p[:len(path)] == path for o, _ in xs]
+        orders = [o for p, xs in self.splits.items() if len(p) > len(path) and p[:len(path)] == path
+                  for o, _ in xs]
         return min(orders, default=float("inf"))
 
-    def build(path: tuple, size: int, inherited=()) -> Node:
-        mine = splits.get(path, [])
-        t = structure.get(path)
+    def build(self, path: tuple, size: int, inherited=()) -> Node:
+        mine = self.splits.get(path, [])
+        t = self.structure.get(path)
         if t is None:
             return Node("leaf", size, (), tuple(inherited) + tuple(x for _, x in mine), path=path)
-        cut = first_below(path)
+        cut = self.first_below(path)
         if isinstance(t, ast.View):
             pre = tuple(inherited) + tuple(x for o, x in mine if o < cut)
             post = tuple(x for o, x in mine if o > cut)  # after a factor's split: cuts the local extent
@@ -86,31 +111,25 @@ def build_dims(model, tensor, env: dict, mesh: Mesh) -> tuple[DimSpec, ...]:
             pre = tuple(inherited) + tuple(first)
             post = tuple(x for x in (x for _, x in mine[len(first):]))
         if isinstance(t, ast.View):
-            sizes = [evaluate_in(model, tensor, f, env, mesh, f"view factor {k}") for k, f in enumerate(t.factors)]
+            sizes = [self.number(f, f"view factor {k}") for k, f in enumerate(t.factors)]
             if math.prod(sizes) != size:  # Python ints: an int64 product could wrap around to `size`
-                fail(model, tensor, t.span, LayoutError(
-                    "UCL206", f"view {t.dim} as {sizes}: the factors multiply to {math.prod(sizes)}, not {size}"), mesh)
+                fail(self.model, self.tensor, t.span, LayoutError(
+                    "UCL206", f"view {t.dim} as {sizes}: the factors multiply to {math.prod(sizes)}, not {size}"), self.mesh)
             if pre and cut == float("inf"):  # a split of the whole viewed dim: the view does not matter
                 return Node("leaf", size, (), pre, path=path)
             if pre:
-                fail(model, tensor, t.span, LayoutError(
+                fail(self.model, self.tensor, t.span, LayoutError(
                     "UCL109", f"dim {t.dim} is split as a whole before one of its factors is; split the factor "
-                    "first (a later split of the whole then cuts each rank's local part)"), mesh)
-            kids = tuple(build(path + (k,), s) for k, s in enumerate(sizes))
+                    "first (a later split of the whole then cuts each rank's local part)"), self.mesh)
+            kids = tuple(self.build(path + (k,), s) for k, s in enumerate(sizes))
             return Node("view", size, kids, (), post, path=path)
-        sizes = [evaluate_in(model, tensor, p.size, env, mesh, f"concat part {p.name.name!r}") for p in t.parts]
+        sizes = [self.number(p.size, f"concat part {p.name.name!r}") for p in t.parts]
         if sum(sizes) != size:
-            fail(model, tensor, t.span, LayoutError(
-                "UCL206", f"concat {t.dim} parts {sizes} sum to {sum(sizes)}, not {size}"), mesh)
+            fail(self.model, self.tensor, t.span, LayoutError(
+                "UCL206", f"concat {t.dim} parts {sizes} sum to {sum(sizes)}, not {size}"), self.mesh)
         # A split of a concat splits every part: each rank holds [q_r; k_r; v_r].
-        kids = tuple(build(path + (p.name.name,), s, pre) for p, s in zip(t.parts, sizes))
+        kids = tuple(self.build(path + (p.name.name,), s, pre) for p, s in zip(t.parts, sizes))
         return Node("concat", size, kids, (), post, path=path)
-
-    dims = []
-    for d, n in enumerate(shape):
-        padded = pads.get(d, n)
-        dims.append(DimSpec(n, padded, build((d,), padded)))
-    return tuple(dims)
 
 
 def universal_dims(shape) -> tuple[DimSpec, ...]:

@@ -167,13 +167,24 @@ def tensors_on(model: Model, mesh: Mesh, coords: list[dict[str, int]]) -> frozen
     out = []
     for t in model.tensors:
         try:
-            allowed, _ = placement(model, t, env, mesh, None, memo)
+            allowed, _ = _placement_of(model, t, env, mesh, memo)
         except (TensorFailure, UclError):
             out.append(t.id)
             continue
         if any(all(c.get(a, 0) in v for a, v in allowed.items()) for c in coords):
             out.append(t.id)
     return frozenset(out)
+
+
+def _placement_of(model: Model, t, env: dict, mesh: Mesh, memo: dict | None):
+    """:func:`placement` without notes, cached on the model per mesh: planning one rank's load
+    places every tensor to find its own (:func:`tensors_on`) and again to lay out the flat buffers
+    they share (:func:`_place_other_members`). Callers do not change what it returns."""
+    cache = model.memo.setdefault(("placement", mesh), {})
+    found = cache.get(t.id)
+    if found is None:
+        found = cache[t.id] = placement(model, t, env, mesh, None, memo)
+    return found
 
 
 @contextmanager
@@ -314,7 +325,7 @@ def _place_other_members(model, mesh, env, ids: list[int], placed: dict, shared,
     near = {tuple(sorted((a, tuple(c)) for a, c in p.allowed.items())) for p in placed.values()}
     by_rule: dict[int, tuple] = {}
     for t in (model.tensors[i] for i in ids):
-        allowed, local = placement(model, t, env, mesh, None, shared)
+        allowed, local = _placement_of(model, t, env, mesh, shared)
         if any(all(set(allowed.get(a, c)) & set(c) for a, c in other) for other in near):
             dims = () if t.scalar else build_dims(model, t, env, mesh)
             if one is not None:
@@ -412,6 +423,7 @@ def _flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: di
     # the same way: pipeline stages of equal depth repeat one cut, which is computed once.
     cuts: dict | None = {} if reuse else None
     restricted: dict = {}  # (DimLayout, lo, hi) -> its restriction: cuts of other stages repeat many
+    skeletons: dict = {}  # (dtype, members' local shapes) -> the cut as boxes of local tensors
     # Members placed alike (a pipeline stage's layers) are held on the same coordinates: test
     # each placement once per coordinate, not each member.
     alike: dict[tuple, list[int]] = {}
@@ -432,12 +444,17 @@ def _flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: di
             suffix = members[0][2] if flat.per_param else \
                 f"@flat{group.number}" + (f".{b}" if opts.bucket is not None else "")
             if cuts is None:
-                cut = _cut_buffer(model, mesh, flat, opts, members, None)
+                cut = _cut_buffer(_cut_skeleton(model, mesh, flat, opts, members), members, None)
             else:
                 key = (members[0][0].dtype, tuple([layouts for _, layouts, _ in members]))
                 cut = cuts.get(key)
                 if cut is None:
-                    cut = cuts[key] = _cut_buffer(model, mesh, flat, opts, members, restricted)
+                    shapes = (members[0][0].dtype, tuple([tuple([x.local for x in layouts])
+                                                          for _, layouts, _ in members]))
+                    skeleton = skeletons.get(shapes)
+                    if skeleton is None:
+                        skeleton = skeletons[shapes] = _cut_skeleton(model, mesh, flat, opts, members)
+                    cut = cuts[key] = _cut_buffer(skeleton, members, restricted)
             _place_cut(cut, members, fixed, part_coords, suffix, geo)
     return geo
 
@@ -446,16 +463,19 @@ def _flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: di
 class BufferCut:
     """One flat buffer cut into partitions, independent of where it is held: ``pieces`` are
     (member index, partition, member's offset relative to the partition, member's local shape,
-    boxes), ``gaps[j]`` the (start, length) of partition ``j`` that no member covers."""
+    boxes), ``gaps[j]`` the (start, length) of partition ``j`` that no member covers. A skeleton
+    (:func:`_cut_skeleton`) has boxes as (starts, sizes) in the member's local tensor; a cut
+    (:func:`_cut_buffer`) has them as per-dim layouts."""
 
     part: int  # partition length
     pieces: list[tuple[int, int, int, tuple[int, ...], list]]
     gaps: list[list[tuple[int, int]]]
 
 
-def _cut_buffer(model, mesh, flat, opts: FlatOptions, members, restricted: dict | None) -> BufferCut:
+def _cut_skeleton(model, mesh, flat, opts: FlatOptions, members) -> BufferCut:
     """Lay ``members`` out in one flat buffer (aligned, padded) and cut it into ``opts.parts``
-    partitions: the pieces each partition holds and its gaps."""
+    partitions: the pieces each partition holds, as boxes of local shapes, and its gaps. Only the
+    members' local shapes matter: the ranks of a tensor-parallel group share one skeleton."""
     parts = opts.parts
     offsets, pos = [], 0
     for t, layouts, _ in members:
@@ -482,7 +502,7 @@ def _cut_buffer(model, mesh, flat, opts: FlatOptions, members, restricted: dict 
         for j in range(off // part, (off + n - 1) // part + 1):
             lo, hi = max(off, j * part), min(off + n, (j + 1) * part)
             covered[j].append((lo - j * part, hi - lo))
-            boxes = [_box_dims(layouts, start, size, restricted) for _, start, size in flat_boxes(shape, lo - off, hi - off)]
+            boxes = [(start, size) for _, start, size in flat_boxes(shape, lo - off, hi - off)]
             pieces.append((i, j, off - j * part, shape, boxes))
     gaps = []
     for j in range(parts):
@@ -495,6 +515,13 @@ def _cut_buffer(model, mesh, flat, opts: FlatOptions, members, restricted: dict 
             mine.append((pos, part - pos))
         gaps.append(mine)
     return BufferCut(part, pieces, gaps)
+
+
+def _cut_buffer(skeleton: BufferCut, members, restricted: dict | None) -> BufferCut:
+    """``skeleton`` with each box as per-dim layouts of its member."""
+    pieces = [(i, j, base, shape, [_box_dims(members[i][1], start, size, restricted) for start, size in boxes])
+              for i, j, base, shape, boxes in skeleton.pieces]
+    return BufferCut(skeleton.part, pieces, skeleton.gaps)
 
 
 def _place_cut(cut: BufferCut, members, fixed, part_coords, suffix, geo: FlatGeometry) -> None:

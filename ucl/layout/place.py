@@ -2,9 +2,10 @@
 a tensor, and its rank-local name (layer ``i`` renumbered per stage unless ``keep``)."""
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 
-import numpy as np
 
 from ..errors import Diagnostic
 from ..lang import ast
@@ -88,8 +89,8 @@ def stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh, notes=N
                 memo[("node", id(t))] = t
         if notes is not None and 0 in sizes:
             notes.setdefault(("stages", id(t)), []).append((tensor, (t, axis, tuple(sizes))))
-        stage = int(np.searchsorted(bounds, value, side="right"))
-        return stage, value - (int(bounds[stage - 1]) if stage else 0)
+        stage = bisect.bisect_right(bounds, value)
+        return stage, value - (bounds[stage - 1] if stage else 0)
     virtual = ev(t.virtual) if t.virtual is not None else 1
     if virtual < 1:
         fail(model, tensor, t.span, LayoutError("UCL207", f"virtual {virtual}: needs at least 1 chunk per stage"), mesh)
@@ -125,7 +126,7 @@ def _stage_sizes(model, tensor, t: ast.Index, count, size, mesh, ev):
     if len(sizes) != size or sum(sizes) != count or min(sizes) < 0:
         stage_fail(model, tensor, t, mesh, "UCL207", f"stage sizes {sizes} must list {size} stages summing to {count}",
                     StageFailure(t, axis, size, count, 1, "sizes", len(sizes)))
-    return sizes, np.cumsum(sizes)
+    return sizes, list(itertools.accumulate(sizes))
 
 
 def coords_key(fixed: dict, dims: tuple[DimSpec, ...], mesh: Mesh):

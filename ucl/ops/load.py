@@ -15,6 +15,7 @@ from ..layout.mesh import Mesh, as_mesh
 from ..layout.bind import Model
 from ..plan.buffers import Arena
 from ..plan.execute import covered_elements, rank_datasets, rank_rows, run_copies
+from ..plan.ranksets import sorted_distinct
 from ..store.source import StoreSource
 from .read_once import connect, identity, share_of
 from .prepare import check_stored, mesh_of, model_of, open_checkpoint, plan_between, plan_for
@@ -61,7 +62,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
             else:
                 target = model
                 plan = plan_between(source_model, mesh_of(ckpt), model, mesh, ranks=[rank])
-            check_stored(ckpt, source_model, np.unique(plan.copies["src_rank"]))
+            check_stored(ckpt, source_model, sorted_distinct(plan.copies["src_rank"]))
             t1 = time.perf_counter()
             rows = rank_rows(plan, rank)
             datasets = {d["key"]: d for d in rank_datasets(plan, rank)}
@@ -119,7 +120,7 @@ def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: 
     with open_checkpoint(path) as ckpt:
         model = model_of(ckpt)
         plan = plan_for(model, mesh_of(ckpt), mesh, ranks=[rank])
-        check_stored(ckpt, model, np.unique(plan.copies["src_rank"]))
+        check_stored(ckpt, model, sorted_distinct(plan.copies["src_rank"]))
         rows = rank_rows(plan, rank)
         datasets = {d["key"]: d for d in rank_datasets(plan, rank)}
         wanted = list(datasets) if keys is None else list(keys)

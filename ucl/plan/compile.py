@@ -14,7 +14,7 @@ from ..layout.boxes import Slot
 from ..layout.lower import ShardMap, gc_paused, lower, tensors_on
 from ..layout.mesh import Mesh, as_mesh
 from .ir import DATASET_COLUMNS, FILL_BOX_COLUMNS, FILL_COLUMNS, Plan
-from .ranksets import RankSets
+from .ranksets import RankSets, sorted_distinct
 
 # ---- compilation ---------------------------------------------------------------------------------
 def _pad_cols(a: np.ndarray, K: int, fill: int) -> np.ndarray:
@@ -105,7 +105,7 @@ def _compile(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Model | None 
 
 def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Model | None = None) -> Plan:
     src_model, model = model, (dst_model or model)
-    wanted = None if ranks is None else np.unique(np.asarray(list(ranks), dtype=I64))
+    wanted = None if ranks is None else sorted_distinct(list(ranks))
     # a few target ranks (one rank's load): test their coordinates instead of enumerating the mesh,
     # and lower only the tensors placed where they are (on both meshes)
     few = None if wanted is None or len(wanted) > 64 or dst.is_universal else \

@@ -13,6 +13,13 @@ import numpy as np
 I64 = np.int64
 
 
+def sorted_distinct(ranks) -> np.ndarray:
+    """``ranks`` ascending without repeats: ``np.unique`` without its first call's import of
+    ``numpy.ma`` (10 ms, a tenth of planning one rank's load)."""
+    a = np.sort(np.asarray(ranks, dtype=I64).ravel())
+    return a[np.concatenate([[True], a[1:] != a[:-1]])] if len(a) else a
+
+
 @dataclass(frozen=True, eq=False)
 class RankSets:
     offsets: np.ndarray  # (sets + 1,), offsets[0] == 0, non-decreasing
