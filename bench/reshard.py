@@ -288,6 +288,8 @@ def main() -> None:
     args = ap.parse_args()
     global PRETOUCH_BYTES
     PRETOUCH_BYTES = int(args.pretouch_gb * 2**30)
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ucl-bench-", dir=args.workdir))
     os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     if args.growth:

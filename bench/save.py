@@ -373,6 +373,8 @@ def main() -> None:
         print(json.dumps(run_variant(args)), flush=True)
         return
     iters = {k: args.iters or (4 if args.quick else max(4, k)) for k in args.every}
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     args.workdir = work = tempfile.mkdtemp(prefix="ucl-bench-save-", dir=args.workdir)
     try:
         cfg = shape(args)

@@ -658,6 +658,8 @@ def main() -> None:
     dims = dims_for(size, args.dtype)
     params = llama_params(dims)
     n = sum(torch.Size(s).numel() for _, s in params)
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="ucl-bench-vs-dcp-", dir=args.workdir)
     cfg = dict(work=work, dtype=args.dtype, params=params, repeat=args.repeat, cold=args.cold,
                ucl_cached=args.ucl_cached, ucl_copy=args.ucl_copy, procs=args.procs, load_procs=load_procs, t0=time.time())

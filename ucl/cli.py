@@ -565,8 +565,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="build a Llama-style checkpoint, reshard it and verify it bit-exactly")
     p.add_argument("--workdir", default=None, help="where to write (default: a temporary folder)")
-    p.add_argument("--from", dest="src", default="pp=2,dp=2,tp=2", metavar="MESH")
-    p.add_argument("--to", dest="dst", default="pp=1,dp=2,tp=4", metavar="MESH")
+    p.add_argument("--from", dest="src", default="pp=2,dp=2,tp=2", metavar="MESH",
+                   help="the layout the demo checkpoint is written in (default: %(default)s)")
+    p.add_argument("--to", dest="dst", default="pp=1,dp=2,tp=4", metavar="MESH",
+                   help="the layout it is resharded to (default: %(default)s)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints it wrote")
     p.set_defaults(func=cmd_demo)
 

@@ -393,8 +393,9 @@ def synthesize_params(spec, dims: Mapping[str, int]) -> dict[str, tuple[int, ...
         first = min(globbed + shapeless, key=lambda r: (r.span.line, r.span.col))
         problems.append(Diagnostic(
             "UCL212", "cannot synthesize the parameters from the spec alone: " + "; ".join(reasons), first.pattern.span,
-            "pass the parameters: `--params MODEL` on the command line, or `spec.bind(dims, params)` with the "
-            "model's names and shapes; mark rules whose parameters a model may lack `optional`"))
+            "pass the parameters: `--params MODEL` (ucl plan) or `--against MODEL` (ucl check) on the command "
+            "line, or `spec.bind(dims, params)` with the model's names and shapes; mark rules whose parameters a "
+            "model may lack `optional`"))
     for cap, rules in uncounted.items():
         problems.append(Diagnostic("UCL212", f"capture {{{cap}}} has no `index {cap} of N` saying how many values "
                                    f"it takes (used by {_rule_list(rules)})", rules[0].pattern.span))

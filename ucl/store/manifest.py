@@ -83,6 +83,12 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable")
 
 
+def plain_json(value: Any) -> Any:
+    """A copy of ``value`` in plain JSON values, as a manifest stores it (numpy scalars and arrays,
+    tuples and sets converted); TypeError or ValueError (NaN, infinity) when it is not JSON."""
+    return json.loads(json.dumps(value, allow_nan=False, default=_json_default))
+
+
 def _bad(msg: str) -> StoreError:
     return StoreError(f"invalid manifest: {msg}", code="UCL403")
 

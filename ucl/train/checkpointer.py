@@ -19,6 +19,7 @@ from ..dtypes import to_numpy
 from ..errors import StoreError, UclError
 from ..ops.dist import initialized_dist
 from ..store.checksum import checksum_of
+from ..store.manifest import plain_json
 from ..store.root import CheckpointRoot
 from . import restore, rng
 from .copier import Copier
@@ -41,7 +42,8 @@ class Checkpointer:
     parameters, and the mesh the module's local tensors have); by default the layout is derived.
     ``keep``: committed checkpoints kept per directory tier. ``tiers``: further directories or
     fsspec URLs each checkpoint is copied to, in the background, after it is durable.
-    ``persist_every``: every ``save`` snapshots to host memory, every N-th is written.
+    ``persist_every``: every ``save`` snapshots to host memory; steps that are multiples of N, and any
+    save after N - 1 unwritten ones, are written.
     ``pool_bytes``: host pool size (default: two snapshots). ``debug``: detect state mutated between
     ``save`` and the next fence (checksums).
     """
@@ -73,6 +75,9 @@ class Checkpointer:
             self._dist.barrier(group=self._group)
         self._closed = False
         self._last: Snapshot | None = None  # the snapshot the next fence waits for
+        self._unwritten = 0  # saves since the last one written to disk (persist_every)
+        # the newest step saved in root (load() sets it to the step it restored: a rollback)
+        self._newest = self.root.latest_step() if os.path.isdir(self.root.root) else None
         self._progress = Progress()
         self._snapshots = Snapshots()
         self.trace = Trace(self.root.root, rank)
@@ -90,9 +95,18 @@ class Checkpointer:
     def save(self, step: int, extra: Any = None) -> None:
         """Snapshot the model and optimizer at ``step`` and return; ``extra`` is any JSON value."""
         t0 = time.perf_counter()
+        if self._closed:
+            raise UclError("save() after close(): this Checkpointer's threads have stopped; make a new one",
+                           code="UCL430")
         self._progress.raise_error()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UclError(f"step must be a non-negative integer, got {step!r}", code="UCL430")
+        extra = _frozen_json(step, extra)
+        if self._newest is not None and step < self._newest:
+            raise UclError(f"step {step}: {self.root.root} already holds step {self._newest}; saving an older step "
+                           "would delete the newer ones once it is durable (they would belong to an abandoned "
+                           "run). To continue that run call load() first; to roll back, load(step=k) and save "
+                           "from there; to start another run, use another root", code="UCL430")
         self.fence()  # the previous snapshot must be complete before its sources change again
         layout = self._layouts.current(self.model, self.optimizer)
         self._layouts.validate(layout)
@@ -104,7 +118,10 @@ class Checkpointer:
             self._new_pool(max(self.pool_bytes or default, 1))
         region, waited = self._snapshots.pool.allocate(
             total, closed=lambda: self._progress.failed or self._closed, reclaim=self._snapshots.forget)
-        persist = step % self.persist_every == 0
+        # written: steps that are multiples of N, and any save after N - 1 unwritten ones in a row
+        persist = step % self.persist_every == 0 or self._unwritten + 1 >= self.persist_every
+        self._unwritten = 0 if persist else self._unwritten + 1
+        self._newest = step if self._newest is None else max(self._newest, step)
         snap = Snapshot(step, extra, layout, region, offsets, persist, self._state(step, extra),
                         holders={"memory"} | ({"flush"} if persist else set()))
         if self.debug:
@@ -156,12 +173,13 @@ class Checkpointer:
                                 self._group)
         restored = restore.from_memory(target, self._snapshots, self.root, step, self.trace,
                                        usable=not self._progress.failed)
-        if restored is not None:
-            return restored
-        path = self.root.latest() if step is None else self.root.path_for(step)
-        if path is None:
-            raise StoreError(f"no checkpoint in {self.root.root}", code="UCL404")
-        return restore.from_checkpoint(target, path)
+        if restored is None:
+            path = self.root.latest() if step is None else self.root.path_for(step)
+            if path is None:
+                raise StoreError(f"no checkpoint in {self.root.root}", code="UCL404")
+            restored = restore.from_checkpoint(target, path)
+        self._newest = restored[0]  # the run goes on from here: newer steps are abandoned
+        return restored
 
     def close(self) -> None:
         """Wait for pending work, stop the background threads, remove the hook. Idempotent."""
@@ -216,10 +234,21 @@ class Checkpointer:
 
     @staticmethod
     def _checksums(layout: TrainLayout) -> dict[str, str]:
-        return {e.key: checksum_of(to_numpy(e.tensor)[0]) for e in layout.entries}
+        """Of what is copied lazily; buffers (copied inside ``save``) may change in forward."""
+        return {e.key: checksum_of(to_numpy(e.tensor)[0]) for e in layout.entries if not e.eager}
 
     def _process_rank(self) -> int:
         return self._dist.get_rank() if self._dist else 0
 
     def _world(self) -> int:
         return self._dist.get_world_size() if self._dist else 1
+
+
+def _frozen_json(step: int, extra: Any) -> Any:
+    """``extra`` as it is now (a copy: the caller may change its dict after ``save``), checked to be
+    JSON here rather than failing in the background."""
+    try:
+        return plain_json(extra)
+    except (TypeError, ValueError) as e:
+        raise UclError(f"step {step}: extra must be a JSON value (dicts, lists, str, int, finite float, bool, "
+                       f"None): {e}", code="UCL430") from None

@@ -46,8 +46,11 @@ class Flusher(Stage):
                 self._persist(snap)
         except BaseException as e:
             self._unhide(snap.step)
-            self.progress.fail(e if isinstance(e, UclError) else StoreError(
-                f"rank {self.rank} step {snap.step}: writing failed: {e}", code="UCL410"))
+            ours = isinstance(e, UclError)  # named again with the rank and step it happened at
+            error = StoreError(f"rank {self.rank} step {snap.step}: " + (str(e) if ours else f"writing failed: {e}"),
+                               code=e.code if ours else "UCL410")
+            error.__cause__ = e
+            self.progress.fail(error)
         finally:
             self.snapshots.drop(snap, "flush")
             self.progress.done()
@@ -130,10 +133,7 @@ class Flusher(Stage):
         def prepare() -> None:
             self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
 
-        try:
-            commit_collectively(path, layout.mesh.size, fields, write, group=self.group,
-                                share=snap.state["rng"], before_commit=before_commit, prepare=prepare,
-                                write_behind=True)
-        except StoreError as e:
-            raise StoreError(f"step {snap.step}: {e}", code=e.code) from None
+        commit_collectively(path, layout.mesh.size, fields, write, group=self.group,
+                            share=snap.state["rng"], before_commit=before_commit, prepare=prepare,
+                            write_behind=True)
 

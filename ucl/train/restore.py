@@ -16,9 +16,9 @@ from ..ops.load import load_rank
 from ..ops.prepare import expected_datasets, open_checkpoint
 from ..store.root import CheckpointRoot
 from . import rng
-from .derive import TrainLayout
+from .derive import TrainLayout, clean_name, unwrap
 from .layouts import Layouts
-from .optim import init_state, restore_hyperparameters
+from .optim import init_state, match_state, restore_hyperparameters
 from .snapshot import Snapshots
 from .trace import Trace
 
@@ -67,16 +67,27 @@ def from_memory(target: Target, snapshots: Snapshots, root: CheckpointRoot, step
 
 
 def from_checkpoint(target: Target, path: str) -> tuple[int, Any]:
-    """Restore the committed checkpoint at ``path``, written on any layout."""
+    """Restore the committed checkpoint at ``path``, written on any layout. A checkpoint of another
+    model is refused before anything changes; the optimizer then holds state for exactly the
+    parameters the checkpoint has it for."""
     with open_checkpoint(path) as ck:
         manifest = ck.manifest
     saved = manifest.state or {}
-    kinds = {k.split("/", 1)[0] for ds in manifest.datasets for k in ds}
     optimizer = target.optimizer
-    if optimizer is not None and kinds - {"param"} and not optimizer.state:
-        init_state(optimizer)
     layout = target.layouts.current(target.module, optimizer)
-    arrays = _read(target.layouts, path, manifest, layout)
+    _check_model(path, manifest, layout.params if target.layouts.bound is None else
+                 target.layouts.model_of(layout).params)
+    if optimizer is not None and target.layouts.bound is None:
+        params = {clean_name(n): p for n, p in unwrap(target.module).named_parameters()}
+        frozen = set(manifest.frozen or ())
+        match_state(optimizer, params, {n for n in params if n in (manifest.params or {}) and n not in frozen})
+        layout = target.layouts.current(target.module, optimizer)
+    elif optimizer is not None and not optimizer.state and {k.split("/", 1)[0] for ds in manifest.datasets
+                                                           for k in ds} - {"param"}:
+        # a manual layout: its spec says which parameters have state; a fresh optimizer gets it all
+        init_state(optimizer, [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad])
+        layout = target.layouts.current(target.module, optimizer)
+    arrays = _read(target.layouts, path, layout)
     import torch
     with torch.no_grad():
         for e in layout.entries if layout.rank >= 0 or layout.mesh.is_universal else ():
@@ -93,17 +104,22 @@ def from_checkpoint(target: Target, path: str) -> tuple[int, Any]:
     return int(saved.get("step", -1)), saved.get("extra")
 
 
-def _read(layouts: Layouts, path: str, manifest, layout: TrainLayout) -> dict[str, np.ndarray]:
+def _check_model(path: str, manifest, params) -> None:
+    """UCL434 when the checkpoint holds other parameters (names or global shapes) than the job."""
+    saved = {n: tuple(s) for n, s in (manifest.params or {}).items()}
+    live = {n: tuple(s) for n, s in params.items()}
+    if saved != live:
+        missing = sorted(set(live) - set(saved))
+        extra = sorted(set(saved) - set(live))
+        differ = sorted(n for n in set(saved) & set(live) if saved[n] != live[n])
+        raise StoreError(f"{path} holds another model: missing {missing[:5]}, extra {extra[:5]}, other shapes "
+                         f"{differ[:5]}", code="UCL434")
+
+
+def _read(layouts: Layouts, path: str, layout: TrainLayout) -> dict[str, np.ndarray]:
     """This rank's datasets in the current layout, from a checkpoint of any layout."""
     rank = max(layout.rank, 0)
     model = layouts.model_of(layout)
-    saved = {n: tuple(s) for n, s in (manifest.params or {}).items()}
-    if saved != dict(model.params):
-        missing = sorted(set(model.params) - set(saved))
-        extra = sorted(set(saved) - set(model.params))
-        differ = sorted(n for n in set(saved) & set(model.params) if saved[n] != tuple(model.params[n]))
-        raise StoreError(f"{path} holds another model: missing {missing[:5]}, extra {extra[:5]}, other shapes "
-                         f"{differ[:5]}", code="UCL434")
     want = expected_datasets(model, layout.mesh, rank) if layout.rank >= 0 or layout.mesh.is_universal else {}
     into = {e.key: e.tensor for e in layout.entries
             if e.key in want and tuple(e.tensor.shape) == tuple(want[e.key][0])}

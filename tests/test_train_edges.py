@@ -1,0 +1,268 @@
+"""ucl.Checkpointer where a training script does something slightly unusual: state only some
+parameters have (an unused branch, a rollback to before the first step, progressive unfreezing),
+tensor hyperparameters, an ``extra`` dict changed after ``save``, irregular step numbers with
+``persist_every``, a run started again in a root that holds a newer one, use after ``close``. Each
+case compares against what torch itself holds (``state_dict()``), never against ucl's own reading."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import ucl  # noqa: E402
+
+
+def _net(seed=0, frozen_first=False):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    if frozen_first:
+        net[0].requires_grad_(False)
+    return net
+
+
+def _step(net, opt, i):
+    g = torch.Generator().manual_seed(100 + i)
+    loss = net(torch.randn(6, 4, generator=g)).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _same_state(a: dict, b: dict) -> None:
+    """Optimizer state dicts equal bit for bit: the same parameters have state, equal tensors."""
+    assert sorted(a["state"]) == sorted(b["state"])
+    for k in a["state"]:
+        sa, sb = a["state"][k], b["state"][k]
+        assert sorted(sa) == sorted(sb), k
+        for name in sa:
+            assert torch.equal(torch.as_tensor(sa[name]), torch.as_tensor(sb[name])), (k, name)
+
+
+def _disk_extra(root, step) -> object:
+    with open(os.path.join(root, f"step_{step:08d}", "manifest.json")) as f:
+        return json.load(f)["state"]["extra"]
+
+
+def test_a_parameter_without_state_resumes(tmp_path):
+    """A branch no gradient reached (an expert not routed to yet) has no Adam state; a fresh job
+    resumes, and its optimizer has state for the same parameters as the saved one."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        net(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        ck.save(1)
+    fresh = Net()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with ucl.Checkpointer(tmp_path, fresh, fresh_opt) as ck:
+        assert ck.load() == (1, None)
+    _same_state(opt.state_dict(), fresh_opt.state_dict())
+    assert len(fresh_opt.state_dict()["state"]) == 2  # used.weight, used.bias
+
+
+def test_rollback_to_before_the_first_step_drops_the_state(tmp_path):
+    """Step 0 was saved before any optimizer step: rolling back to it leaves the optimizer as
+    ``load_state_dict`` of that moment would (no state), weights as they were."""
+    net = _net()
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    with ucl.Checkpointer(tmp_path, net, opt, keep=5) as ck:
+        ck.save(0)
+        at_zero = {k: v.clone() for k, v in net.state_dict().items()}
+        for i in range(3):
+            _step(net, opt, i)
+            ck.save(i + 1)
+        ck.wait()
+        assert ck.load(step=0) == (0, None)
+        assert opt.state_dict()["state"] == {}
+        for k, v in at_zero.items():
+            assert torch.equal(net.state_dict()[k], v), k
+        _step(net, opt, 0)  # and training goes on from there
+        ck.save(1)
+
+
+def test_state_of_a_parameter_frozen_at_load_is_kept(tmp_path):
+    """Progressive unfreezing: the first layer, frozen when the job starts, was unfrozen before the
+    checkpoint. A restarted job (first layer frozen again, as its script builds it) gets the Adam
+    moments of all four parameters back, then continues exactly as the original run."""
+    net = _net(frozen_first=True)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        _step(net, opt, 0)
+        net[0].requires_grad_(True)
+        for i in range(1, 3):
+            _step(net, opt, i)
+        ck.save(3)
+    want_losses = [_step(net, opt, i) for i in range(3, 5)]
+    fresh = _net(seed=1, frozen_first=True)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    with ucl.Checkpointer(tmp_path, fresh, fresh_opt) as ck:
+        assert ck.load()[0] == 3
+        assert len(fresh_opt.state_dict()["state"]) == 6  # two linears and the batch norm, weight and bias
+        fresh[0].requires_grad_(True)
+        assert [_step(fresh, fresh_opt, i) for i in range(3, 5)] == want_losses
+
+
+def test_a_tensor_learning_rate_stays_that_tensor(tmp_path):
+    """``lr=torch.tensor(...)`` (compiled or capturable optimizers need it) is filled in place."""
+    net = _net()
+    lr = torch.tensor(1e-3)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr)
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        _step(net, opt, 0)
+        ck.save(1)
+        ck.wait()
+        opt.param_groups[0]["lr"].fill_(5.0)
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:  # from disk: a new checkpointer has no tier 0
+        ck.load()
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == torch.tensor(1e-3).item()
+
+
+def test_extra_is_what_it_was_at_save(tmp_path):
+    """A loop that updates one dict and saves it each step: every checkpoint keeps the values of
+    its own ``save`` call, on disk and in host memory."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    meta = {"position": 0, "seen": []}
+    with ucl.Checkpointer(tmp_path, net, opt, keep=5, persist_every=1) as ck:
+        for step in range(1, 4):
+            meta["position"] = step * 10
+            meta["seen"].append(step)
+            ck.save(step, extra=meta)
+            meta["position"] = -1  # changed before the snapshot is written
+        ck.wait()
+        for step in range(1, 4):
+            assert _disk_extra(tmp_path, step) == {"position": step * 10, "seen": list(range(1, step + 1))}
+        assert ck.load() == (3, {"position": 30, "seen": [1, 2, 3]})
+
+
+@pytest.mark.parametrize("extra", [torch.ones(2), object(), float("nan"), {"x": float("inf")}])
+def test_extra_that_is_not_json_is_refused_by_save(tmp_path, extra):
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        with pytest.raises(ucl.UclError, match="step 7: extra must be a JSON value"):
+            ck.save(7, extra=extra)
+        ck.save(8, extra={"fine": True})  # nothing was left half-done
+    assert _disk_extra(tmp_path, 8) == {"fine": True}
+
+
+def test_persist_every_writes_irregular_steps_too(tmp_path):
+    """Written: steps that are multiples of N, and any save after N - 1 unwritten ones in a row."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with ucl.Checkpointer(tmp_path / "odd", net, opt, persist_every=2, keep=10) as ck:
+        for step in (5, 15, 25, 35, 45):
+            ck.save(step)
+    assert ucl.store.CheckpointRoot(tmp_path / "odd").steps() == [15, 35]
+    with ucl.Checkpointer(tmp_path / "every", net, opt, persist_every=3, keep=10) as ck:
+        for step in range(1, 11):
+            ck.save(step)
+    assert ucl.store.CheckpointRoot(tmp_path / "every").steps() == [3, 6, 9]
+
+
+def test_an_older_step_in_a_root_with_a_newer_run_is_refused(tmp_path):
+    """A second run started in the same root without load(): saving step 1 would delete steps
+    100-300 once durable. It is refused at save(), and nothing is deleted; after load(step=k) a
+    rollback saves as usual."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        for step in (100, 200, 300):
+            ck.save(step)
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        with pytest.raises(ucl.UclError, match="already holds step 300"):
+            ck.save(1)
+        ck.save(300)  # the newest again: replaces it, deletes nothing
+        ck.load(step=100)
+        ck.save(101)
+    assert ucl.store.CheckpointRoot(tmp_path).steps() == [100, 101]
+
+
+def test_save_after_close_is_an_error_not_a_hang(tmp_path):
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ck = ucl.Checkpointer(tmp_path, net, opt)
+    ck.save(1)
+    ck.close()
+    with pytest.raises(ucl.UclError, match="after close"):
+        ck.save(2)
+    _step(net, opt, 0)  # the step hook is gone: nothing waits
+    ck.wait()
+    ck.close()
+
+
+def test_debug_mode_lets_forward_update_buffers(tmp_path):
+    """Batch norm updates its running statistics in every forward: buffers are copied inside
+    save(), so the debug check must not count them as state changed without a fence."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with ucl.Checkpointer(tmp_path, net, opt, debug=True) as ck:
+        for i in range(3):
+            _step(net, opt, i)
+            ck.save(i + 1)
+
+
+def test_a_failed_load_changes_nothing(tmp_path):
+    """A checkpoint of another model is refused before the fresh optimizer gets any state, and the
+    user's step hooks never see a step (an EMA hook would otherwise move)."""
+    net = _net()
+    opt = torch.optim.Adam(net.parameters())
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        _step(net, opt, 0)
+        ck.save(1)
+    other = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    other_opt = torch.optim.Adam(other.parameters())
+    calls = []
+    other_opt.register_step_post_hook(lambda *a: calls.append(1))
+    with ucl.Checkpointer(tmp_path / "other", other, other_opt) as ck:
+        ck.root = ucl.store.CheckpointRoot(tmp_path)
+        with pytest.raises(ucl.StoreError, match="another model"):
+            ck.load()
+    assert other_opt.state_dict()["state"] == {} and calls == []
+
+
+def test_state_creation_runs_no_user_hooks(tmp_path):
+    """Loading into a fresh optimizer creates its state with one zero step: the user's hooks do not
+    run for it."""
+    net = _net()
+    opt = torch.optim.AdamW(net.parameters())
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        _step(net, opt, 0)
+        ck.save(1)
+    fresh = _net(seed=3)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    calls = []
+    fresh_opt.register_step_post_hook(lambda *a: calls.append(1))
+    with ucl.Checkpointer(tmp_path, fresh, fresh_opt) as ck:
+        ck.load()
+    assert calls == []
+    _same_state(opt.state_dict(), fresh_opt.state_dict())
+
+
+def test_sparse_adam_resumes(tmp_path):
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SparseAdam(list(emb.parameters()), lr=0.1)
+    with ucl.Checkpointer(tmp_path, emb, opt) as ck:
+        emb(torch.tensor([1, 2, 3])).sum().backward()
+        opt.step()
+        ck.save(1)
+    fresh = nn.Embedding(10, 4, sparse=True)
+    fresh_opt = torch.optim.SparseAdam(list(fresh.parameters()), lr=0.1)
+    with ucl.Checkpointer(tmp_path, fresh, fresh_opt) as ck:
+        ck.load()
+    assert torch.equal(fresh.weight, emb.weight)
+    _same_state(opt.state_dict(), fresh_opt.state_dict())
