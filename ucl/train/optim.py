@@ -54,7 +54,9 @@ def match_state(optimizer, params: dict, wanted: set[str]) -> None:
 
 def init_state(optimizer, params: list) -> None:
     """Create the optimizer's state tensors for ``params`` (so they can be filled) with one step of
-    zero gradients at a zero learning rate, leaving every parameter and other state unchanged."""
+    zero gradients at a zero learning rate, leaving other parameters' state unchanged. The caller
+    loads every parameter right after: no copy of them is kept to put back (on a GPU that copy
+    could be what runs out of memory), although at learning rate 0 they do not change anyway."""
     import torch
     if not params:
         return
@@ -63,7 +65,6 @@ def init_state(optimizer, params: list) -> None:
     saved_lr = [(g, g["lr"]) for g in optimizer.param_groups]
     saved_grads = [(p, p.grad) for p in everything]
     sparse = isinstance(optimizer, torch.optim.SparseAdam)
-    before = [(p, p.detach().clone()) for p in params]
     try:
         for g in optimizer.param_groups:
             g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
@@ -74,9 +75,6 @@ def init_state(optimizer, params: list) -> None:
         # waited), and a user's post-hook (an EMA update, a step counter) must not see this step
         step = getattr(type(optimizer).step, "__wrapped__", None)
         step(optimizer) if step is not None else optimizer.step()
-        with torch.no_grad():
-            for p, b in before:
-                p.copy_(b)  # weight decay at lr 0 changes nothing, but be exact whatever the optimizer
     finally:
         for g, lr in saved_lr:
             g["lr"] = lr
