@@ -60,8 +60,10 @@ class Checkpointer:
         self.model, self.optimizer = model, optimizer
         self.keep, self.persist_every, self.pool_bytes, self.debug = keep, persist_every, pool_bytes, debug
         self._layouts = Layouts(spec, mesh)
-        cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
-        self._pin = cuda
+        # the CUDA device the parameters are on (None: a CPU model; the CUDA path is never entered)
+        self._device = next((p.device for p in model.parameters() if p.is_cuda), None) \
+            if torch.cuda.is_available() else None
+        self._pin = self._device is not None
         self._dist = initialized_dist()
         self._group = self._dist.new_group(backend="gloo") if self._dist else None  # never the training group
         rank = self._process_rank()
@@ -87,7 +89,7 @@ class Checkpointer:
                                 dist=self._dist, group=self._group, promoter=self._promoter)
         if self._promoter is not None:
             self._catch_up_tiers()
-        self._copier = Copier(self._snapshots, self._progress, self.trace, rank, cuda=cuda,
+        self._copier = Copier(self._snapshots, self._progress, self.trace, rank, device=self._device,
                               then=self._flusher.submit, stored=self._layouts.stored)
         self._hook = optimizer.register_step_pre_hook(lambda *a: self.fence()) if optimizer is not None else None
 
@@ -124,6 +126,10 @@ class Checkpointer:
         self._newest = step if self._newest is None else max(self._newest, step)
         snap = Snapshot(step, extra, layout, region, offsets, persist, self._state(step, extra),
                         holders={"memory"} | ({"flush"} if persist else set()))
+        if self._device is not None:
+            import torch
+            snap.ready_event = torch.cuda.Event()
+            snap.ready_event.record(torch.cuda.current_stream(self._device))
         if self.debug:
             snap.state["debug_checksums"] = self._checksums(layout)
         for e, off in zip(layout.entries, offsets):
@@ -146,7 +152,7 @@ class Checkpointer:
         snap.copied.wait()
         if snap.cuda_event is not None:
             import torch
-            torch.cuda.current_stream().wait_event(snap.cuda_event)
+            torch.cuda.current_stream(self._device).wait_event(snap.cuda_event)
         if self.debug and "debug_checksums" in snap.state:
             now = self._checksums(snap.layout)
             changed = [k for k, v in snap.state.pop("debug_checksums").items() if now.get(k) != v]

@@ -19,11 +19,11 @@ from .trace import Trace
 
 class Copier(Stage):
     def __init__(self, snapshots: Snapshots, progress: Progress, trace: Trace, rank: int, *,
-                 cuda: bool, then: Callable[[Snapshot], None], stored: Callable[[TrainLayout], frozenset[str]]):
+                 device, then: Callable[[Snapshot], None], stored: Callable[[TrainLayout], frozenset[str]]):
         import torch
         self.snapshots, self.progress, self.trace, self.rank, self.then = snapshots, progress, trace, rank, then
         self.stored = stored
-        self._stream = torch.cuda.Stream() if cuda else None
+        self._stream = torch.cuda.Stream(device=device) if device is not None else None  # CUDA only
         super().__init__("ucl-snapshot")  # unbounded: bounded by the pool, save() waits for a region first
 
     def submit(self, snap: Snapshot) -> None:
@@ -55,6 +55,10 @@ class Copier(Stage):
         # by the flusher from memory (a second pass over the pool that training's threads feel)
         hashed = self.stored(snap.layout) if snap.persist else frozenset()
         with ctx, torch.no_grad():
+            if snap.ready_event is not None:
+                # the kernels queued on the training stream before save() (the optimizer step that
+                # produced these values) finish before the copy reads them
+                stream.wait_event(snap.ready_event)
             for e, off in zip(snap.layout.entries, snap.offsets):
                 if e.eager:
                     continue

@@ -27,7 +27,8 @@ class Snapshot:
     copied: threading.Event = field(default_factory=threading.Event)
     digests: dict = field(default_factory=dict)  # key -> store.checksum.Digests, hashed while copied
     holders: set = field(default_factory=set)
-    cuda_event: Any = None
+    ready_event: Any = None  # CUDA: recorded on the training stream at save(); the copy waits for it
+    cuda_event: Any = None  # CUDA: recorded on the copy stream after the copy; the fence waits for it
 
 
 class Snapshots:
