@@ -35,7 +35,7 @@ def test_snapshot_waits_for_the_step_queued_before_save(tmp_path):
             ck.save(step)  # the step above is most likely not done yet
             ck.wait()
             torch.cuda.synchronize()
-            want = {k: v.detach().cpu() for k, v in net.state_dict().items()}
+            want = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
             got = ucl.load_rank(ck.root.latest(), mesh="universal", rank=0)
             for k, v in want.items():
                 assert torch.equal(torch.as_tensor(got[f"param/{k}"]), v), (step, k)
@@ -51,7 +51,7 @@ def test_fence_makes_the_step_wait_for_the_copy(tmp_path):
         net.bias.grad = torch.ones_like(net.bias)
         opt.step()
         torch.cuda.synchronize()
-        want = {k: v.detach().cpu() for k, v in net.state_dict().items()}
+        want = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
         ck.save(1)
         opt.step()  # fences first: runs after the copy
         ck.wait()
