@@ -62,7 +62,7 @@ class Copier(Stage):
             for e, off in zip(snap.layout.entries, snap.offsets):
                 if e.eager:
                     continue
-                src = host_bytes(e.tensor) if stream is None else None
+                src = host_bytes(e.tensor)  # None for a CUDA tensor; offloaded optimizer state is on the CPU
                 if src is not None and e.key in hashed:
                     dst = self.snapshots.array(snap, e, off)
                     snap.digests[e.key] = copy_checksummed(dst, src.view(dst.dtype).reshape(dst.shape))
