@@ -4,6 +4,7 @@ transformer (torch.nn: embedding, N blocks of attention + MLP, AdamW; CPU).
 
     python bench/save.py [--params-m 50] [--every 1 10] [--iters N] [--rounds 3] [--batch 2] [--seq 128] [--workdir DIR]
     python bench/save.py --quick        # tiny model, few timed iterations: checks that everything runs
+    python bench/save.py --device cuda --bf16-autocast --params-m 940 --batch 8 --seq 1024 --every 1 40   # a GPU
 
 Variants: none; torch.save of model + optimizer state_dicts, then fsync; DCP save (FileSystemWriter
 fsyncs); DCP async_save in a thread (default stager: copies inside the call); DCP async_save with
@@ -54,8 +55,8 @@ class GPT(nn.Module):
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1])
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
         for blk in self.blocks:  # pre-norm causal self-attention + GELU MLP
             x = blk(x, src_mask=mask, is_causal=True)
         return self.head(self.ln(x))
@@ -68,9 +69,9 @@ def shape(args) -> dict:
     return dict(vocab=vocab, d=d, layers=max(1, round((args.params_m * 1e6 - 2 * vocab * d) / (12 * d * d))), seq=args.seq)
 
 
-def build(cfg: dict, seed: int):
+def build(cfg: dict, seed: int, device: str = "cpu"):
     torch.manual_seed(seed)
-    model = GPT(cfg["vocab"], cfg["d"], cfg["layers"], cfg["seq"])
+    model = GPT(cfg["vocab"], cfg["d"], cfg["layers"], cfg["seq"]).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -197,7 +198,10 @@ SAVERS = {"none": Saver, "torch.save": TorchSave, "dcp": DCPSync, "dcp-async": D
 # ---- one variant, in its own process ---------------------------------------------------------------------
 def run_variant(args) -> dict:
     cfg = shape(args)
-    model, opt = build(cfg, seed=0)
+    model, opt = build(cfg, seed=0, device=args.device)
+    cuda = args.device.startswith("cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and args.bf16_autocast) if cuda \
+        else torch.autocast("cpu", enabled=False)
     root = Path(args.workdir) / f"{args.variant}-{args.interval}"
     root.mkdir(parents=True)
     mark = {"t": 0.0, "wait": 0.0}
@@ -212,12 +216,17 @@ def run_variant(args) -> dict:
     def iteration(i: int, save: bool):
         t0 = time.perf_counter()
         x = torch.randint(cfg["vocab"], (args.batch, cfg["seq"] + 1), generator=torch.Generator().manual_seed(i))
-        F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        x = x.to(args.device)
+        with autocast:
+            loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         ts = time.perf_counter()
         if save:
             saver.save(i)
+        if cuda:  # the training stream only: a checkpoint's copy on a side stream overlaps, as it would
+            torch.cuda.current_stream().synchronize()
         te = time.perf_counter()
         return te - t0, te - ts, mark["wait"]
 
@@ -281,7 +290,7 @@ def verify(cfg, saver, model, opt, iteration) -> dict:
     for i in (2, 3):
         iteration(i, False)
     saver.ck.close()
-    fresh_model, fresh_opt = build(cfg, seed=1)
+    fresh_model, fresh_opt = build(cfg, seed=1, device=next(model.parameters()).device)
     with ucl.Checkpointer(saver.root, fresh_model, fresh_opt) as ck:
         step, _ = ck.load(1)
     got = {"model": fresh_model.state_dict(), "optim": fresh_opt.state_dict()}
@@ -297,7 +306,8 @@ def verify(cfg, saver, model, opt, iteration) -> dict:
 def spawn(args, variant: str, interval: int, iters: int) -> dict:
     cmd = [sys.executable, __file__, "--variant", variant, "--interval", str(interval), "--iters", str(iters),
            "--workdir", args.workdir, "--params-m", str(args.params_m), "--batch", str(args.batch),
-           "--seq", str(args.seq), "--rounds", str(args.rounds)] + (["--quick"] if args.quick else [])
+           "--seq", str(args.seq), "--rounds", str(args.rounds), "--device", args.device] + \
+        (["--quick"] if args.quick else []) + (["--bf16-autocast"] if args.bf16_autocast else [])
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
@@ -365,6 +375,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny model, 4 timed iterations per round")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="which to measure")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the model, data and optimizer state on the GPU "
+                    "(ucl: pinned pool, side stream); iteration time then ends with the training stream's sync")
+    ap.add_argument("--bf16-autocast", action="store_true", help="with --device cuda: forward in bf16 autocast "
+                    "(fp32 parameters and AdamW state, as the issue's GPU measurement)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--interval", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -379,6 +393,8 @@ def main() -> None:
     try:
         cfg = shape(args)
         n_params = sum(p.numel() for p in build(cfg, 0)[0].parameters())
+        if args.device.startswith("cuda"):
+            print(f"device: {torch.cuda.get_device_name(0)}, bf16 autocast: {args.bf16_autocast}")
         fs = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", work], capture_output=True, text=True).stdout.strip()
         print(f"model: {n_params / 1e6:.1f} M parameters {cfg}, batch {args.batch}, AdamW (checkpoint ~"
               f"{n_params * 12 / 2**20:.0f} MiB); torch {torch.__version__}, {torch.get_num_threads()} threads, "
