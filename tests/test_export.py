@@ -221,6 +221,35 @@ def test_dcp_loads_into_fsdp2(tmp_path):
 # ------------------------------------------------------------------------------- DeepSpeed universal
 
 
+def test_ds_client_state_tensors_survive_read_and_export(tmp_path):
+    """Tensors in DeepSpeed's client state (Megatron-DeepSpeed keeps RNG states there) are kept bit
+    for bit up to 64 KiB (base64 in the manifest's state) and written back as tensors by the
+    universal export; a larger one is left out with a warning, never replaced by its description."""
+    import shutil
+    src = tmp_path / "ds"
+    shutil.copytree(FIXTURES / "z1_fp32_dp2", src)
+    tag = (src / "latest").read_text().strip()
+    path = src / tag / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    g = torch.Generator().manual_seed(5)
+    client = {"rng": torch.get_rng_state(), "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+              "nested": {"steps": torch.arange(7), "flags": [torch.tensor([True, False])]},
+              "big": torch.zeros(20000, dtype=torch.float32)}
+    states.update(client)
+    torch.save(states, path)
+    with ucl.open(src) as ck:
+        assert set(ck.state["deepspeed"]["rng"]) == {"tensor", "dtype", "base64"}
+        assert set(ck.state["deepspeed"]["big"]) == {"tensor", "dtype"}  # 80 KB: described only
+    out = tmp_path / "uc"
+    with pytest.warns(UserWarning, match="client state big"):
+        export_deepspeed_universal(src, out)
+    back = torch.load(out / tag / "mp_rank_00_model_states.pt", weights_only=True)
+    assert "big" not in back
+    assert _bits(back["rng"], client["rng"]) and _bits(back["bf16"], client["bf16"])
+    assert _bits(back["nested"]["steps"], client["nested"]["steps"])
+    assert _bits(back["nested"]["flags"][0], client["nested"]["flags"][0])
+
+
 @pytest.mark.parametrize("name", ["z1_fp32_dp2", "z2_bf16_dp2", "z3_bf16_dp2"])
 def test_ds_universal_matches_ds_to_universal(name, tmp_path):
     """The exported zero/ folder has the files and dict keys DeepSpeed's own ds_to_universal wrote for

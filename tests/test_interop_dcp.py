@@ -223,6 +223,75 @@ def test_a_model_state_dict_saved_alone_in_one_process(tmp_path):
         assert got[f"param/{k}"].tobytes() == want.tobytes() and got[f"param/{k}"].shape == want.shape, k
 
 
+def _trained(torch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _same_as_torch(path, model, opt) -> None:
+    """What ucl reads equals the live model and optimizer (the oracle: torch's own tensors)."""
+    from ucl.dtypes import to_numpy
+    got = ucl.load_rank(path, mesh="universal", rank=0)
+    fqn = {id(p): n for n, p in model.named_parameters()}
+    want = {f"param/{n}": v for n, v in model.state_dict().items()}
+    want |= {f"{k}/{fqn[id(p)]}": v for p, st in opt.state.items() for k, v in st.items()}
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].tobytes() == to_numpy(v)[0].tobytes() and got[k].shape == tuple(v.shape), k
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_flattened_optimizer_state_is_read(tmp_path):
+    """``get_state_dict(..., flatten_optimizer_state_dict=True)`` (what torchtitan's optimizer
+    container saves): the state's path is ``("optim", "state.<fqn>.<kind>")``."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    model, opt = _trained(torch)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    tdcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ck"))
+    _same_as_torch(tmp_path / "ck", model, opt)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torchtitan_layout_is_read_and_its_train_state_kept(tmp_path):
+    """torchtitan's CheckpointManager: model keys at the top, the flattened optimizer under
+    ``optimizer.``, and small tensors elsewhere (``train_state.step``) kept with the objects, bit for
+    bit; ``ucl export dcp --style torchtitan`` of it reads back the same."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from ucl.interop.torchfile import kept_tensor
+    model, opt = _trained(torch)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    step = torch.tensor(7, dtype=torch.int32)
+    tdcp.save({**msd, "optimizer": osd, "train_state": {"step": step}, "lr_scheduler": {"last_epoch": 7}},
+              checkpoint_id=str(tmp_path / "titan"))
+    _same_as_torch(tmp_path / "titan", model, opt)
+    with ucl.open(tmp_path / "titan") as ck:
+        objects = ck.state["dcp"]["objects"]
+    array, dtype = kept_tensor(objects["train_state"]["step"])
+    assert dtype == "int32" and array.shape == () and int(array) == 7
+    assert objects["lr_scheduler"]["last_epoch"] == 7
+    from ucl.export import export_dcp
+    export_dcp(tmp_path / "titan", tmp_path / "again", style="torchtitan")
+    _same_as_torch(tmp_path / "again", model, opt)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_large_tensor_outside_model_and_optimizer_is_refused(tmp_path):
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as tdcp
+    model, _ = _trained(torch)
+    tdcp.save({"model": model.state_dict(), "ema": {"w": torch.zeros(20000)}}, checkpoint_id=str(tmp_path / "ck"))
+    with pytest.raises(StoreError, match=r"tensors outside the model and optimizer state \(ema.w\)"):
+        describe(tmp_path / "ck")
+
+
 def test_mutated_files_give_ucl_errors_only(tmp_path):
     """Bytes flipped or cut anywhere in .metadata or a .distcp: a UclError or a (possibly wrong)
     read, never another exception."""

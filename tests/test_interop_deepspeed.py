@@ -267,6 +267,35 @@ def test_missing_rank_file_is_named(tmp_path):
     assert e.value.code == "UCL502"
 
 
+def _edit_model_states(folder: Path, change) -> None:
+    """Rewrite mp_rank_00_model_states.pt with ``change(dict)`` applied, as torch.save writes it."""
+    torch = pytest.importorskip("torch")
+    path = folder / "global_step3" / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    change(states)
+    torch.save(states, path)
+
+
+def test_zero_stage_0_is_named(tmp_path):
+    """Stage 0 keeps the whole torch optimizer state in the model states file and writes no
+    zero_pp_rank optimizer files: said so, not reported as missing files."""
+    folder = _copy("z1_fp32_dp2", tmp_path)
+    for r in (0, 1):
+        (folder / "global_step3" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").unlink()
+    _edit_model_states(folder, lambda st: st.update(optimizer={"state": {}, "param_groups": []}))
+    with pytest.raises(StoreError, match="is a ZeRO stage 0 checkpoint") as e:
+        describe(folder)
+    assert e.value.code == "UCL502"
+
+
+def test_round_robin_gradients_is_named(tmp_path):
+    folder = _copy("z2_fp32_dp2", tmp_path)
+    _edit_model_states(folder, lambda st: st["ds_config"].setdefault("zero_optimization", {}).update(
+        round_robin_gradients=True))
+    with pytest.raises(StoreError, match="round_robin_gradients"):
+        describe(folder)
+
+
 def test_a_tag_folder_works_too_and_latest_cannot_escape(tmp_path, loaded):
     assert dict(describe(FIXTURES / "z1_fp32_dp2" / "global_step3").mesh) == {"dp": 2}
     tag = ucl.load_rank(FIXTURES / "z1_fp32_dp2" / "global_step3", mesh="universal", rank=0)

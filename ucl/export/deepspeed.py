@@ -48,6 +48,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -55,6 +56,7 @@ import numpy as np
 
 from ..dtypes import to_float32
 from ..errors import StoreError
+from ..interop.torchfile import MAX_KEPT_TENSOR_BYTES, kept_tensor
 from ..ops.stats import IOStats
 from ..store.atomic import fsync_dir, staged_dir
 from . import torchsave
@@ -167,12 +169,38 @@ def _float(array: np.ndarray, dtype: str) -> torchsave.Tensor:
     return torchsave.Tensor(to_float32(array, dtype), "float32") if dtype in _FLOATS else torchsave.Tensor(array, dtype)
 
 
+def _client_value(value: Any, path: str, dropped: list[str]) -> Any:
+    """A client-state value as the import kept it, tensors back as tensors (bit for bit); a tensor
+    kept as a description only (too large) goes to ``dropped`` by its path and is left out."""
+    kept = kept_tensor(value)
+    if kept is not None:
+        return torchsave.Tensor(*kept)
+    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+        dropped.append(path)
+        return None
+    if isinstance(value, dict):
+        out = {k: _client_value(v, f"{path}.{k}", dropped) for k, v in value.items()}
+        return {k: v for k, v in out.items() if f"{path}.{k}" not in dropped}
+    if isinstance(value, list):
+        out = [_client_value(v, f"{path}[{i}]", dropped) for i, v in enumerate(value)]
+        return [v for i, v in enumerate(out) if f"{path}[{i}]" not in dropped]
+    return value
+
+
 def _model_states(src: ExportSource, ds: dict, steps: Any, module: dict) -> dict:
     """What DeepSpeed's engine reads from ``mp_rank_00_model_states.pt`` on a universal load (global_steps,
     skipped_steps, dp/mp world sizes, lr_scheduler; everything else comes back as client state)."""
     groups = src.groups if src.groups is not None else (src.trainable,)
     shapes = {n: torchsave.Size(src.datasets[src.master[n]][0]) for n in src.trainable}
-    states = {k: v for k, v in ds.items() if k not in ("module", "optimizer", "param_shapes")}
+    dropped: list[str] = []
+    states = {k: _client_value(v, k, dropped) for k, v in ds.items()
+              if k not in ("module", "optimizer", "param_shapes")}
+    states = {k: v for k, v in states.items() if k not in dropped}
+    if dropped:
+        warnings.warn(f"client state {', '.join(dropped[:5])}{', ...' if len(dropped) > 5 else ''}: tensors over "
+                      f"{MAX_KEPT_TENSOR_BYTES // 1024} KiB, which the import described without their values; left "
+                      "out of the export (DeepSpeed's load_checkpoint returns the client state without them)",
+                      stacklevel=3)
     states.update(
         module=OrderedDict(module),
         optimizer=None,

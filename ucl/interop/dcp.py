@@ -41,12 +41,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..dtypes import itemsize
 from ..errors import StoreError
 from ..files import check_inside
 from ..store.extents import Extent
 from .dcp_metadata import METADATA, Chunk, Metadata, TensorMeta, read_metadata
 from .foreign import Description
-from .torchfile import TensorRef, plain, read_torch_file
+from .torchfile import MAX_KEPT_TENSOR_BYTES, TensorRef, plain, read_torch_file
 
 MAX_OBJECT_BYTES = 16 << 20  # bytes items larger than this are listed, not read
 _MAX_LEVELS = 3  # nested splits of one dim
@@ -89,7 +90,7 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
         raise StoreError(f"{path} is not a DCP checkpoint (no {METADATA})", code="UCL501")
     md = read_metadata(path)
     _check_items(path, md)
-    params, states = _classify(md, classify or classify_paths)
+    params, states, small = _classify(md, classify or classify_paths)
     if not params:
         raise _error(f"{path}: the checkpoint holds no tensors (only other objects); nothing to read in place")
     trained = {f for _, f in states}
@@ -112,7 +113,7 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
                      f"{len(params) + len(states):,} datasets, more than ucl describes in place ({_MAX_ENTRIES:,})")
     by_key = {f"param/{n}": t for n, t in params.items()} | {f"{k}/{n}": t for (k, n), t in states.items()}
     extents = _extents(path, model, lower(model, mesh), mesh, by_key)
-    objects = _objects(path, md)
+    objects = _objects(path, md, small)
     st = {"format": format, "dcp": {"version": plain(md.version), "objects": objects}}
     st.update(state or {})
     files = sorted({c.file for t in md.tensors.values() for c in t.chunks} | {f for f, _, _ in md.objects.values()})
@@ -142,32 +143,58 @@ def _check_items(path: str, md: Metadata) -> None:
 
 
 def classify_paths(paths: dict[str, tuple]) -> dict[str, tuple[str, str] | None]:
-    """``(kind, parameter)`` of each tensor of a ``get_state_dict`` checkpoint (see :func:`describe_dcp`);
-    a model state dict saved on its own has bare names, all ``param``."""
-    bare = all(len(p) == 1 and isinstance(p[0], str) for p in paths.values())
+    """``(kind, parameter)`` of each tensor of a ``get_state_dict`` checkpoint (see :func:`describe_dcp`):
+    ``model.<fqn>`` is ``param``, optimizer state is ``optim.state.<fqn>.<kind>`` nested or flattened
+    (``flatten_optimizer_state_dict=True``, torchtitan's ``optimizer.`` root too). Without ``model.``
+    keys, top-level names are parameters: a model state dict saved on its own, or torchtitan's
+    layout (model keys at the top, the optimizer under ``optimizer.``)."""
+    has_model = any(len(p) == 2 and p[0] == "model" for p in paths.values())
     out: dict[str, tuple[str, str] | None] = {}
     for key, p in paths.items():
-        if bare:
-            out[key] = ("param", p[0])
+        state = _optimizer_state(p)
+        if state is not None:
+            out[key] = state
         elif len(p) == 2 and p[0] == "model" and isinstance(p[1], str):
             out[key] = ("param", p[1])
-        elif len(p) == 4 and p[0] in _OPTIM and p[1] == "state" and isinstance(p[2], str) and isinstance(p[3], str):
-            out[key] = (p[3], p[2])
+        elif len(p) == 1 and isinstance(p[0], str) and not has_model:
+            out[key] = ("param", p[0])
         else:
             out[key] = None
     return out
 
 
-def _classify(md: Metadata, classify: Callable) -> tuple[dict[str, TensorMeta], dict[tuple[str, str], TensorMeta]]:
+def _optimizer_state(p: tuple) -> tuple[str, str] | None:
+    """``(kind, fqn)`` of an optimizer state path, nested ``(optim, state, fqn, kind)`` or flattened
+    ``(optim, "state.<fqn>.<kind>")``; None for anything else."""
+    if len(p) == 4 and p[0] in _OPTIM and p[1] == "state" and isinstance(p[2], str) and isinstance(p[3], str):
+        return p[3], p[2]
+    if len(p) == 2 and p[0] in _OPTIM and isinstance(p[1], str) and p[1].startswith("state.") \
+            and "." in p[1][len("state."):]:
+        fqn, kind = p[1][len("state."):].rsplit(".", 1)
+        return kind, fqn
+    return None
+
+
+def _classify(md: Metadata, classify: Callable) -> tuple[dict[str, TensorMeta], dict[tuple[str, str], TensorMeta],
+                                                         dict[str, TensorMeta]]:
+    """Parameters, optimizer states, and the small tensors outside both (a step counter such as
+    torchtitan's ``train_state.step``: kept with the objects); a larger tensor outside both is refused."""
     params: dict[str, TensorMeta] = {}
     states: dict[tuple[str, str], TensorMeta] = {}
     places = classify({key: md.paths.get(key) or _guess_path(key) for key in md.tensors})
     other = [key for key in md.tensors if places.get(key) is None]
-    if other:
-        raise _error(f"tensors outside model.* and optim.state.*.* ({', '.join(other[:5])}"
-                     f"{', ...' if len(other) > 5 else ''}); ucl reads DCP checkpoints of a model state dict, "
-                     "or of {'model': model_state_dict, 'optim': optim_state_dict} (get_state_dict)")
+    small = {key: md.tensors[key] for key in other if len(md.tensors[key].chunks) == 1
+             and math.prod(md.tensors[key].shape) * itemsize(md.tensors[key].dtype) <= MAX_KEPT_TENSOR_BYTES}
+    large = [key for key in other if key not in small]
+    if large:
+        raise _error(f"tensors outside the model and optimizer state ({', '.join(large[:5])}"
+                     f"{', ...' if len(large) > 5 else ''}); ucl reads DCP checkpoints of a model state dict, of "
+                     "{'model': model_state_dict, 'optim': optim_state_dict} (get_state_dict, optimizer state "
+                     "nested or flattened) or in torchtitan's layout (model keys at the top, 'optimizer.'), plus "
+                     f"tensors of at most {MAX_KEPT_TENSOR_BYTES // 1024} KiB elsewhere (kept with the objects)")
     for key, t in md.tensors.items():
+        if key in small:
+            continue
         kind, name = places[key]
         table, at = (params, name) if kind == "param" else (states, (kind, name))
         if at in table:
@@ -178,10 +205,10 @@ def _classify(md: Metadata, classify: Callable) -> tuple[dict[str, TensorMeta], 
             raise _error(f"parameter name {name!r} cannot be written in a spec")
     for kind, fqn in states:
         if fqn not in params:
-            raise _error(f"optimizer state {states[(kind, fqn)].key!r} belongs to no parameter of model.*")
+            raise _error(f"optimizer state {states[(kind, fqn)].key!r} belongs to no parameter of the model")
         if not _KIND.match(kind) or kind == "param":
             raise _error(f"optimizer state kind {kind!r} ({states[(kind, fqn)].key!r}) cannot be written in a spec")
-    return params, states
+    return params, states, small
 
 
 _OPTIM = ("optim", "optimizer")
@@ -443,16 +470,20 @@ def _chunk_extent(path: str, t: TensorMeta, c: Chunk) -> Extent:
     return Extent(c.file, tf.byte_offset(ref), t.dtype, c.sizes)
 
 
-def _objects(path: str, md: Metadata) -> dict:
-    """The bytes items (torch.save'd objects, e.g. param_groups), as JSON-able data nested by their
-    state-dict path."""
+def _objects(path: str, md: Metadata, small: dict[str, TensorMeta]) -> dict:
+    """The bytes items (torch.save'd objects, e.g. param_groups) and the ``small`` tensors outside the
+    model and optimizer state (their values kept, see ``torchfile.plain``), as JSON-able data nested
+    by their state-dict path."""
     out: dict = {}
-    for key, (rel, offset, length) in md.objects.items():
+    items = [(key, rel, offset, length) for key, (rel, offset, length) in md.objects.items()]
+    items += [(key, t.chunks[0].file, t.chunks[0].offset, t.chunks[0].length) for key, t in small.items()]
+    for key, rel, offset, length in items:
         if length > MAX_OBJECT_BYTES:
             value: Any = {"unread": f"{length:,} bytes"}
         else:
             try:
-                value = plain(read_torch_file(os.path.join(path, rel), inside=path, offset=offset, length=length).obj)
+                tf = read_torch_file(os.path.join(path, rel), inside=path, offset=offset, length=length)
+                value = plain(tf.obj, values=tf)
             except StoreError as e:
                 value = {"unread": str(e)}
         parts = [str(p) for p in md.paths.get(key, (key,))] or [key]

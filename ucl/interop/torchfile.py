@@ -11,6 +11,7 @@ file's say-so and nothing executes. torch itself is not needed.
 """
 from __future__ import annotations
 
+import base64
 import collections
 import io
 import math
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import itemsize
+from ..dtypes import itemsize, storage_dtype
 from ..errors import StoreError
 from ..files import check_inside
 
@@ -439,19 +440,34 @@ def _check_storages(obj: Any, offsets: dict, sizes: dict, where: str) -> None:
 MAX_PLAIN_DEPTH = 64  # nesting a manifest's state keeps; deeper is summarised, never recursed into
 
 
-def plain(obj: Any, depth: int = 0) -> Any:
+MAX_KEPT_TENSOR_BYTES = 64 << 10  # small tensors (RNG states, counters) a manifest's state keeps bit for bit
+
+
+def plain(obj: Any, depth: int = 0, values: "TorchFile | None" = None) -> Any:
     """``obj`` as JSON-friendly data for a manifest's state: tensors become a short description,
-    records their state, numpy values lists, non-finite floats None (JSON has none)."""
+    records their state, numpy values lists, non-finite floats None (JSON has none). With ``values``
+    (the file ``obj`` was read from), a contiguous tensor of at most ``MAX_KEPT_TENSOR_BYTES`` keeps
+    its bytes too (base64): :func:`kept_tensor` gives it back bit for bit."""
     if depth > MAX_PLAIN_DEPTH:
         return "(nested too deep)"
     if isinstance(obj, TensorRef):
-        return {"tensor": list(obj.shape), "dtype": obj.dtype}
+        out = {"tensor": list(obj.shape), "dtype": obj.dtype}
+        n = obj.numel * itemsize(obj.dtype)
+        if values is not None and obj.contiguous and n <= MAX_KEPT_TENSOR_BYTES:
+            with open(values.path, "rb") as f:
+                f.seek(values.byte_offset(obj))
+                data = f.read(n)
+            if len(data) != n:
+                raise _error(f"{values.path}: a tensor of {n} bytes runs past the end of the file")
+            out["base64"] = base64.b64encode(data).decode("ascii")
+        return out
     if isinstance(obj, Record):
-        return {"class": obj.cls, "state": plain(obj.state, depth + 1)} if obj.state is not None else {"class": obj.cls}
+        return {"class": obj.cls, "state": plain(obj.state, depth + 1, values)} if obj.state is not None \
+            else {"class": obj.cls}
     if isinstance(obj, dict):
-        return {str(k): plain(v, depth + 1) for k, v in obj.items()}
+        return {str(k): plain(v, depth + 1, values) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return [plain(v, depth + 1) for v in obj]
+        return [plain(v, depth + 1, values) for v in obj]
     if isinstance(obj, NumpyArray):
         a = obj.array
         if a is None or a.size > 4096:
@@ -470,3 +486,16 @@ def plain(obj: Any, depth: int = 0) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return repr(obj)[:200]
+
+
+def kept_tensor(value: Any) -> "tuple[np.ndarray, str] | None":
+    """The (storage-form array, logical dtype) of a tensor :func:`plain` kept with its bytes, or None
+    for anything else (a description without bytes included)."""
+    if not (isinstance(value, dict) and set(value) == {"tensor", "dtype", "base64"}):
+        return None
+    shape, dtype = tuple(int(x) for x in value["tensor"]), str(value["dtype"])
+    data = base64.b64decode(value["base64"], validate=True)
+    dt = storage_dtype(dtype)
+    if len(data) != math.prod(shape) * dt.itemsize:
+        raise _error(f"a kept tensor of shape {list(shape)} {dtype} holds {len(data)} bytes")
+    return np.frombuffer(data, dt).reshape(shape).copy(), dtype

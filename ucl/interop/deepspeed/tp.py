@@ -153,7 +153,8 @@ def describe_tp(path: str, folder: str, names: list[str], rel, first: dict, dp: 
         for n, p in placements.items():
             spec.append(f"{n} [{', '.join(str(x) for x in p.full)}] : {p.layout}")
     key, info = extra(placements)
-    state = {"format": "deepspeed", "deepspeed": {k: plain(v) for k, v in first.items() if k not in BULKY},
+    state = {"format": "deepspeed", "deepspeed": {k: plain(v, values=states[0]) for k, v in first.items()
+                                                  if k not in BULKY},
              "optimizer": {"zero_stage": stage, "param_groups": [
                  {**{k: plain(v) for k, v in g.items() if k != "params"}, "names": groups[i] if i < len(groups) else []}
                  for i, g in enumerate(as_dict(osd[0][0].get("base_optimizer_state"), "base optimizer state")

@@ -64,6 +64,12 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
     dp, mp = ms.get("dp_world_size"), ms.get("mp_world_size", 1)
     if not isinstance(dp, int) or dp < 1:
         raise error(f"{states_name} has no usable dp_world_size ({dp!r})")
+    config = ms.get("ds_config") if isinstance(ms.get("ds_config"), dict) else {}
+    zero_config = config.get("zero_optimization")
+    if isinstance(zero_config, dict) and zero_config.get("round_robin_gradients"):
+        raise error(f"{folder} was written with zero_optimization.round_robin_gradients, which reorders each group's "
+                    "parameters in the flat buffer against the order DeepSpeed records (param_shapes); ucl does not "
+                    "read that layout (DeepSpeed's own zero_to_fp32 misreads it)")
     if is_moe(names, ms):
         _no_user(user, folder, "an MoE checkpoint")
         return describe_moe(path, folder, names, rel, ms, states, states_name, dp)
@@ -89,6 +95,10 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
             if int(m.group(3)) != 0:
                 raise error(f"{n}: model-parallel optimizer files are not read yet")
             optim[int(m.group(2))] = n
+    if not optim and ms.get("optimizer") is not None:
+        raise error(f"{folder} is a ZeRO stage 0 checkpoint (the whole optimizer state inside {states_name}, no "
+                    "zero_pp_rank_*_optim_states.pt files); ucl reads ZeRO stages 1-3. Its weights are "
+                    f"torch.load('{states_name}')['module']")
     if sorted(optim) != list(range(dp)):
         raise error(f"{folder} should hold optimizer files for dp ranks 0..{dp - 1} (dp_world_size={dp}), "
                      f"found ranks {sorted(optim)}")
@@ -113,7 +123,7 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
             raise error(f"parameter name {n!r} cannot be written in a spec")
 
     weights = weight_dtype(module, shapes)
-    state = {"format": "deepspeed", "deepspeed": {k: plain(v) for k, v in ms.items() if k not in BULKY},
+    state = {"format": "deepspeed", "deepspeed": {k: plain(v, values=states) for k, v in ms.items() if k not in BULKY},
              "optimizer": {"zero_stage": stage, "param_groups": [
                  {**{k: plain(v) for k, v in g.items() if k != "params"}, "names": groups[i] if i < len(groups) else []}
                  for i, g in enumerate(as_dict(osd[0].get("base_optimizer_state") or osd[0].get("optimizer_state_dict"),
