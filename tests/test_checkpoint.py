@@ -709,6 +709,8 @@ def test_disk_full_mid_reshard_leaves_source_intact_and_no_target(demo, saved, t
         ucl.reshard(src, out / "target", M("pp=1,dp=2,tp=4"), workers=1)
     if isinstance(e.value, UclError):
         assert "No space left on device" in str(e.value), str(e.value)
+        # named by the checkpoint it was writing, not by the hidden temp folder a worker wrote into
+        assert str(out / "target") in str(e.value) and ".tmp-" not in str(e.value), str(e.value)
     else:
         assert e.value.errno == errno.ENOSPC
     monkeypatch.undo()
@@ -898,3 +900,26 @@ def test_version_2_allows_extra_replicas(demo, tmp_path):
     assert ucl.open(tmp_path / "c").manifest.version == 2
     for r in range(mesh.size):
         assert_same_shards({r: ucl.load_rank(tmp_path / "c", mesh=mesh, rank=r)}, {r: shards[r]}, f"rank {r}")
+
+
+def test_small_api_edges(demo, saved, tmp_path):
+    """iter_rank(keys=) takes one key as well as several; a replica read from a rank whose file
+    does not store it names the rank that does; save() keyed by anything but the rank ints is a
+    UCL421, not a TypeError; reshard takes a numpy integer worker count as load_rank takes ranks."""
+    model, truth = demo
+    src = saved("pp=2,dp=2,tp=2")
+    key = next(k for k in truth if k.startswith("param/"))
+    stats = IOStats()
+    got = list(ucl.iter_rank(src, keys=key, stats=stats))
+    assert [k for k, _ in got] == [key] and got[0][1].tobytes() == truth[key].tobytes()
+    assert stats.bytes_needed == truth[key].nbytes
+    with ucl.open(src) as ck:
+        stored = {k: r for r, entries in enumerate(ck.manifest.datasets) for k in entries}
+        replica = next(k for k, r in stored.items() if r == 0 and k not in ck.manifest.datasets[1]
+                       and k in expected_datasets(model, M("pp=2,dp=2,tp=2"), 2))
+        with pytest.raises(StoreError, match="rank 0's file stores it"):
+            ck.read(2, replica)
+    with pytest.raises(StoreError, match="keyed by the ranks") as e:
+        ucl.save(tmp_path / "bad", {0: truth, "1": truth}, model=model, mesh="dp=2")
+    assert e.value.code == "UCL421"
+    ucl.reshard(src, tmp_path / "np", M("tp=2"), workers=np.int64(2))

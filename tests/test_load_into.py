@@ -94,3 +94,61 @@ def test_whole_dataset_reads_zero_what_no_row_writes(tmp_path):
     assert got[key].tobytes() == want[key].tobytes()
     # one read per dataset; tensors replicated over tp are also read from the replica the plan picks
     assert stats.bytes_read <= 1.05 * sum(v.nbytes for v in want.values())
+
+
+def test_strided_numpy_views_and_grad_parameters_are_filled(saved):
+    """Destinations no view can be taken of are filled at the end: a transposed and a strided numpy
+    view (before: AttributeError after the whole read), a Parameter that requires grad."""
+    path, model, truth = saved
+    want = _expected(model, truth, "tp=4", 2)
+    two_d = [k for k in sorted(want) if want[k].ndim == 2][:3]
+    a, b, c = (want[k] for k in two_d)
+    transposed = np.zeros(a.shape[::-1], a.dtype).T
+    wide = np.zeros((b.shape[0], 2 * b.shape[1]), b.dtype)
+    strided = wide[:, ::2]
+    dtype = torch.bfloat16 if c.dtype == np.uint16 else torch.float32
+    param = torch.nn.Parameter(torch.zeros(c.shape, dtype=dtype).t().contiguous().t())  # requires grad, strided
+    ucl.load_rank(path, mesh="tp=4", rank=2, out={two_d[0]: transposed, two_d[1]: strided, two_d[2]: param})
+    assert np.ascontiguousarray(transposed).tobytes() == a.tobytes()
+    assert np.ascontiguousarray(strided).tobytes() == b.tobytes() and not wide[:, 1::2].any()
+    assert ucl.dtypes.to_numpy(param.detach().contiguous())[0].tobytes() == c.tobytes()
+
+
+def test_read_only_arrays_and_meta_tensors_are_refused_before_reading(saved, monkeypatch, tmp_path):
+    """A read-only array, or a tensor on the meta device (a module not materialised yet, which copy_
+    would "fill" without a word), is UCL409 before a byte is read; save() names a meta tensor too."""
+    path, model, truth = saved
+    want = _expected(model, truth, "tp=4", 0)
+    key = next(k for k in want if want[k].ndim == 2)
+    frozen = np.zeros_like(want[key])
+    frozen.flags.writeable = False
+    dtype = torch.bfloat16 if want[key].dtype == np.uint16 else torch.float32
+    meta = torch.empty(want[key].shape, dtype=dtype, device="meta")
+    reads = []
+    import ucl.ops.load as load_module
+    monkeypatch.setattr(load_module, "run_copies", lambda *a, **k: reads.append(a))
+    for bad, needle in [(frozen, "read-only"), (meta, "meta device")]:
+        with pytest.raises(StoreError, match=needle) as e:
+            ucl.load_rank(path, mesh="tp=4", rank=0, out={key: bad})
+        assert e.value.code == "UCL409"
+    assert reads == []
+    name = next(iter(truth))
+    shards = {0: {k: (torch.empty(v.shape, device="meta") if k == name else v) for k, v in truth.items()}}
+    with pytest.raises(StoreError, match="meta device") as e:
+        ucl.save(tmp_path / "meta", shards, model=model, mesh="universal")
+    assert e.value.code == "UCL421" and not (tmp_path / "meta").exists()
+
+
+def test_a_model_given_to_load_rank_is_the_layout_read(saved):
+    """``model=`` with the checkpoint's spec text but other parameters (fewer layers) or another
+    frozen set is honoured: before, the same spec text made load_rank use the checkpoint's own."""
+    path, model, truth = saved
+    from ucl.demo import LLAMA_MEGATRON
+    fewer = {n: s for n, s in model.params.items() if ".layers.3." not in n and ".layers.2." not in n}
+    dims = dict(model.dims, layers=2)
+    small = ucl.load_spec(LLAMA_MEGATRON).bind(dims, fewer)
+    got = ucl.load_rank(path, mesh="universal", rank=0, model=small)
+    assert not any(".layers.2." in k or ".layers.3." in k for k in got)
+    assert {k for k in got} == {k for k in truth if ".layers.2." not in k and ".layers.3." not in k}
+    frozen = ucl.load_spec(LLAMA_MEGATRON).bind(dict(model.dims), dict(model.params), frozen=list(model.params))
+    assert {k.split("/")[0] for k in ucl.load_rank(path, mesh="universal", rank=0, model=frozen)} == {"param"}

@@ -56,10 +56,10 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
                 link.check_size(mesh)
             ckpt = stack.enter_context(open_checkpoint(path))
             source_model = model_of(ckpt)
-            if model is None or model.spec.text == source_model.spec.text:
+            if model is None:
                 target = source_model
                 plan = plan_for(source_model, mesh_of(ckpt), mesh, ranks=[rank])  # this rank's part only
-            else:
+            else:  # the very same model (spec, dims, parameters, frozen set) gets the plain plan there
                 target = model
                 plan = plan_between(source_model, mesh_of(ckpt), model, mesh, ranks=[rank])
             check_stored(ckpt, source_model, sorted_distinct(plan.copies["src_rank"]))
@@ -95,8 +95,8 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
             stats.bytes_sent += sent
             stats.bytes_received += received
             stats.seconds += time.perf_counter() - t0
-    for key, tensor in later.items():  # GPU (or non-contiguous) destinations: one copy each
-        tensor.copy_(to_torch(targets[key], datasets[key]["dtype"]))
+    for key, dst in later.items():  # GPU (or non-contiguous) destinations: one copy each
+        _fill(dst, targets[key], datasets[key]["dtype"])
     result: dict[str, Any] = {}
     for key, arr in targets.items():
         if key in out:
@@ -110,7 +110,7 @@ def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: 
               keys: Iterable[str] | None = None, as_torch: bool = False, verify: bool = True,
               stats: IOStats | None = None, reuse: bool = False) -> Iterator[tuple[str, Any]]:
     """``load_rank`` one dataset at a time: yields ``(key, array)`` for each dataset rank ``rank`` of
-    ``mesh`` holds (default: every tensor consolidated), or only for ``keys``, in plan order, so an
+    ``mesh`` holds (default: every tensor consolidated), or only for ``keys`` (one key or several), in plan order, so an
     export holds one tensor in memory, not the model. Each array is new (safe to keep), unless
     ``reuse``: then all are views of one warm buffer, valid until the next item (no fresh pages to
     fault in per tensor: several times faster reads for a consumer that writes each one out)."""
@@ -123,7 +123,7 @@ def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: 
         check_stored(ckpt, model, sorted_distinct(plan.copies["src_rank"]))
         rows = rank_rows(plan, rank)
         datasets = {d["key"]: d for d in rank_datasets(plan, rank)}
-        wanted = list(datasets) if keys is None else list(keys)
+        wanted = list(datasets) if keys is None else [keys] if isinstance(keys, str) else list(keys)
         unknown = [k for k in wanted if k not in datasets]
         if unknown:
             raise StoreError(f"rank {rank} of {mesh} holds no {unknown[0]!r}"
@@ -137,6 +137,8 @@ def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: 
             arr = warm.array(shape, dtype, zero=not full) if warm is not None else \
                 (np.empty if full else np.zeros)(shape, dtype=dtype)
             run_copies(plan, mine, source, {key: arr})
+            if stats is not None:
+                stats.bytes_needed += covered_elements(plan, mine).get(key, 0) * arr.itemsize
             yield key, (to_torch(arr, d["dtype"]) if as_torch else arr)
         if stats is not None:
             stats.bytes_read += source.bytes_read
@@ -171,6 +173,11 @@ def _targets(datasets: dict[str, dict], covered: dict[str, int], out: Mapping[st
             raise StoreError(f"out[{key!r}] is {getattr(obj, 'dtype', type(obj).__name__)} {list(got_shape)}, but "
                              f"rank {rank} of {mesh} holds it as {d['dtype']} {list(shape)} (numpy arrays hold "
                              f"{storage_dtype(d['dtype'])} storage)", code="UCL409")
+        if getattr(obj, "is_meta", False):
+            raise StoreError(f"out[{key!r}] is on the meta device: it has no memory to fill (materialise the "
+                             "module first, e.g. module.to_empty(device=...))", code="UCL409")
+        if isinstance(obj, np.ndarray) and not obj.flags.writeable:
+            raise StoreError(f"out[{key!r}] is a read-only numpy array", code="UCL409")
         view = storage_view(obj, d["dtype"])
         if view is None:  # filled through a host array, copied once at the end
             view, later[key] = np.empty(shape, dtype=storage_dtype(d["dtype"])), obj
@@ -178,6 +185,17 @@ def _targets(datasets: dict[str, dict], covered: dict[str, int], out: Mapping[st
             view.fill(0)
         targets[key] = view
     return targets, later
+
+
+def _fill(dst: Any, array: np.ndarray, logical: str) -> None:
+    """Copy ``array`` (storage form) into a caller's array or tensor that could not be filled in
+    place (a strided numpy view, a GPU or strided tensor, a parameter that requires grad)."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, array)
+        return
+    import torch
+    with torch.no_grad():
+        dst.copy_(to_torch(array, logical))
 
 
 def _dtype_fits(obj: Any, logical: str) -> bool:

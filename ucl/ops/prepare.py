@@ -217,6 +217,10 @@ def normalise(model: Model, mesh: Mesh, rank: int, tensors: Mapping[str, Any]) -
         problems.append(Diagnostic("UCL421", f"unexpected {key!r}: the spec puts no such tensor on this rank"))
     for key in sorted(set(tensors) & set(held)):
         shape, dtype = held[key]
+        if getattr(tensors[key], "is_meta", False):
+            problems.append(Diagnostic("UCL421", f"{key!r} is on the meta device: it holds no data (materialise "
+                                                 "the module, e.g. module.to_empty(device=...), and fill it first)"))
+            continue
         arr, logical = to_numpy(tensors[key], dtype if _is_raw(tensors[key], dtype) else None)
         if tuple(arr.shape) != tuple(shape) or logical != dtype:
             problems.append(Diagnostic("UCL421", f"{key!r}: expected {list(shape)} {dtype}, got {list(arr.shape)} "

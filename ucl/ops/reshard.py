@@ -112,8 +112,10 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     process; ``progress`` sees this process's bytes, from a helper thread."""
     t0 = time.perf_counter()
     to = as_mesh(to)
-    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+    if workers is not None and (not isinstance(workers, (int, np.integer)) or isinstance(workers, bool)
+                                or workers < 1):
         raise UclError(f"workers must be a positive integer, got {workers!r}", code="UCL009")
+    workers = None if workers is None else int(workers)
     if distributed:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise UclError(f"timeout must be a positive number of seconds, got {timeout!r}", code="UCL009")

@@ -22,7 +22,9 @@ def save(path: str | os.PathLike, shards: Mapping[int, Mapping[str, Any]], *, mo
     mesh = as_mesh(mesh)
     nranks = mesh.size
     if set(shards) != set(range(nranks)):
-        raise StoreError(f"shards must hold ranks 0..{nranks - 1} of {mesh}, got {sorted(shards)[:8]}...", code="UCL421")
+        got = sorted(shards, key=repr)[:8]
+        raise StoreError(f"shards must be keyed by the ranks 0..{nranks - 1} of {mesh} (ints), got {got}"
+                         f"{'...' if len(shards) > 8 else ''}", code="UCL421")
     checked = {r: normalise(model, mesh, r, shards[r]) for r in range(nranks)}
     want = {r: expected_datasets(model, mesh, r) for r in range(nranks)}
     # write_behind: the arrays stay untouched until commit() returns
@@ -38,7 +40,8 @@ def save_rank(path: str | os.PathLike, tensors: Mapping[str, Any], *, model: Mod
     """Collective save under ``torch.distributed`` (one call per rank; world size = mesh size):
     every rank writes its own file into a shared temporary directory, rank 0 commits once all are
     durable (``durable=False``: written, not fsynced). Without an initialised process group,
-    ``mesh`` must have one rank."""
+    ``mesh`` must have one rank. ``state`` (JSON) is taken from rank 0: pass the same on every rank,
+    and gather per-rank values (RNG states) into it yourself."""
     mesh = as_mesh(mesh)
     dist = initialized_dist()
     if dist is None:

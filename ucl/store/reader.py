@@ -107,7 +107,11 @@ class Checkpoint:
     def info(self, rank: int, key: str) -> DatasetInfo:
         e = self._entries(rank).get(key)
         if e is None:
-            raise StoreError(f"rank {rank} has no dataset {key!r} in {self.path}", code="UCL408")
+            stored = next((r for r, entries in enumerate(self.manifest.datasets) if key in entries), None)
+            hint = "" if stored is None else (
+                f"; rank {stored}'s file stores it (a replica is stored once, by the first rank holding it: read it "
+                f"there, or load rank {rank}'s tensors with ucl.load_rank)")
+            raise StoreError(f"rank {rank} has no dataset {key!r} in {self.path}{hint}", code="UCL408")
         return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"), e.get("tiles"),
                            e.get("offset"), e.get("tables"))
 

@@ -16,7 +16,7 @@ from .. import dtypes as _dt
 from ..errors import StoreError
 from ..layout.boxes import flat_boxes
 from . import h5
-from .atomic import TempDir, fsync_path, publish_dir, write_atomic
+from .atomic import TempDir, final_name_of, fsync_path, is_tmp_name, publish_dir, write_atomic
 from .checksum import Digests, IncrementalChecksum, checksum_fields, checksums, raw_bytes
 from .direct import MIN_DIRECT_BYTES, DirectWriter
 from .template import RankTemplate, allocate
@@ -143,8 +143,13 @@ class CheckpointWriter:
             yield
         except OSError as e:
             self.abort()
-            raise StoreError(f"writing checkpoint {self.path or self.tmp_path} failed: {e}; aborted, "
+            raise StoreError(f"writing checkpoint {self.path or self._published_path()} failed: {e}; aborted, "
                              "nothing was published", code="UCL410") from e
+
+    def _published_path(self) -> str:
+        """Where a participant's files would be published (its owner's path, from the temp name)."""
+        folder, name = os.path.split(self.tmp_path)
+        return os.path.join(folder, final_name_of(name)) if is_tmp_name(name) else self.tmp_path
 
     def _check_open(self) -> None:
         if self._state != "open":
