@@ -121,8 +121,43 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, phase: str, 
             model = _parallelize(_model(), mode, world)
             kw = {}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if phase == "mismatch":  # every process saves, but not the same step
+            ck = ucl.Checkpointer(root, model, opt, **kw)
+            try:
+                ck.save(5 + rank)
+                ck.wait()
+            except ucl.StoreError as e:
+                result["code"] = e.code
+            finally:
+                try:
+                    ck.close()
+                except ucl.StoreError as e:
+                    result.setdefault("code", e.code)
+            return
+        if phase == "memory":  # a snapshot kept in host memory only, rolled back to after a bad step
+            import warnings
+            kw["persist_every"] = 1000
         with ucl.Checkpointer(root, model, opt, **kw) as ck:
             start = 0
+            if phase == "memory":
+                for i in range(SAVE_AT):
+                    x, y = _batch(i)
+                    opt.zero_grad()
+                    ((model(x) - y) ** 2).mean().backward()
+                    opt.step()
+                ck.save(SAVE_AT + 1, extra={"data_position": SAVE_AT})
+                torch.manual_seed(1234 + rank)  # the bad step moves the generators too
+                x, y = torch.randn(8, DIM) * 100, torch.randn(8, OUT)
+                opt.zero_grad()
+                ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    start, extra = ck.load()
+                result["warnings"] = [str(w.message) for w in caught]
+                result["on_disk"] = ucl.store.CheckpointRoot(root).steps()
+                result["rng_after_load"] = torch.rand(2).tolist()
+                start = SAVE_AT
             if phase == "load":
                 start, extra = ck.load()
                 result["extra"] = extra
@@ -135,6 +170,7 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, phase: str, 
                 result["losses"].append(loss.item())
                 if phase == "save" and i + 1 == SAVE_AT:
                     ck.save(SAVE_AT, extra={"data_position": SAVE_AT})
+                    result["rng_at_save"] = torch.rand(2).tolist()  # what the generators give next (no dropout here)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
         import traceback
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
@@ -187,6 +223,7 @@ MANUAL_NAMES = {"0.weight": "fc1_w", "0.bias": "fc1_b", "2.weight": "fc2_w", "2.
 
 @pytest.mark.parametrize("saver,savers,loader,loaders", [
     ("ddp", 2, "plain", 1),
+    ("ddp", 2, "ddp", 2),
     ("fsdp", 2, "plain", 1),
     ("fsdp", 2, "tp", 2),
     ("tp", 2, "fsdp", 2),
@@ -218,6 +255,28 @@ def test_save_on_one_parallelism_resume_on_another(tmp_path, saver, savers, load
     assert resumed[0]["extra"] == {"data_position": SAVE_AT}
     if (saver, loader) in (("ddp", "plain"), ("manual", "manual"), ("plain", "fsdp_tp")) or saver == loader:
         want = saved[0]["losses"][SAVE_AT:] if saver == loader else reference[SAVE_AT:]
-        assert resumed[0]["losses"] == pytest.approx(want, rel=1e-6, abs=1e-7)
+        for r in resumed:  # every process: a DDP replica restores its own copy too
+            assert r["losses"] == pytest.approx(want, rel=1e-6, abs=1e-7), r["rank"]
     else:
         assert resumed[0]["losses"] == pytest.approx(reference[SAVE_AT:], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_rollback_from_host_memory_restores_every_process(tmp_path, mode):
+    """persist_every keeps the snapshot in host memory only: after a bad step, load() restores it on
+    every process (a DDP replica receives rank 0's copy), RNG included, and training goes on as the
+    uninterrupted run (the "save" phase) did."""
+    saved = _spawn(2, tmp_path / "ref", mode, "save", tmp_path / "out")
+    rolled = _spawn(2, tmp_path / "mem", mode, "memory", tmp_path / "out")
+    for r in rolled:
+        assert r["on_disk"] == [] and r["warnings"] == [], r
+        assert r["rng_after_load"] == saved[r["rank"]]["rng_at_save"], r["rank"]
+        assert r["losses"] == pytest.approx(saved[0]["losses"][SAVE_AT:], rel=1e-6, abs=1e-7), r["rank"]
+
+
+def test_processes_saving_different_steps_all_fail_and_write_nothing(tmp_path):
+    """save(5) on one process and save(6) on the other: each raises UCL436 (no hang), and no
+    checkpoint is committed under either number."""
+    results = _spawn(2, tmp_path / "ck", "fsdp", "mismatch", tmp_path / "out", limit_s=90)
+    assert [r.get("code") for r in results] == ["UCL436", "UCL436"]
+    assert ucl.store.CheckpointRoot(tmp_path / "ck").steps() == []

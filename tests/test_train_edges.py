@@ -266,3 +266,35 @@ def test_sparse_adam_resumes(tmp_path):
         ck.load()
     assert torch.equal(fresh.weight, emb.weight)
     _same_state(opt.state_dict(), fresh_opt.state_dict())
+
+
+def test_a_reported_error_stops_nothing_a_failure_stops_flushes():
+    """A failed promotion is reported (raised by the next call; later checkpoints are still
+    written), a failed write or snapshot stops further flushes until it is raised."""
+    from ucl.train.progress import Progress
+    p = Progress()
+    p.report(ucl.StoreError("promotion failed", code="UCL435"))
+    assert not p.failed
+    with pytest.raises(ucl.StoreError, match="promotion failed"):
+        p.raise_error()
+    p.fail(ucl.StoreError("write failed", code="UCL410"))
+    p.report(ucl.StoreError("later", code="UCL435"))  # the first error wins
+    assert p.failed
+    with pytest.raises(ucl.StoreError, match="write failed"):
+        p.raise_error()
+    assert not p.failed
+    p.raise_error()  # nothing left
+
+
+def test_the_step_hook_fences_but_raises_nothing(tmp_path):
+    """A background error is raised by save/wait/close/fence(), never inside optimizer.step() (on
+    one process only it would skip that step there and part the processes' weights)."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ck = ucl.Checkpointer(tmp_path, net, opt)
+    ck.save(1)
+    ck._progress.fail(ucl.StoreError("injected", code="UCL410"))
+    _step(net, opt, 0)  # fences, raises nothing
+    with pytest.raises(ucl.StoreError, match="injected"):
+        ck.fence()
+    ck.close()

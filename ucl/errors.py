@@ -148,7 +148,7 @@ ERROR_CODES: dict[str, tuple[type[UclError], ...]] = {
     "UCL009": (UclError,),
     # the live training checkpointer (ucl.train)
     "UCL430": (UclError,), "UCL431": (UclError,), "UCL432": (StoreError,),
-    "UCL433": (StoreError,), "UCL434": (StoreError,), "UCL435": (StoreError,),
+    "UCL433": (StoreError,), "UCL434": (StoreError,), "UCL435": (StoreError,), "UCL436": (StoreError,),
     # reading and checking a spec
     "UCL001": (SpecError,), "UCL002": (SpecError,), "UCL003": (SpecError,), "UCL010": (SpecError,),
     "UCL100": (SpecError,),

@@ -91,7 +91,7 @@ class Checkpointer:
             self._catch_up_tiers()
         self._copier = Copier(self._snapshots, self._progress, self.trace, rank, device=self._device,
                               then=self._flusher.submit, stored=self._layouts.stored)
-        self._hook = optimizer.register_step_pre_hook(lambda *a: self.fence()) if optimizer is not None else None
+        self._hook = optimizer.register_step_pre_hook(lambda *a: self._fence()) if optimizer is not None else None
 
     # ---- public API ----------------------------------------------------------------------------
     def save(self, step: int, extra: Any = None) -> None:
@@ -109,7 +109,8 @@ class Checkpointer:
                            "would delete the newer ones once it is durable (they would belong to an abandoned "
                            "run). To continue that run call load() first; to roll back, load(step=k) and save "
                            "from there; to start another run, use another root", code="UCL430")
-        self.fence()  # the previous snapshot must be complete before its sources change again
+        self._fence()  # the previous snapshot must be complete before its sources change again
+        self._progress.raise_error()  # what that fence found too (debug mode)
         layout = self._layouts.current(self.model, self.optimizer)
         self._layouts.validate(layout)
         sizes = [e.tensor.numel() * e.tensor.element_size() for e in layout.entries]
@@ -143,8 +144,14 @@ class Checkpointer:
 
     def fence(self) -> None:
         """Wait until the last snapshot's copy is done (on CUDA: the current stream waits on the GPU,
-        the CPU does not). Called by the optimizer step pre-hook; call it yourself before changing
+        the CPU does not), and raise a background error. The optimizer step pre-hook fences too, but
+        raises nothing: an error raised inside one process's ``optimizer.step()`` would skip that
+        step there only, and the processes' weights would part. Call it yourself before changing
         parameters or optimizer state any other way (see docs/training.md)."""
+        self._fence()
+        self._progress.raise_error()
+
+    def _fence(self) -> None:
         snap = self._last
         if snap is None:
             return
@@ -162,7 +169,6 @@ class Checkpointer:
                                                code="UCL433"))
         self._last = None
         self.trace.add("fence", t0, time.perf_counter(), step=snap.step)
-        self._progress.raise_error()
 
     def wait(self) -> None:
         """Block until everything saved so far is durable and promoted (on process rank 0, which

@@ -37,9 +37,9 @@ class Copier(Stage):
             self.progress.fail(StoreError(f"rank {self.rank} step {snap.step}: snapshot failed: {e}",
                                           code="UCL432"))
             snap.copied.set()
-            self.snapshots.drop(snap, *list(snap.holders))
-            if snap.persist:
-                self.progress.done()
+            self.snapshots.drop(snap, *[h for h in list(snap.holders) if h != "flush"])
+            if snap.persist:  # the flusher writes nothing of it, but takes part in the processes' agreement
+                self.then(snap)
             return
         self.trace.add("snapshot", t0, time.perf_counter(), step=snap.step,
                        bytes=snap.region.stop - snap.region.start, cpu=round(time.thread_time() - cpu0, 6))

@@ -107,10 +107,12 @@ def _dtype_lines(kind: str, dtypes: dict[str, list[str]]) -> list[str]:
     return lines
 
 
-def derive(model, optimizer, *, bound=None, mesh: Mesh | None = None) -> TrainLayout:
+def derive(model, optimizer, *, bound=None, mesh: Mesh | None = None, reading: bool = False) -> TrainLayout:
     """The layout of ``model``'s parameters and buffers and ``optimizer``'s state right now.
     ``bound`` (a ``ucl.layout.Model``: a spec bound to the global dims and parameters) with ``mesh``
-    describes a manual layout whose module holds rank-local tensors under their local names."""
+    describes a manual layout whose module holds rank-local tensors under their local names.
+    ``reading``: the layout to restore into, where every DDP replica has the entries (rank 0 of the
+    universal layout) although only process rank 0 writes them."""
     import torch
     model = unwrap(model)
     params = {clean_name(n): p for n, p in model.named_parameters()}  # tied parameters once, first name
@@ -147,7 +149,7 @@ def derive(model, optimizer, *, bound=None, mesh: Mesh | None = None) -> TrainLa
     dtensors = [t for t in tensors.values() if _is_dtensor(t)]
     if not dtensors:  # one process or DDP replicas: the universal layout, written once by rank 0
         text = _spec_text(tensors, states, kinds, axes=[], rules={n: "replicate" for n in tensors})
-        return _layout(text, None, frozen, UNIVERSAL, 0 if my_rank == 0 else -1, tensors, states, kinds)
+        return _layout(text, None, frozen, UNIVERSAL, 0 if my_rank == 0 or reading else -1, tensors, states, kinds)
     dmesh = dtensors[0].device_mesh
     if any(t.device_mesh != dmesh for t in dtensors):
         raise UclError("parameters live on different DeviceMeshes; pass spec= and mesh= explicitly", code="UCL430")

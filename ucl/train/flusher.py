@@ -11,6 +11,7 @@ import time
 from ..dtypes import logical_of_torch_dtype
 from ..errors import StoreError, UclError
 from ..ops.collective import commit_collectively
+from ..ops.dist import allgather_json
 from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 from .layouts import SPEC_NAME, Layouts
@@ -42,7 +43,10 @@ class Flusher(Stage):
         # not niced (progress.BACKGROUND_NICE): durability is latency the job waits on (back-pressure),
         # and on a shared machine a niced flusher loses to other processes, not to training
         try:
-            if not self.progress.failed:
+            go = not self.progress.failed
+            if self.world > 1:
+                go = self._agree(snap, go)
+            if go:
                 self._persist(snap)
         except BaseException as e:
             self._unhide(snap.step)
@@ -54,6 +58,23 @@ class Flusher(Stage):
         finally:
             self.snapshots.drop(snap, "flush")
             self.progress.done()
+
+    def _agree(self, snap: Snapshot, go: bool) -> bool:
+        """Whether every process writes this snapshot: all must be fit to (none stopped by an earlier
+        failure of its own) and at the same step, or none writes it; a collective commit entered by
+        some processes only would pair up different checkpoints' files."""
+        views = allgather_json([snap.step, go], group=self.group)
+        steps = sorted({s for s, _ in views})
+        if len(steps) > 1:
+            calls = ", ".join(f"rank {r}: {s}" for r, (s, _) in enumerate(views))
+            raise StoreError(f"save() was called with different steps on the processes ({calls}); every process "
+                             "must save the same steps", code="UCL436")
+        broken = [r for r, (_, ok) in enumerate(views) if not ok]
+        if broken and go:
+            raise StoreError(f"not written: process{'es' if len(broken) > 1 else ''} "
+                             f"{', '.join(map(str, broken))} failed earlier (their error is raised there)",
+                             code="UCL436")
+        return not broken
 
     def _persist(self, snap: Snapshot) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()

@@ -34,9 +34,10 @@ class Layouts:
         self._models: dict[tuple, Model] = {}
         self._stored: dict[tuple, frozenset[str]] = {}
 
-    def current(self, module, optimizer) -> TrainLayout:
-        """The layout of ``module`` and ``optimizer`` as they are now."""
-        return derive(module, optimizer, bound=self.bound, mesh=self.mesh)
+    def current(self, module, optimizer, reading: bool = False) -> TrainLayout:
+        """The layout of ``module`` and ``optimizer`` as they are now (``reading``: to restore into,
+        see ``derive``)."""
+        return derive(module, optimizer, bound=self.bound, mesh=self.mesh, reading=reading)
 
     def model_of(self, layout: TrainLayout) -> Model:
         model = self._models.get(layout.signature)

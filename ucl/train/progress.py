@@ -31,6 +31,7 @@ class Progress:
         self._cond = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
+        self._broken = False  # a failure that stops further flushes until it is raised
 
     def begin(self) -> None:
         """One more piece of work (a flush, a promotion) that ``wait`` must see finished."""
@@ -43,7 +44,17 @@ class Progress:
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
-        """Record a background error; the first one wins, the next ``save``/``wait``/``close`` raises it."""
+        """Record a background error that stops further flushes until it is raised; the first error
+        wins, the next ``save``/``wait``/``close`` raises it."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._broken = True
+            self._cond.notify_all()
+
+    def report(self, error: BaseException) -> None:
+        """Record a background error that stops nothing (a failed promotion: the checkpoint is
+        durable in root, and later ones are written and promoted as usual)."""
         with self._cond:
             if self._error is None:
                 self._error = error
@@ -51,11 +62,11 @@ class Progress:
 
     @property
     def failed(self) -> bool:
-        return self._error is not None
+        return self._broken
 
     def raise_error(self) -> None:
         with self._cond:
-            error, self._error = self._error, None
+            error, self._error, self._broken = self._error, None, False
         if error is not None:
             raise error
 

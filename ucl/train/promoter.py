@@ -47,7 +47,7 @@ class Promoter(Stage):
                 staged.discard()
                 raise
         except Exception as e:
-            self.progress.fail(self._error(step, "tier 1 (staging its files)", e))
+            self.progress.report(self._error(step, "tier 1 (staging its files)", e))
             return
         self.progress.begin()
         self._put(Promotion(step, staged, files, tuple(range(len(self.tiers))) if tiers is None else tuple(tiers)))
@@ -63,7 +63,7 @@ class Promoter(Stage):
                 try:
                     promote_to(tier, item.staged.path, item.step, self.keep, list(item.files))
                 except Exception as e:  # each tier is tried; the first error surfaces
-                    self.progress.fail(self._error(item.step, f"tier {i + 2} ({describe(tier)})", e))
+                    self.progress.report(self._error(item.step, f"tier {i + 2} ({describe(tier)})", e))
                     continue
                 self.trace.add("promote", t0, time.perf_counter(), step=item.step, tier=i + 2,
                                cpu=round(time.thread_time() - cpu0, 6))

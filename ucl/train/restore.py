@@ -11,7 +11,7 @@ import numpy as np
 
 from ..dtypes import logical_of_torch_dtype, to_torch
 from ..errors import StoreError
-from ..ops.dist import allgather_json
+from ..ops.dist import allgather_json, initialized_dist
 from ..ops.load import load_rank
 from ..ops.prepare import expected_datasets, open_checkpoint
 from ..store.root import CheckpointRoot
@@ -56,14 +56,37 @@ def from_memory(target: Target, snapshots: Snapshots, root: CheckpointRoot, step
         with torch.no_grad():
             for e, off in zip(layout.entries, snap.offsets):
                 e.tensor.copy_(snapshots.view(snap, e, off))
+        if target.world > 1 and layout.mesh.is_universal:  # DDP: only process rank 0 holds the snapshot
+            _broadcast(target.layouts.current(target.module, target.optimizer, reading=True).entries, target.group)
         if target.optimizer is not None:
             restore_hyperparameters(target.optimizer, snap.state.get("optimizer"))
-        rng.restore(snap.state.get("rng"), target.rank, target.world)
+        rng.restore_own(snap.state["rng"][str(target.rank)])  # each process's snapshot holds its own
         trace.add("restore", t0, time.perf_counter(), step=snap.step, tier=0)
         return snap.step, snap.state.get("extra")
     finally:
         if snap is not None:
             snapshots.drop(snap, "load")
+
+
+def _broadcast(entries, group) -> None:
+    """Every replica's tensors from process rank 0's (DDP, restored from its host snapshot), as
+    bytes over the checkpointer's gloo group; CUDA and strided tensors go through a host copy."""
+    import torch
+    dist = initialized_dist()
+    sender = dist.get_rank() == 0
+    for e in entries:
+        t = e.tensor
+        direct = t.device.type == "cpu" and t.is_contiguous()
+        if direct:
+            buf = t.reshape(-1).view(torch.uint8)
+        elif sender:
+            buf = t.contiguous().cpu().reshape(-1).view(torch.uint8)
+        else:
+            buf = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=group)
+        if not direct and not sender:
+            with torch.no_grad():
+                t.copy_(buf.view(t.dtype).reshape(t.shape))
 
 
 def from_checkpoint(target: Target, path: str) -> tuple[int, Any]:
@@ -74,19 +97,19 @@ def from_checkpoint(target: Target, path: str) -> tuple[int, Any]:
         manifest = ck.manifest
     saved = manifest.state or {}
     optimizer = target.optimizer
-    layout = target.layouts.current(target.module, optimizer)
+    layout = target.layouts.current(target.module, optimizer, reading=True)
     _check_model(path, manifest, layout.params if target.layouts.bound is None else
                  target.layouts.model_of(layout).params)
     if optimizer is not None and target.layouts.bound is None:
         params = {clean_name(n): p for n, p in unwrap(target.module).named_parameters()}
         frozen = set(manifest.frozen or ())
         match_state(optimizer, params, {n for n in params if n in (manifest.params or {}) and n not in frozen})
-        layout = target.layouts.current(target.module, optimizer)
+        layout = target.layouts.current(target.module, optimizer, reading=True)
     elif optimizer is not None and not optimizer.state and {k.split("/", 1)[0] for ds in manifest.datasets
                                                            for k in ds} - {"param"}:
         # a manual layout: its spec says which parameters have state; a fresh optimizer gets it all
         init_state(optimizer, [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad])
-        layout = target.layouts.current(target.module, optimizer)
+        layout = target.layouts.current(target.module, optimizer, reading=True)
     arrays = _read(target.layouts, path, layout)
     import torch
     with torch.no_grad():

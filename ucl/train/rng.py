@@ -23,7 +23,6 @@ def capture() -> dict:
 def restore(saved: Any, process_rank: int, world: int) -> None:
     """Restore this process's generators when the checkpoint has them (same world size); warn when it
     was written by another number of processes (the generators keep their current state)."""
-    import torch
     if not saved:
         return
     mine = saved.get(str(process_rank))
@@ -31,6 +30,12 @@ def restore(saved: Any, process_rank: int, world: int) -> None:
         warnings.warn(f"the checkpoint holds RNG states of {len(saved)} processes, this job has {world}: "
                       "random generators are not restored", stacklevel=3)
         return
+    restore_own(mine)
+
+
+def restore_own(mine: dict) -> None:
+    """Restore this process's generators from its own captured state."""
+    import torch
     torch.set_rng_state(torch.tensor(mine["torch"], dtype=torch.uint8))
     s = mine["numpy"]
     np.random.set_state((s[0], np.asarray(s[1], dtype=np.uint32), s[2], s[3], s[4]))
