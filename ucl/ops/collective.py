@@ -64,18 +64,19 @@ def commit_collectively(path: str, nranks: int, fields: dict,
         _beat_while(attempt, out, heartbeat, group, owner, cancel)
     gathered = _collective(allgather_json, {"entries": {str(k): v for k, v in out["entries"].items()},
                                             "problem": out["problem"], "share": share}, group, owner, cancel)
-    problems = [g["problem"] for g in gathered if g["problem"]]
+    problems = list(dict.fromkeys(g["problem"] for g in gathered if g["problem"]))  # each cause once
     result = ""
     if me == 0:
         try:
             if problems:
-                raise StoreError("; ".join(problems), code="UCL410")
-            if before_commit is not None:
-                before_commit(owner, [g["share"] for g in gathered])
-            for g in gathered:
-                for r, e in g["entries"].items():
-                    owner.adopt(int(r), e)
-            result = owner.commit()
+                owner.abort()
+            else:
+                if before_commit is not None:
+                    before_commit(owner, [g["share"] for g in gathered])
+                for g in gathered:
+                    for r, e in g["entries"].items():
+                        owner.adopt(int(r), e)
+                result = owner.commit()
         except Exception as e:
             owner.abort()
             problems.append(str(e))
