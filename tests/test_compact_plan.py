@@ -199,3 +199,19 @@ def test_v1_without_rank_columns_is_malformed():
     with pytest.raises(ucl.PlanError) as info:
         ucl.Plan.from_json(json.dumps(d))
     assert info.value.code == "UCL312" and "version 1" in str(info.value)
+
+
+def test_execute_memory_refuses_sources_that_do_not_fit_the_plan():
+    """A larger array was read in part, a float64 one cast down silently, a wrong-rank one crashed
+    with IndexError: each is UCL315 naming the dataset, before anything is copied."""
+    spec = ucl.load_spec("dims n\nmesh tp\nw [n, 4] : split 0 over tp\nstate param : dtype float32\n")
+    model = spec.bind({"n": 8}, {"w": (8, 4)})
+    plan = ucl.compile(model, ucl.UNIVERSAL, "tp=2")
+    good = np.arange(32, dtype=np.float32).reshape(8, 4)
+    assert ucl.execute_memory(plan, {0: {"param/w": good}})[1]["param/w"].tobytes() == good[4:].tobytes()
+    for bad in (np.zeros((16, 4), np.float32), np.zeros((8, 4), np.float64), np.zeros(3, np.float32)):
+        with pytest.raises(ucl.PlanError, match=r"'param/w' is .* the plan reads it as float32 \[8, 4\]") as e:
+            ucl.execute_memory(plan, {0: {"param/w": bad}})
+        assert e.value.code == "UCL315"
+    with pytest.raises(ucl.PlanError, match="has no dataset 'param/w'"):
+        ucl.execute_memory(plan, {0: {}})

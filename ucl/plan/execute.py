@@ -169,6 +169,7 @@ def execute_memory(plan: Plan, src: Mapping[int, Mapping[str, np.ndarray]], rank
     """Run ``plan`` on in-memory source shards; returns the target shards (optionally only ``ranks``)."""
     if ranks is not None:
         plan = plan.for_ranks(ranks)  # expand only the rows of these ranks
+    _check_sources(plan, src)
     dst = allocate(plan)
     source = MemorySource(src)
     order = np.argsort(plan.copies["dst_rank"], kind="stable")  # rows grouped by target rank, in plan order
@@ -177,3 +178,28 @@ def execute_memory(plan: Plan, src: Mapping[int, Mapping[str, np.ndarray]], rank
         lo, hi = np.searchsorted(by_rank, [r, r + 1])
         run_copies(plan, order[lo:hi], source, targets)
     return dst
+
+
+def _check_sources(plan: Plan, src: Mapping[int, Mapping[str, np.ndarray]]) -> None:
+    """UCL315 before anything is copied when a source array the plan reads is not the dataset it
+    expects (shape, storage dtype): a larger array would be read in part and a float64 one cast down."""
+    c = plan.copies
+    if not len(c["src_rank"]):
+        return
+    pairs = np.unique(np.stack([c["src_rank"], c["src_slot"], c["tensor"]], axis=1), axis=0)
+    problems = []
+    for rank, slot_id, tensor in pairs.tolist():
+        slot = plan.slots[slot_id]
+        array = src.get(rank, {}).get(slot.key)
+        if array is None:
+            problems.append(f"source rank {rank} has no dataset {slot.key!r}")
+            continue
+        want = storage_dtype(plan.tensors[tensor]["dtype"])
+        shape = tuple(getattr(array, "shape", ()))
+        if shape != tuple(slot.dataset_shape) or getattr(array, "dtype", None) != want:
+            problems.append(f"source rank {rank} {slot.key!r} is {getattr(array, 'dtype', type(array).__name__)} "
+                            f"{list(shape)}; the plan reads it as {want} {list(slot.dataset_shape)}")
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise PlanError("the source shards do not fit the plan: " + "; ".join(dict.fromkeys(problems[:5])) + more,
+                        code="UCL315")
