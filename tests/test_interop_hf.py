@@ -311,3 +311,18 @@ def test_detect(tmp_path):
     assert not hf_store.detect(str(folder))
     assert not hf_store.detect(str(tmp_path))
     assert "llama" in hf_store.known_model_types() and "megatron_gpt" not in hf_store.known_model_types()
+
+
+def test_a_config_with_infinity_as_transformers_writes_it(tmp_path):
+    """transformers writes floats JSON lacks as ``{"__float__": "Infinity"}`` (Mamba-2's default
+    time_step_limit); the config reader takes them back as floats, so the class's defaults are filled
+    in (before: transformers refused the tag, and the reader silently kept the raw fields only)."""
+    import math
+    transformers = pytest.importorskip("transformers")
+    transformers.Mamba2Config(hidden_size=16, num_heads=4, head_dim=8, n_groups=2, num_hidden_layers=1,
+                              vocab_size=32).save_pretrained(tmp_path)
+    assert '"__float__"' in (tmp_path / "config.json").read_text()  # what transformers wrote
+    from ucl.model_config import load_config
+    config = load_config(tmp_path)
+    assert config["time_step_limit"] == [0.0, math.inf] and config["n_groups"] == 2
+    assert "state_size" in config  # a class default, not in the file

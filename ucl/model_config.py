@@ -9,7 +9,9 @@ installed, ``AutoConfig.for_model(model_type, **fields)`` supplies class default
 """
 from __future__ import annotations
 
+import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,7 +49,22 @@ def read_raw_config(config: Any) -> dict:
     out = parse_json(read_bounded(path, limit=MAX_CONFIG_BYTES, what="config", error=error), "the config", error)
     if not isinstance(out, dict):
         raise StoreError(f"config {path} is not a JSON object", code="UCL401")
-    return out
+    return _special_floats(out)
+
+
+_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_floats(value: Any) -> Any:
+    """Floats JSON has no literal for, as transformers writes them (``{"__float__": "Infinity"}``,
+    e.g. Mamba-2's ``time_step_limit``), back as floats."""
+    if isinstance(value, dict):
+        if len(value) == 1 and value.get("__float__") in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[value["__float__"]]
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
 
 
 def load_config(config: Any) -> dict:
@@ -58,10 +75,18 @@ def load_config(config: Any) -> dict:
     if not already_full and raw.get("model_type"):
         try:
             from transformers import AutoConfig
+        except ImportError:  # without transformers: the fields as written
+            AutoConfig = None
+        if AutoConfig is not None:
             fields = {k: v for k, v in raw.items() if k != "model_type"}
-            out = AutoConfig.for_model(raw["model_type"], **fields).to_dict()
-        except Exception:  # unknown model type, transformers missing or too old: keep the raw fields
-            out = dict(raw)
+            try:
+                out = AutoConfig.for_model(raw["model_type"], **fields).to_dict()
+            except Exception as e:  # an unknown model type (older transformers), or fields it refuses
+                known = "Unrecognized model" not in str(e)
+                if known:
+                    warnings.warn(f"transformers could not fill in the defaults of a {raw['model_type']!r} config "
+                                  f"({type(e).__name__}: {str(e)[:200]}); using the fields as written", stacklevel=2)
+                out = dict(raw)
     if out.get("head_dim") is None and _positive(out.get("hidden_size")) and _positive(out.get("num_attention_heads")):
         out["head_dim"] = int(out["hidden_size"]) // int(out["num_attention_heads"])
     return out
