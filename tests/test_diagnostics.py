@@ -544,3 +544,13 @@ def test_dtype_mismatch_is_grouped_and_hints_the_state_line(demo_shards, tmp_pat
         ucl.save(tmp_path / "c", f32, model=model, mesh=mesh)
     assert "the spec stores param as bfloat16 (the `state` statement at <demo:llama_megatron>:" in str(info.value)
     assert "write `dtype float32` there, or convert the tensors to bfloat16" in str(info.value)
+
+
+def test_bind_given_tensors_instead_of_shapes_says_so():
+    """Not the tensor's values in the message: what to pass instead."""
+    torch = pytest.importorskip("torch")
+    spec = ucl.load_spec("w [4, 4] : replicate\n")
+    with pytest.raises(ucl.BindError) as e:
+        spec.bind({}, {"w": torch.full((4, 4), 0.8557)})
+    assert "given as a Tensor; bind takes shapes" in str(e.value) and "0.8557" not in str(e.value)
+    assert spec.bind({}, {"w": torch.Size([4, 4])}).params == {"w": (4, 4)}

@@ -112,6 +112,10 @@ def _read_params(params, problems: list[Diagnostic]) -> dict[str, tuple[int, ...
         if not isinstance(name, str):
             problems.append(Diagnostic("UCL213", f"parameter name {name!r} is not a string"))
             continue
+        if hasattr(shape, "dtype") and len(getattr(shape, "shape", (0,))) != 1:  # a tensor, not its shape
+            problems.append(Diagnostic("UCL213", f"parameter {name!r} is given as a {type(shape).__name__}; bind "
+                                                 "takes shapes", hint="pass {name: tuple(t.shape) for name, t in ...}"))
+            continue
         why = _shape_problem(shape)
         if why is not None:
             problems.append(Diagnostic("UCL213", f"parameter {name!r} {why}"))
