@@ -695,3 +695,28 @@ def test_the_command_collects_cycles_less_often_and_freezes_the_heap_before_exit
         gc.unfreeze()
         gc.set_threshold(*before)
     assert main(capsys, "--version")[0] == 0 and gc.get_threshold() == before
+
+
+def test_check_against_takes_a_spec_written_for_the_saved_per_expert_names(capsys, tmp_path):
+    """save_pretrained writes MoE experts one by one; a spec naming them so (Megatron numbers its
+    local experts the same way) passes, as a spec of the fused in-memory tensors does. The
+    location of a problem has its column."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    tensors = {f"model.layers.0.mlp.experts.{e}.{p}.weight": np.zeros(s, np.float32) for e in range(2)
+               for p, s in (("gate_proj", (8, 4)), ("up_proj", (8, 4)), ("down_proj", (4, 8)))}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    spec = tmp_path / "per_expert.ucl"
+    spec.write_text("dims experts, hidden, ffn\nmesh ep, tp\n"
+                    "model.layers.{i}.mlp.experts.{e}.gate_proj.weight [ffn, hidden] : split 0 over tp; "
+                    "index e of experts over ep\n"
+                    "model.layers.{i}.mlp.experts.{e}.up_proj.weight [ffn, hidden] : split 0 over tp; "
+                    "index e of experts over ep\n"
+                    "model.layers.{i}.mlp.experts.{e}.down_proj.weight [hidden, ffn] : split 1 over tp; "
+                    "index e of experts over ep\n")
+    rc, out, err = main(capsys, "check", str(spec), "--dims", "experts=2,hidden=4,ffn=8", "--against",
+                        str(tmp_path / "model.safetensors"))
+    assert rc == 0 and "matched exactly once" in out, (out, err)
+    rc, out, err = main(capsys, "check", str(spec), "--dims", "experts=2,hidden=4,ffn=6", "--against",
+                        str(tmp_path / "model.safetensors"))
+    assert rc == 1 and f"per_expert.ucl:3:52" in out, out  # the column of the rule's shape
