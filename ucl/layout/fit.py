@@ -210,7 +210,8 @@ def _blame_stages(model, mesh, failure: TensorFailure, sf: StageFailure, fits):
     if sf.kind == "even":
         size = f"{axis}={sf.size}" + (f" x virtual {sf.virtual} = {sf.size * sf.virtual}" if sf.virtual > 1 else "")
         return (f"the mesh {mesh} does not fit: {size} does not divide {what} ({where})",
-                _among(axis, ok) + ", or give the stage sizes: `first`/`last` or `sizes [...]`")
+                _among(axis, ok) + f", or say how many values each {axis} coordinate takes: "
+                "`first`/`last` or `sizes [...]`")
     if sf.kind == "sizes":
         return (f"the mesh {mesh} does not fit: {axis}={sf.size}, but `sizes [...]` lists {sf.listed} stages ({where})",
                 _among(axis, ok))

@@ -99,7 +99,9 @@ def stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh, notes=N
         stage_fail(model, tensor, t, mesh, "UCL204",
                     f"{count} {t.capture.name}-values cannot be spread evenly over {axis}={size}"
                     + (f" x virtual {virtual}" if virtual > 1 else ""),
-                    StageFailure(t, axis, size, count, virtual, "even"), "give `first`/`last` stage sizes or `sizes [...]`")
+                    StageFailure(t, axis, size, count, virtual, "even"),
+                    f"choose a {axis} size that divides {count}, or say how many values each {axis} coordinate "
+                    "takes: `first`/`last` or `sizes [...]`")
     per = count // chunks
     chunk = value // per
     return chunk % size, (chunk // size) * per + value % per
