@@ -795,3 +795,21 @@ def test_draft_checks_with_the_raw_config_it_came_from(tmp_path):
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
     spec.bind(dims, {n: tuple(p.shape) for n, p in m.named_parameters()})
+
+
+def test_saved_experts_of_a_feed_forward_block_are_fused_in_place():
+    """Jamba names its MoE block ``feed_forward``: the saved per-expert matrices map onto
+    ``feed_forward.experts.gate_up_proj`` / ``down_proj`` (they were left unfused), Mixtral's
+    ``block_sparse_moe`` onto ``mlp`` as before."""
+    saved = {f"model.layers.1.feed_forward.experts.{e}.{p}.weight": s for e in range(3)
+             for p, s in (("gate_proj", (8, 4)), ("up_proj", (8, 4)), ("down_proj", (4, 8)))}
+    saved["model.layers.1.feed_forward.router.weight"] = (3, 4)
+    saved |= {f"model.layers.2.block_sparse_moe.experts.{e}.{p}.weight": s for e in range(2)
+              for p, s in (("w1", (8, 4)), ("w3", (8, 4)), ("w2", (4, 8)))}
+    fused, problems = uhf.fuse_saved_experts(saved)
+    assert problems == []
+    assert fused == {"model.layers.1.feed_forward.experts.gate_up_proj": (3, 16, 4),
+                     "model.layers.1.feed_forward.experts.down_proj": (3, 4, 8),
+                     "model.layers.1.feed_forward.router.weight": (3, 4),
+                     "model.layers.2.mlp.experts.gate_up_proj": (2, 16, 4),
+                     "model.layers.2.mlp.experts.down_proj": (2, 4, 8)}

@@ -234,7 +234,7 @@ def _merge(folder: Path, names: Iterable[str]) -> Shapes:
 # ---- saved (per-expert) MoE names -> fused in-memory names ----------------------------------------
 # transformers 5 holds experts as mlp.experts.gate_up_proj [E, 2I, H] (rows [:I] gate, [I:] up) and
 # mlp.experts.down_proj [E, H, I]; save_pretrained writes one tensor per expert instead.
-_EXPERT = re.compile(r"^(?P<pre>.*)\.(?P<blk>mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
+_EXPERT = re.compile(r"^(?P<pre>.*)\.(?P<blk>mlp|block_sparse_moe|feed_forward)\.experts\.(?P<e>\d+)\."
                      r"(?P<w>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -244,7 +244,8 @@ def fuse_saved_experts(tensors: Mapping[str, Iterable[int]]) -> tuple[Shapes, li
 
     ``PFX.{mlp|block_sparse_moe}.experts.{e}.{gate_proj|w1}.weight [I, H]`` + ``up_proj|w3 [I, H]``
     -> ``PFX.mlp.experts.gate_up_proj [E, 2I, H]``; ``down_proj|w2 [H, I]`` ->
-    ``PFX.mlp.experts.down_proj [E, H, I]``; Mixtral's ``block_sparse_moe.gate.weight`` ->
+    ``PFX.mlp.experts.down_proj [E, H, I]`` (Jamba's ``feed_forward`` block keeps its name);
+    Mixtral's ``block_sparse_moe.gate.weight`` ->
     ``mlp.gate.weight``. Experts must be numbered 0..E-1 with all three matrices, of equal shapes.
     Names that are not per-expert pass through unchanged (in their order)."""
     out: Shapes = {}
@@ -258,18 +259,19 @@ def fuse_saved_experts(tensors: Mapping[str, Iterable[int]]) -> tuple[Shapes, li
                 name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
             out[name] = shape
             continue
-        pre = m.group("pre")
+        # the fused tensors live in the block's in-memory name: Mixtral's block_sparse_moe is mlp now
+        pre = f"{m.group('pre')}.{'feed_forward' if m.group('blk') == 'feed_forward' else 'mlp'}"
         if pre not in groups:
             groups[pre] = {}
-            out[f"{pre}.mlp.experts.gate_up_proj"] = ()  # placeholder keeps model order
-            out[f"{pre}.mlp.experts.down_proj"] = ()
+            out[f"{pre}.experts.gate_up_proj"] = ()  # placeholder keeps model order
+            out[f"{pre}.experts.down_proj"] = ()
         role = _ROLE[m.group("w")]
         per = groups[pre].setdefault(int(m.group("e")), {})
         if role in per:
             problems.append(f"{name}: expert {m.group('e')} of {pre} has two {role} matrices")
         per[role] = shape
     for pre, experts in groups.items():
-        fused_gu, fused_d = f"{pre}.mlp.experts.gate_up_proj", f"{pre}.mlp.experts.down_proj"
+        fused_gu, fused_d = f"{pre}.experts.gate_up_proj", f"{pre}.experts.down_proj"
         n = len(experts)
         if sorted(experts) != list(range(n)):
             problems.append(f"{pre}: experts are numbered {sorted(experts)}, expected 0..{n - 1}")
