@@ -218,7 +218,10 @@ class Model:
         places = self._placements.matches(name)
         if len(places) > 1:
             problems.append(Diagnostic("UCL202", f"parameter {name!r} is placed by {len(places)} rules (lines "
-                                       f"{', '.join(str(r.span.line) for r in places)})", places[1].pattern.span))
+                                       f"{', '.join(str(r.span.line) for r in places)})", places[1].pattern.span,
+                                       "one placement rule per parameter: merge them into one rule with every "
+                                       "placement (`index i of layers over pp; index e of experts over ep`), or put "
+                                       "one of them in the parameter's layout rule"))
         if len(hits) == 1 and not ignored:
             return hits[0], (places[0] if places else None)
         if ignored and not hits:
