@@ -720,3 +720,21 @@ def test_check_against_takes_a_spec_written_for_the_saved_per_expert_names(capsy
     rc, out, err = main(capsys, "check", str(spec), "--dims", "experts=2,hidden=4,ffn=6", "--against",
                         str(tmp_path / "model.safetensors"))
     assert rc == 1 and f"per_expert.ucl:3:52" in out, out  # the column of the rule's shape
+
+
+def test_check_warns_about_patterns_that_match_nothing_and_still_passes(capsys, tmp_path):
+    spec = ucl.load_spec("stdlib:llama")
+    model = _fake_model_folder(tmp_path / "model", spec.synthesize_params(LLAMA_DIMS))
+    typo = tmp_path / "typo.ucl"
+    typo.write_text(spec.text + "state exp_avg for model.layers.*.mlp.gate.weight : follow\n")
+    rc, out, err = main(capsys, "check", typo, "--dims", _dims_text(LLAMA_DIMS), "--against", model)
+    assert rc == 0, (out, err)
+    line = len(spec.text.splitlines()) + 1
+    assert (f"{typo}:{line}:19: warning: `state exp_avg for model.layers.*.mlp.gate.weight` matches no parameter "
+            "of the model") in out, out
+    assert "did you mean `model.layers.0.mlp.gate_proj.weight`?" in out, out
+    assert "ok: every tensor" in out
+    rc, out, err = main(capsys, "check", "stdlib:llama", "--dims", _dims_text(LLAMA_DIMS), "--against", model)
+    assert rc == 0 and "warning" not in out, out
+    rc, out, err = main(capsys, "check", typo, "--dims", _dims_text(LLAMA_DIMS))  # synthesized parameters
+    assert rc == 0 and out.count("warning:") == 1, out

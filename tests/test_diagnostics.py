@@ -554,3 +554,50 @@ def test_bind_given_tensors_instead_of_shapes_says_so():
         spec.bind({}, {"w": torch.full((4, 4), 0.8557)})
     assert "given as a Tensor; bind takes shapes" in str(e.value) and "0.8557" not in str(e.value)
     assert spec.bind({}, {"w": torch.Size([4, 4])}).params == {"w": (4, 4)}
+
+
+# ---- patterns that match no parameter: warnings, not errors ------------------------------------------
+UNMATCHED = """dims n, has_head
+mesh dp, tp
+layers.{i}.** : index i of 2 over dp
+layers.{i}.w [n, n] : split 0 over tp
+layers.{i}.bias [n] : optional
+head.weight [n, n] : optional if has_head
+tail.weight [n, n] : replicate
+extra.** : on dp = 0
+layers.{i}.ww [n, n] : optional
+extra.* : optional
+ignore buffers.**, rotary.*
+state exp_avg : follow
+state exp_avg for layers.*.ww | layers.*.w : flat over dp
+"""
+
+
+def test_unmatched_patterns_are_warnings_pointing_at_each_pattern():
+    spec = ucl.Spec.from_text(UNMATCHED, "m.ucl")
+    # binding allows every one of them (one spec serves models with and without some parameters)
+    model = spec.bind({"n": 4, "has_head": 0}, {"layers.0.w": (4, 4), "layers.1.w": (4, 4), "rotary.f": (2,)})
+    found = [(d.span.line, d.span.col, d.severity, d.code) for d in model.unmatched()]
+    # `optional` bias: quiet; `optional if has_head` with has_head = 0 says the head exists: warned
+    assert found == [(6, 1, "warning", ""), (7, 1, "warning", ""), (8, 1, "warning", ""), (11, 8, "warning", ""),
+                     (13, 19, "warning", "")], found
+    text = [d.render(spec.text, spec.filename) for d in model.unmatched()]
+    assert text[0].startswith("m.ucl:6:1: warning: rule `head.weight` matches no parameter of the model"), text[0]
+    assert text[2].startswith("m.ucl:8:1: warning: placement rule `extra.**` matches"), text[2]
+    assert text[3].startswith("m.ucl:11:8: warning: `ignore buffers.**` matches"), text[3]  # rotary.* is matched
+    assert text[4].splitlines()[0] == "m.ucl:13:19: warning: `state exp_avg for layers.*.ww` matches no parameter of the model"
+    assert text[4].splitlines()[2] == " " * 22 + "^" * len("layers.*.ww")
+    assert "did you mean `layers.0.w`?" in text[4]  # the nearest real name, digits compared as 0
+    with_head = spec.bind({"n": 4, "has_head": 1}, {"layers.0.w": (4, 4), "layers.1.w": (4, 4)})
+    assert [d.span.line for d in with_head.unmatched()] == [7, 8, 11, 11, 13]
+    full = spec.bind({"n": 4, "has_head": 0}, {"layers.0.w": (4, 4), "layers.1.w": (4, 4), "layers.1.ww": (4, 4),
+                                               "head.weight": (4, 4), "tail.weight": (4, 4), "extra.x": (1,),
+                                               "buffers.y": (1,), "rotary.f": (2,)})
+    assert full.unmatched() == []
+
+
+def test_a_manual_checkpointer_spec_warns_about_a_state_pattern_that_matches_nothing():
+    from ucl.train.layouts import bind_manual
+    text = "mesh tp\nw [4, 4] : split 0 over tp\nstate exp_avg : follow\nstate exp_avg for ww : flat over tp\n"
+    with pytest.warns(UserWarning, match=r"<spec>:4:19: warning: `state exp_avg for ww` matches no parameter"):
+        bind_manual(text, {"tp": 2})

@@ -128,6 +128,8 @@ def test_hf_spec_matches_real_model(arch):
         kinds.setdefault(t.name, set()).add(t.kind)
     for n in params:
         assert kinds[n] == ({"param"} if n in bufs else {"param", "exp_avg", "exp_avg_sq", "step"}), n
+    # every rule the model needs is used; the others say `optional` (a misspelt pattern would show here)
+    assert [d.render(model.spec.text, model.spec.filename) for d in model.unmatched()] == []
 
 
 # ---- 3. TP splits agree with transformers' own plan --------------------------------------------------

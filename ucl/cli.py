@@ -131,11 +131,16 @@ def cmd_check(args) -> int:
         return 0
     dims = _dims(spec, args.dims)
     if args.against:
-        from .interop.hf import check_against, read_tensor_names
-        problems = check_against(spec, dims, read_tensor_names(args.against))
+        from .interop.hf import check_against, read_tensor_names, unmatched_patterns
+        tensors = read_tensor_names(args.against)
+        problems = check_against(spec, dims, tensors)
+        for w in [] if problems else unmatched_patterns(spec, dims, tensors):
+            con.print(_e(w))
         return _report(con, problems, f"{args.against} does not match {spec.name or spec.filename}",
                        f"every tensor of {args.against} is matched exactly once with its shape")
     model = spec.bind(dims, _params(spec, dims, None))
+    for d in model.unmatched():
+        con.print(_e(d.render(spec.text, spec.filename)))
     con.print(f"[green]ok[/]: {len(model.params)} parameters, {len(model.tensors)} tensors bound")
     return 0
 

@@ -32,10 +32,12 @@ class Diagnostic:
     message: str
     span: Span | None = None
     hint: str | None = None
+    severity: str = "error"  # or "warning": reported, never raised (such a diagnostic has no code)
 
     def render(self, source: str | None = None, filename: str = "<spec>") -> str:
         where = f"{filename}:{self.span.line}:{self.span.col}" if self.span else filename
-        out = [f"{where}: error[{self.code}]: {self.message}"]
+        label = f"{self.severity}[{self.code}]" if self.code else self.severity
+        out = [f"{where}: {label}: {self.message}"]
         if self.span and source is not None:
             lines = _source_lines(source)
             if 0 < self.span.line <= len(lines):

@@ -296,6 +296,46 @@ class Model:
             self._fail(root_causes(broken)[:1] or [next(iter(broken.values())).diagnostic])
         return env
 
+    def unmatched(self) -> list[Diagnostic]:
+        """Warnings for the patterns that match no parameter of this model: layout rules not marked
+        ``optional``, placement rules, ``ignore`` patterns and ``state ... for`` patterns. Binding
+        allows them (one spec serves models with and without some parameters), but a misspelt
+        pattern shows here: a ``state ... for`` pattern that matches nothing leaves those states to
+        the general statement, which describes another layout."""
+        ck = self.spec.checked
+        indexes = [PatternIndex((r.pattern, r.pattern) for r in ck.rules),
+                   PatternIndex((r.pattern, r.pattern) for r in ck.placements),
+                   PatternIndex((p, p) for p in ck.ignores),
+                   PatternIndex((p, p) for d in ck.states for p in d.patterns)]
+        used: set[int] = set()
+        for name in self.params:
+            for index in indexes:
+                used.update(id(p) for p in index.matches(name))
+        found = []
+
+        def warn(pattern: ast.Pattern, what: str, hint: str) -> None:
+            if id(pattern) not in used:
+                found.append(Diagnostic("", f"{what} matches no parameter of the model",
+                                        pattern.span, hint + _closest(pattern.text, self.params), "warning"))
+
+        for r in ck.rules:
+            try:
+                optional = _is_optional(r, self.static_env)
+            except ExprError:
+                optional = True  # its condition is an error reported where it is evaluated
+            if not optional:
+                warn(r.pattern, f"rule `{r.pattern.text}`", "mark it `optional` if some models lack these parameters")
+        for r in ck.placements:
+            warn(r.pattern, f"placement rule `{r.pattern.text}`", "check the pattern against the model's names")
+        for p in ck.ignores:
+            warn(p, f"`ignore {p.text}`", "check the pattern against the model's names")
+        for d in ck.states:
+            for p in d.patterns:
+                kinds = ", ".join(k.name for k in d.kinds)
+                warn(p, f"`state {kinds} for {p.text}`", f"the parameters it was meant for take {kinds} from the "
+                     "statement without `for`, or have none")
+        return sorted(found, key=lambda d: (d.span.line, d.span.col))
+
     def fingerprint(self) -> dict:
         return {"dims": self.dims, "params": {n: list(s) for n, s in self.params.items()},
                 "frozen": sorted(self.frozen)}
@@ -311,6 +351,16 @@ def _is_optional(rule: ast.Rule, env: Mapping[str, int]) -> bool:
 
 
 MAX_PARAMS = 1 << 22  # parameter names synthesize_params makes at most (MAX_COUNT bounds each index)
+
+
+def _closest(pattern: str, names: Iterable[str]) -> str:
+    """``; did you mean NAME?`` for the parameter name nearest to ``pattern`` (captures and digit
+    runs compared as 0), or nothing."""
+    shapes: dict[str, str] = {}
+    for n in names:
+        shapes.setdefault(re.sub(r"\d+", "0", n), n)
+    near = did_you_mean(re.sub(r"\{\w+\}", "0", pattern).replace("*", ""), shapes)
+    return f"; did you mean `{shapes[near.removeprefix('did you mean ')[:-1]]}`?" if near else ""
 
 
 def _rule_list(rules) -> str:

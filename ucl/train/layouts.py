@@ -3,6 +3,8 @@ from the module at each save; the bound ``Model`` of each layout seen, and the c
 module's local tensors are what that layout puts on this rank."""
 from __future__ import annotations
 
+import warnings
+
 from ..dtypes import logical_of_torch_dtype
 from ..errors import StoreError, UclError
 from ..lang.spec import Spec, load_spec
@@ -24,7 +26,10 @@ def bind_manual(spec, mesh) -> Model | None:
         return spec
     s = load_spec(spec) if not isinstance(spec, Spec) else spec
     dims = {}
-    return s.bind(dims, s.synthesize_params(dims))
+    model = s.bind(dims, s.synthesize_params(dims))
+    for d in model.unmatched():  # a misspelt `state ... for` pattern would describe another layout
+        warnings.warn(d.render(s.text, s.filename), stacklevel=4)
+    return model
 
 
 class Layouts:

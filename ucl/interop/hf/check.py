@@ -57,6 +57,22 @@ def check_against(spec, dims: Mapping[str, int], tensors: Mapping[str, Iterable[
     return problems
 
 
+def unmatched_patterns(spec, dims: Mapping[str, int], tensors: Mapping[str, Iterable[int]],
+                       frozen: Iterable[str] = ()) -> list[str]:
+    """Warnings, rendered with the spec line and a caret, for the rules and patterns of ``spec``
+    that match none of ``tensors`` (``Model.unmatched``), against the names the spec binds to (the
+    fused MoE names or the names as saved); none when it binds to neither (``check_against`` says why)."""
+    spec = load_spec(spec)
+    fused, _ = fuse_saved_experts(tensors)
+    for names in [fused] + ([dict(tensors)] if set(fused) != set(tensors) else []):
+        try:
+            model = spec.bind(dict(dims), names, frozen=[f for f in frozen if f in names])
+        except UclError:
+            continue
+        return [d.render(spec.text, spec.filename) for d in model.unmatched()]
+    return []
+
+
 def _badness(diags: list[Diagnostic]) -> tuple[int, int]:
     return sum(d.code == "UCL201" for d in diags), len(diags)
 
