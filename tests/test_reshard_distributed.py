@@ -73,7 +73,9 @@ def _worker(rank: int, world: int, port: int, workdir: str, src: str, phases: li
             res: dict = {"rank": rank}
             t0 = time.perf_counter()
             try:
-                st = ucl.reshard(src, os.path.join(workdir, ph["name"]), to=ph["to"], workers=ph.get("workers"),
+                to = ph.get("to_by_rank", {}).get(str(rank), ph["to"])  # a job given different arguments
+                dst = ph.get("dst_by_rank", {}).get(str(rank), ph["name"])
+                st = ucl.reshard(src, os.path.join(workdir, dst), to=to, workers=ph.get("workers"),
                                  distributed=True, timeout=ph.get("timeout", TIMEOUT_S))
                 res["stats"] = [st.bytes_written, st.datasets_written]
             except ucl.UclError as e:
@@ -161,6 +163,8 @@ def world2(source, tmp_path_factory):
     a failure injected in process 1, then process 1 hung (one spawn for all keeps this file fast)."""
     d = tmp_path_factory.mktemp("rd-world2")
     phases = GOOD + [{"name": "multi-w2", "to": MULTI, "workers": 2},
+                     {"name": "other-to", "to": "pp=1,dp=5,tp=2", "to_by_rank": {"1": "pp=1,dp=4,tp=2"}},
+                     {"name": "other-dst", "to": MULTI, "dst_by_rank": {"1": "other-dst-1"}},
                      {"name": "fail", "to": MULTI, "inject": "raise", "culprit": 1},
                      {"name": "hung", "to": MULTI, "inject": "stop", "culprit": 1, "timeout": HUNG_TIMEOUT_S}]
     return d, _run(2, d, source / "src", phases, expect_dead=(1,))
@@ -187,6 +191,19 @@ def test_two_processes_with_local_workers(source, world2):
     d, res = world2
     assert all("stats" in r for r in res["multi-w2"]), res["multi-w2"]
     _assert_same(d / "multi-w2", source / "ref-multi")
+
+
+@pytest.mark.parametrize("case", ["other-to", "other-dst"])
+def test_processes_given_different_jobs_refuse_on_every_process_and_write_nothing(world2, case):
+    """Each process would write its share of another checkpoint (before: rank 0 published a
+    checkpoint of mixed layouts that `ucl verify` passed, or rank 1 wrote into rank 0's)."""
+    d, res = world2
+    for r in res[case]:
+        assert r is not None and r.get("error", [None])[:2] == ["StoreError", "UCL425"], r
+        assert ("--to: rank 0: pp=1,dp=5,tp=2, rank 1: pp=1,dp=4,tp=2" if case == "other-to" else
+                f"DST: rank 0: {d / 'other-dst'}, rank 1: {d / 'other-dst-1'}") in r["error"][2], r
+    assert not (d / case).exists() and not (d / "other-dst-1").exists()
+    assert _leftovers(d) == []
 
 
 def test_failure_in_one_process_publishes_nothing_and_every_process_raises(world2):

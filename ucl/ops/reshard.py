@@ -4,6 +4,7 @@ torch.distributed job writes its share of the target files (docs/distributed.md)
 from __future__ import annotations
 
 import gc
+import json
 import os
 import threading
 import time
@@ -11,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
+import xxhash
 
 from ..dtypes import storage_dtype
 from ..errors import StoreError, UclError
@@ -84,6 +86,7 @@ class Prepared:
     plan: Plan
     state: object
     compile_seconds: float
+    source_id: str = ""  # a digest of the source manifest (distributed: every process opened the same)
 
 
 _JOB: ReshardJob | None = None  # set for the duration of one reshard, inherited by forked workers
@@ -139,14 +142,17 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     return stats
 
 
-def _prepare(src: str | os.PathLike, to: Mesh, format: str | None = None) -> Prepared:
+def _prepare(src: str | os.PathLike, to: Mesh, format: str | None = None, identify: bool = False) -> Prepared:
     t0 = time.perf_counter()
     with open_checkpoint(src, format) as ckpt:
         model = model_of(ckpt)
         plan = plan_for(model, mesh_of(ckpt), to)
         check_stored(ckpt, model)  # every source rank: a reshard reads them all
-        state = ckpt.manifest.state
-    return Prepared(model, plan, state, time.perf_counter() - t0)
+        m = ckpt.manifest
+        source_id = xxhash.xxh3_64_hexdigest(json.dumps(  # datasets carry their checksums: the content
+            [m.created, m.mesh, m.files, m.datasets, m.spec, m.dims, m.params, m.state], sort_keys=True,
+            default=str).encode()) if identify else ""
+    return Prepared(model, plan, m.state, time.perf_counter() - t0, source_id)
 
 
 def _write_files(job: ReshardJob, files: Sequence[int], workers: int, progress: Callable[[int], None] | None,
@@ -223,12 +229,14 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
     try:
         prep = None
         try:
-            prep = _prepare(src, to, format)
+            prep = _prepare(src, to, format, identify=True)
         except Exception as e:  # every process learns it below: none is left waiting in a collective
             own.append(e)
-        problems = _gathered(own[0] if own else None, group)
+        job = _job_identity(src, dst, to, format, prep)
+        problems, jobs = _gathered(own[0] if own else None, group, job)
         if problems:
             raise own[0] if own else StoreError("reshard not done: " + "; ".join(problems), code="UCL410")
+        _check_same_job(jobs)
         stats.compile_seconds = prep.compile_seconds
         groups = replica_groups(prep.plan)
         mine = assign(groups, prep.plan, world)[me]
@@ -267,13 +275,36 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
         _destroy(dist, group)
 
 
-def _gathered(error: BaseException | None, group) -> list[str]:
-    """Every process's error before writing started (``rank N: message``), or [] if none failed."""
+def _job_identity(src: str, dst: str, to: Mesh, format: str | None, prep: Prepared | None) -> dict:
+    """What every process of a distributed reshard must agree on: the paths (as this process
+    resolves them), the target layout and which source checkpoint it opened (its manifest)."""
+    ident = {"src": os.path.realpath(src), "dst": os.path.abspath(dst), "to": str(to), "format": format}
+    if prep is not None:
+        ident["source"] = prep.source_id
+    return ident
+
+
+def _gathered(error: BaseException | None, group, job: dict) -> tuple[list[str], list[dict]]:
+    """Every process's error before writing started (``rank N: message``; [] if none failed) and
+    its ``_job_identity``."""
     try:
-        got = allgather_json("" if error is None else str(error) or type(error).__name__, group=group)
+        got = allgather_json(["" if error is None else str(error) or type(error).__name__, job], group=group)
     except RuntimeError as e:
         raise StoreError(f"reshard not done: a process of the job stopped answering: {e}", code="UCL424") from None
-    return [f"rank {r}: {m}" for r, m in enumerate(got) if m]
+    return [f"rank {r}: {m}" for r, (m, _) in enumerate(got) if m], [j for _, j in got]
+
+
+def _check_same_job(jobs: list[dict]) -> None:
+    """UCL425 on every process when they were not given the same job (another SRC, DST or target,
+    or a source folder that differs between nodes): each would write its share of another checkpoint."""
+    what = {"src": "SRC", "dst": "DST", "to": "--to", "format": "--from", "source": "the source's manifest"}
+    differ = [k for k in what if len({json.dumps(j.get(k)) for j in jobs}) > 1]
+    if differ:
+        shown = "; ".join(f"{what[k]}: " + ", ".join(f"rank {r}: {j.get(k)}" for r, j in enumerate(jobs[:8]))
+                          + (" ..." if len(jobs) > 8 else "") for k in differ)
+        raise StoreError(f"reshard not started: the processes were given different jobs ({shown}); every process "
+                         "must get the same SRC, DST and --to, as absolute paths on a file system they all see "
+                         "(the same source on every node)", code="UCL425")
 
 
 def _destroy(dist, group) -> None:
