@@ -280,3 +280,60 @@ def test_processes_saving_different_steps_all_fail_and_write_nothing(tmp_path):
     results = _spawn(2, tmp_path / "ck", "fsdp", "mismatch", tmp_path / "out", limit_s=90)
     assert [r.get("code") for r in results] == ["UCL436", "UCL436"]
     assert ucl.store.CheckpointRoot(tmp_path / "ck").steps() == []
+
+
+def _mixed_mesh_worker(rank: int, port: int, root: str, out: str) -> None:
+    """FSDP2 x TP where a LayerNorm is not tensor-parallel: FSDP2 puts it on the 1-D ``dp`` slice of
+    the (dp, tp) mesh, the TP'd Linears on the 2-D mesh. Saves, and writes torch's own full state."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = _normed_model()
+        parallelize_module(model, mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for i in range(2):
+            x, y = _batch(i)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+        meshes = sorted({p.device_mesh.ndim for p in model.parameters()})
+        with ucl.Checkpointer(root, model, opt) as ck:
+            ck.save(2)
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({"model": msd, "optim": osd, "meshes": meshes}, os.path.join(out, "torch_full.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _normed_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.LayerNorm(DIM), torch.nn.Linear(DIM, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, OUT))
+
+
+def test_fsdp2_tp_with_a_parameter_on_the_dp_slice_saves_and_loads_anywhere(tmp_path):
+    """A norm left out of the TP plan lives on the dp slice of the mesh (UCL430 before): it is
+    replicated over tp. Loaded into a plain module, every tensor equals torch's own full state."""
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    tmp_mp.spawn(_mixed_mesh_worker, args=(_free_port(), str(root), str(out)), nprocs=4)
+    want = torch.load(out / "torch_full.pt", weights_only=True)
+    assert want["meshes"] == [1, 2]  # the case at hand: parameters on two meshes
+    model = _normed_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with ucl.Checkpointer(root, model, opt) as ck:
+        assert ck.load()[0] == 2
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, want["model"][name]), name
+    for name, p in model.named_parameters():
+        for kind, value in opt.state[p].items():
+            assert torch.equal(value, want["optim"]["state"][name][kind]), (name, kind)

@@ -140,8 +140,9 @@ def derive(model, optimizer, *, bound=None, mesh: Mesh | None = None, reading: b
             raise UclError("spec= needs mesh= (the layout the module's local tensors have)", code="UCL430")
         if mesh.size != world:
             raise UclError(f"mesh {mesh} has {mesh.size} ranks but the world has {world} processes", code="UCL430")
-        entries = tuple(Entry(f"{PARAM}/{n}", t.detach(), eager=not _is_param(t)) for n, t in tensors.items()) + \
-            tuple(Entry(f"{k}/{n}", v.detach()) for n, s in states.items() for k, v in s.items())
+        # a DTensor module described by hand: its local shards are what the spec places on this rank
+        entries = tuple(Entry(f"{PARAM}/{n}", _local(t).detach(), eager=not _is_param(t)) for n, t in tensors.items()) \
+            + tuple(Entry(f"{k}/{n}", _local(v).detach()) for n, s in states.items() for k, v in s.items())
         return TrainLayout(bound.spec.text, dict(bound.dims), dict(bound.params), tuple(sorted(bound.frozen)), mesh,
                            my_rank, entries, tuple(bound.spec.kinds), ("manual", id(bound), mesh, my_rank,
                                                                        tuple(e.key for e in entries)))
@@ -150,17 +151,44 @@ def derive(model, optimizer, *, bound=None, mesh: Mesh | None = None, reading: b
     if not dtensors:  # one process or DDP replicas: the universal layout, written once by rank 0
         text = _spec_text(tensors, states, kinds, axes=[], rules={n: "replicate" for n in tensors})
         return _layout(text, None, frozen, UNIVERSAL, 0 if my_rank == 0 or reading else -1, tensors, states, kinds)
-    dmesh = dtensors[0].device_mesh
-    if any(t.device_mesh != dmesh for t in dtensors):
-        raise UclError("parameters live on different DeviceMeshes; pass spec= and mesh= explicitly", code="UCL430")
-    axes = list(dmesh.mesh_dim_names or [f"d{i}" for i in range(dmesh.ndim)])
+    dmesh = _root_mesh([t.device_mesh for t in dtensors])
+    axes = _axes(dmesh)
     ucl_mesh = Mesh(list(zip(axes, dmesh.mesh.shape)))
     coords = dmesh.get_coordinate()
     r = ucl_mesh.rank(**dict(zip(axes, coords))) if coords is not None else -1
-    rules = {n: _placement_rule(t, axes) if _is_dtensor(t) else "replicate" for n, t in tensors.items()}
+    rules = {n: _placement_rule(t, _axes(t.device_mesh)) if _is_dtensor(t) else "replicate"
+             for n, t in tensors.items()}
     text = _spec_text(tensors, states, kinds, axes=axes, rules=rules)
     global_shapes = {n: tuple(t.shape) for n, t in tensors.items()}  # DTensor .shape is global
     return _layout(text, global_shapes, frozen, ucl_mesh, r, tensors, states, kinds)
+
+
+def _axes(dmesh) -> list[str]:
+    return list(dmesh.mesh_dim_names or [f"d{i}" for i in range(dmesh.ndim)])
+
+
+def _root_mesh(meshes: list):
+    """The DeviceMesh every parameter's mesh is a slice of: FSDP2 over a (dp, tp) mesh puts the
+    tensor-parallel parameters on it and the others (a norm TP leaves alone) on its ``dp`` slice,
+    which is then replicated over ``tp``. UCL430 for meshes that are not slices of one mesh."""
+    distinct = list({id(m): m for m in meshes}.values())
+    root = max(distinct, key=lambda m: m.ndim)
+    names = _axes(root)
+    coords = root.get_coordinate()
+    for m in distinct:
+        if m is root or m == root:
+            continue
+        sub = _axes(m)
+        if root.mesh_dim_names is None or m.mesh_dim_names is None or not set(sub) <= set(names) or coords is None:
+            raise UclError(f"parameters live on different DeviceMeshes ({root} and {m}) that are not slices of one "
+                           "named mesh; pass spec= and mesh= explicitly", code="UCL430")
+        # the slice through this process: the root's ranks at its coordinates on the axes ``m`` lacks
+        ranks = root.mesh[tuple(c if a not in sub else slice(None) for a, c in zip(names, coords))]
+        order = [a for a in names if a in sub]
+        if ranks.permute([order.index(a) for a in sub]).tolist() != m.mesh.tolist():
+            raise UclError(f"parameters live on DeviceMesh {m}, which is not the slice of {root} through this "
+                           "process; pass spec= and mesh= explicitly", code="UCL430")
+    return root
 
 
 def unwrap(model):
