@@ -121,6 +121,19 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, phase: str, 
             model = _parallelize(_model(), mode, world)
             kw = {}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if phase == "peer_fails":  # process 1's module does not fit its layout: its save() raises, it exits
+            x, y = _batch(0)
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            if rank == 1:
+                model.extra = torch.nn.Parameter(torch.ones(3))
+            ck = ucl.Checkpointer(root, model, opt, **kw)
+            try:
+                ck.save(5)
+                ck.wait()
+            except ucl.StoreError as e:
+                result["code"], result["message"] = e.code, str(e)
+            return
         if phase == "mismatch":  # every process saves, but not the same step
             ck = ucl.Checkpointer(root, model, opt, **kw)
             try:
@@ -337,3 +350,13 @@ def test_fsdp2_tp_with_a_parameter_on_the_dp_slice_saves_and_loads_anywhere(tmp_
     for name, p in model.named_parameters():
         for kind, value in opt.state[p].items():
             assert torch.equal(value, want["optim"]["state"][name][kind]), (name, kind)
+
+
+def test_a_process_that_fails_its_save_and_exits_fails_the_others_with_ucl424(tmp_path):
+    """The others' flush is waiting for it: they learn at once that it stopped answering (UCL424,
+    as docs/training.md says; it was a bare UCL410 'writing failed'), and nothing is written."""
+    results = _spawn(2, tmp_path / "ck", "manual", "peer_fails", tmp_path / "out", limit_s=90)
+    assert results[1]["code"] == "UCL421" and "extra" in results[1]["message"], results[1]
+    assert results[0]["code"] == "UCL424" and "stopped answering" in results[0]["message"], results[0]
+    from ucl.store import CheckpointRoot
+    assert CheckpointRoot(tmp_path / "ck").steps() == []

@@ -63,7 +63,11 @@ class Flusher(Stage):
         """Whether every process writes this snapshot: all must be fit to (none stopped by an earlier
         failure of its own) and at the same step, or none writes it; a collective commit entered by
         some processes only would pair up different checkpoints' files."""
-        views = allgather_json([snap.step, go], group=self.group)
+        try:
+            views = allgather_json([snap.step, go], group=self.group)
+        except RuntimeError as e:  # gloo: a peer exited (its own error is raised there) or hung past the timeout
+            raise StoreError(f"not written: another process of the job stopped answering (it exited, failed or hung "
+                             f"past the collective timeout): {e}", code="UCL424") from None
         steps = sorted({s for s, _ in views})
         if len(steps) > 1:
             calls = ", ".join(f"rank {r}: {s}" for r, (s, _) in enumerate(views))
