@@ -10,6 +10,7 @@ at the same places (padding and flat-buffer gaps included) are byte-identical by
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -213,7 +214,7 @@ class Link:
 
     def drop(self) -> None:
         """Forget a group a failure may have left with messages in flight (made afresh next time)."""
-        if self.owned and _CACHE and _CACHE[-1] is self.group:
+        if self.owned and _CACHE and _CACHE[-1]() is self.group:
             _CACHE.clear()
 
 
@@ -223,7 +224,10 @@ def _wire(arr: np.ndarray):
     return torch.from_numpy(arr.reshape(-1).view(np.uint8))
 
 
-_CACHE: list = []  # [default group, our gloo group over it]: made once per initialised world
+# [default group, our gloo group over it], as weak references: made once per initialised world and
+# gone with it. A strong reference kept both alive past destroy_process_group() until interpreter
+# exit, where tearing down gloo's threads then could abort the process.
+_CACHE: list[weakref.ref] = []
 
 
 def connect(group: Any = None) -> Link:
@@ -241,11 +245,12 @@ def connect(group: Any = None) -> Link:
                              f"{dist.get_backend(group)}", code="UCL422")
         return Link(group, owned=False)
     world = dist.group.WORLD
-    if not (_CACHE and _CACHE[0] is world):
+    made = _CACHE[1]() if _CACHE and _CACHE[0]() is world else None
+    if made is None:
         try:
-            made = gloo_group(READ_ONCE_TIMEOUT_S)
+            made = gloo_group(READ_ONCE_TIMEOUT_S)  # torch holds it (and the world) until destroy_process_group
         except RuntimeError as e:
             raise StoreError(f"load_rank(read_once=True): a process of the job did not join within "
                              f"{READ_ONCE_TIMEOUT_S:g} s: {e}", code="UCL424") from None
-        _CACHE[:] = [world, made]
-    return Link(_CACHE[1], owned=True)
+        _CACHE[:] = [weakref.ref(world), weakref.ref(made)]
+    return Link(made, owned=True)
