@@ -238,7 +238,7 @@ def test_edited_manifest_checksum_is_refused(ckpt, tmp_path):
     loads_refused(ckpt, "UCL407")
 
 
-def test_spec_contradicting_stored_shapes_is_refused_before_reading(ckpt, tmp_path, monkeypatch):
+def test_spec_contradicting_stored_shapes_is_refused_before_reading(ckpt, tmp_path, monkeypatch, capsys):
     edit_manifest(ckpt, lambda d: d.update(spec=d["spec"].replace(
         "linear_proj.weight [hidden, heads * head_dim] : split 1 over tp",
         "linear_proj.weight [hidden, heads * head_dim] : split 0 over tp")))
@@ -249,6 +249,12 @@ def test_spec_contradicting_stored_shapes_is_refused_before_reading(ckpt, tmp_pa
     assert "nothing was read" in msg
     loads_refused(ckpt, "UCL417")
     assert opened == []
+    monkeypatch.undo()
+    import ucl.cli
+    capsys.readouterr()
+    assert ucl.cli.main(["verify", str(ckpt)]) == 1  # it said ok: every checksum matches
+    out = capsys.readouterr().out
+    assert "UCL417" in out and "linear_proj.weight" in out, out
 
 
 def test_param_missing_from_params_is_refused(ckpt, tmp_path):

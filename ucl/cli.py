@@ -340,12 +340,18 @@ def _prod(xs):
 
 
 def cmd_verify(args) -> int:
-    from .ops.prepare import open_checkpoint
+    from .ops.prepare import check_stored, model_of, open_checkpoint
     con = _console()
     with open_checkpoint(_checkpoint(args.ckpt)) as ck:
         problems, fmt = ck.verify(), getattr(ck, "format", None)
-    ok = f"{args.ckpt}: every file present and every checksum matches" if fmt is None else \
-        f"{args.ckpt}: every {fmt} file present and holding its tensors' bytes ({fmt} files carry no checksums)"
+        if ck.manifest.spec is not None and not problems:
+            try:  # the datasets are the ones the checkpoint's own spec puts on each rank (what readers need)
+                check_stored(ck, model_of(ck))
+            except UclError as e:
+                problems.append(f"{e} [{e.code}]")
+    ok = f"{args.ckpt}: every file present, every checksum matches, the datasets are what its spec lays out" \
+        if fmt is None else f"{args.ckpt}: every {fmt} file present and holding its tensors' bytes ({fmt} files " \
+        "carry no checksums)"
     return _report(con, problems, f"in {args.ckpt}", ok)
 
 
