@@ -275,7 +275,8 @@ def test_load_into_another_module_is_refused_clearly(tmp_path):
     with ucl.Checkpointer(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ck:
         with pytest.raises(ucl.StoreError) as err:
             ck.load()
-    assert err.value.code == "UCL434" and "missing" in str(err.value)
+    assert err.value.code == "UCL434" and "holds another model (the job's bias, weight not in it; it has " in \
+        str(err.value), str(err.value)
 
 
 def test_bad_arguments(tmp_path):

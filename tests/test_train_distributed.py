@@ -121,6 +121,12 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, phase: str, 
             model = _parallelize(_model(), mode, world)
             kw = {}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if phase == "own_root":  # a per-process temp dir by mistake
+            try:
+                ucl.Checkpointer(f"{root}-{rank}", model, opt, **kw)
+            except ucl.UclError as e:
+                result["code"], result["message"] = e.code, str(e)
+            return
         if phase == "peer_fails":  # process 1's module does not fit its layout: its save() raises, it exits
             x, y = _batch(0)
             ((model(x) - y) ** 2).mean().backward()
@@ -360,3 +366,12 @@ def test_a_process_that_fails_its_save_and_exits_fails_the_others_with_ucl424(tm
     assert results[0]["code"] == "UCL424" and "stopped answering" in results[0]["message"], results[0]
     from ucl.store import CheckpointRoot
     assert CheckpointRoot(tmp_path / "ck").steps() == []
+
+
+def test_processes_given_different_roots_are_refused_at_construction(tmp_path):
+    """Rank 0's root would get every rank file and the others' none; a later load() would restore
+    only some processes."""
+    results = _spawn(2, tmp_path / "ck", "fsdp", "own_root", tmp_path / "out", limit_s=90)
+    for r in results:
+        assert r.get("code") == "UCL430" and "different checkpoint roots" in r["message"], r
+        assert f"rank 1: {tmp_path / 'ck'}-1" in r["message"], r

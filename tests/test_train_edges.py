@@ -298,3 +298,34 @@ def test_the_step_hook_fences_but_raises_nothing(tmp_path):
     with pytest.raises(ucl.StoreError, match="injected"):
         ck.fence()
     ck.close()
+
+
+MANUAL = "mesh tp\nw [8, 4] : split 0 over tp\nstate exp_avg, exp_avg_sq : follow\nstate step : scalar\n"
+
+
+@pytest.mark.parametrize("mesh,code,needle", [
+    (None, "UCL430", "spec= needs mesh="),
+    (ucl.Mesh(mp=1), "UCL304", "mesh axis 'mp' is not declared by the spec"),
+    (ucl.Mesh(tp=2), "UCL430", "has 2 ranks but the job has 1 processes"),
+])
+def test_a_manual_layout_that_cannot_fit_is_refused_when_the_checkpointer_is_made(tmp_path, mesh, code, needle):
+    """Not at the first save(), hours into the run."""
+    net = nn.Linear(4, 8, bias=False)
+    with pytest.raises(ucl.UclError) as err:
+        ucl.Checkpointer(tmp_path, net, torch.optim.AdamW(net.parameters()), spec=MANUAL, mesh=mesh)
+    assert err.value.code == code and needle in str(err.value), str(err.value)
+    assert not os.listdir(tmp_path)
+
+
+def test_a_spec_naming_state_the_optimizer_lacks_says_so_once(tmp_path):
+    """SGD without momentum has no exp_avg: one line saying which kinds the optimizer holds, not
+    one 'missing' line per parameter and kind."""
+    net = nn.Linear(4, 8, bias=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    _step(nn.Sequential(net), opt, 0)
+    with ucl.Checkpointer(tmp_path, net, opt, spec=MANUAL, mesh=ucl.Mesh(tp=1)) as ck:
+        with pytest.raises(ucl.StoreError) as err:
+            ck.save(1)
+    text = str(err.value)
+    assert err.value.code == "UCL421" and "the optimizer holds no exp_avg, exp_avg_sq, step state (it holds none" in text, text
+    assert "missing exp_avg" not in text, text

@@ -93,8 +93,11 @@ def _matching_source(src_model: Model, t):
         raise PlanError(f"the source has no {t.key} {list(t.shape)} ({t.dtype}); it was written for other "
                         "parameters or optimizer states", code="UCL316") from None
     if tuple(s.shape) != tuple(t.shape) or s.dtype != t.dtype:
+        hint = "" if tuple(s.shape) != tuple(t.shape) else (
+            f": plans copy bytes and never convert; give the target tensor the source's dtype (e.g. cast the model "
+            f"to {s.dtype} before loading it) and convert after the load")
         raise PlanError(f"{t.key}: the source holds {list(s.shape)} {s.dtype}, the target wants {list(t.shape)} "
-                        f"{t.dtype}", code="UCL316")
+                        f"{t.dtype}{hint}", code="UCL316")
     return s
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..dtypes import to_numpy
 from ..errors import StoreError, UclError
-from ..ops.dist import initialized_dist
+from ..ops.dist import allgather_json, initialized_dist
 from ..store.checksum import checksum_of
 from ..store.manifest import plain_json
 from ..store.root import CheckpointRoot
@@ -59,13 +59,15 @@ class Checkpointer:
         self.tiers = [open_tier(t) for t in (tiers or [])]
         self.model, self.optimizer = model, optimizer
         self.keep, self.persist_every, self.pool_bytes, self.debug = keep, persist_every, pool_bytes, debug
-        self._layouts = Layouts(spec, mesh)
         # the CUDA device the parameters are on (None: a CPU model; the CUDA path is never entered)
         self._device = next((p.device for p in model.parameters() if p.is_cuda), None) \
             if torch.cuda.is_available() else None
         self._pin = self._device is not None
         self._dist = initialized_dist()
+        self._layouts = Layouts(spec, mesh, world=self._dist.get_world_size() if self._dist else 1)
         self._group = self._dist.new_group(backend="gloo") if self._dist else None  # never the training group
+        if self._dist:
+            self._check_same_root()
         rank = self._process_rank()
         if rank == 0:
             # a killed job may have left temp directories, or a commit that `latest` does not name yet
@@ -92,6 +94,17 @@ class Checkpointer:
         self._copier = Copier(self._snapshots, self._progress, self.trace, rank, device=self._device,
                               then=self._flusher.submit, stored=self._layouts.stored)
         self._hook = optimizer.register_step_pre_hook(lambda *a: self._fence()) if optimizer is not None else None
+
+    def _check_same_root(self) -> None:
+        """UCL430 on every process when they were given different roots (a per-process temp dir):
+        rank 0's would receive every rank file, the others' would stay empty, and a later load()
+        would restore some processes and not others."""
+        roots = allgather_json(os.path.abspath(self.root.root), group=self._group)
+        if len(set(roots)) > 1:
+            shown = ", ".join(f"rank {r}: {p}" for r, p in enumerate(roots[:4])) + (" ..." if len(roots) > 4 else "")
+            raise UclError(f"the processes were given different checkpoint roots ({shown}); every process must pass "
+                           "the same root, on a file system they all see (e.g. create it on rank 0 and "
+                           "broadcast the path with dist.broadcast_object_list)", code="UCL430")
 
     # ---- public API ----------------------------------------------------------------------------
     def save(self, step: int, extra: Any = None) -> None:

@@ -33,9 +33,16 @@ def bind_manual(spec, mesh) -> Model | None:
 
 
 class Layouts:
-    def __init__(self, spec=None, mesh=None):
+    def __init__(self, spec=None, mesh=None, world: int = 1):
         self.bound = bind_manual(spec, mesh)
         self.mesh = as_mesh(mesh) if mesh is not None else None
+        if self.bound is not None:  # what can be checked before the first save
+            if self.mesh is None:
+                raise UclError("spec= needs mesh= (the layout the module's local tensors have)", code="UCL430")
+            self.mesh.check_axes(self.bound.spec.checked.axes)
+            if self.mesh.size != world:
+                raise UclError(f"mesh {self.mesh} has {self.mesh.size} ranks but the job has {world} processes: "
+                               "one process per rank of the mesh", code="UCL430")
         self._models: dict[tuple, Model] = {}
         self._stored: dict[tuple, frozenset[str]] = {}
 
@@ -74,7 +81,14 @@ class Layouts:
             return
         want = expected_datasets(model, layout.mesh, layout.rank)
         have = {e.key: (tuple(e.tensor.shape), logical_of_torch_dtype(e.tensor.dtype)) for e in layout.entries}
-        problems = [f"missing {k} {list(s)} {d}" for k, (s, d) in sorted(want.items()) if k not in have]
+        kinds_have = {k.split("/", 1)[0] for k in have}
+        absent = sorted({k.split("/", 1)[0] for k in want} - kinds_have)
+        problems = [f"the optimizer holds no {', '.join(absent)} state (it holds "
+                    f"{', '.join(sorted(kinds_have - {'param'})) or 'none: state appears at its first step(), and plain SGD has none'}"
+                    "); "
+                    "the spec's `state` statements must name the optimizer's own kinds"] if absent else []
+        problems += [f"missing {k} {list(s)} {d}" for k, (s, d) in sorted(want.items())
+                     if k not in have and k.split("/", 1)[0] not in absent]
         problems += [f"unexpected {k}" for k in sorted(set(have) - set(want))]
         problems += [f"{k}: the spec says {list(want[k][0])} {want[k][1]}, the module has {list(s)} {d}"
                      for k, (s, d) in sorted(have.items()) if k in want and (tuple(want[k][0]), want[k][1]) != (s, d)]

@@ -135,8 +135,16 @@ def _check_model(path: str, manifest, params) -> None:
         missing = sorted(set(live) - set(saved))
         extra = sorted(set(saved) - set(live))
         differ = sorted(n for n in set(saved) & set(live) if saved[n] != live[n])
-        raise StoreError(f"{path} holds another model: missing {missing[:5]}, extra {extra[:5]}, other shapes "
-                         f"{differ[:5]}", code="UCL434")
+        parts = [f"the job's {_few(missing)} not in it" if missing else "",
+                 f"it has {_few(extra)} the job lacks" if extra else "",
+                 "other shapes: " + ", ".join(f"{n} {list(saved[n])} saved, {list(live[n])} now" for n in differ[:5])
+                 + (f" and {len(differ) - 5} more" if len(differ) > 5 else "") if differ else ""]
+        raise StoreError(f"{path} holds another model ({'; '.join(p for p in parts if p)}); nothing was changed",
+                         code="UCL434")
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _read(layouts: Layouts, path: str, layout: TrainLayout) -> dict[str, np.ndarray]:

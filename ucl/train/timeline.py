@@ -100,8 +100,9 @@ def _is_number(v) -> bool:
 
 # ---- summary (pure) ------------------------------------------------------------------------------
 def summarize(events: list[dict]) -> dict:
-    """Counts and times (seconds) of a trace: ``saves`` (save calls), ``checkpoints`` (steps
-    flushed), ``blocked_s`` (total time in save), ``blocked_median_s`` (per save), ``fence_s``
+    """Counts and times (seconds) of a trace: ``saves`` (steps saved: every process calls save()
+    for each), ``save_calls`` (save() calls on all ranks), ``checkpoints`` (steps flushed),
+    ``blocked_s`` (total time in save, all ranks), ``blocked_median_s`` (per call), ``fence_s``
     (fence waits outside save, which blocked_s already holds), ``durable_median_s`` (per step: the
     last end of its flush on any rank minus the first start of its save), ``promoted_median_s``
     (the same to the last end of its promotions to further tiers; None without any),
@@ -125,7 +126,8 @@ def summarize(events: list[dict]) -> dict:
     durable = _save_to_last_end(by_phase["flush"], begun)
     promoted = _save_to_last_end(by_phase["promote"], begun)
     peaks = [e["pool_high_water"] for e in events if _is_number(e.get("pool_high_water"))]
-    return {"ranks": sorted({e["rank"] for e in events}), "saves": len(blocked),
+    return {"ranks": sorted({e["rank"] for e in events}), "saves": len({e.get("step") for e in by_phase["blocked"]}),
+            "save_calls": len(blocked),
             "checkpoints": len({e.get("step") for e in by_phase["flush"]}),
             "blocked_s": sum(blocked), "blocked_median_s": statistics.median(blocked) if blocked else None,
             "fence_s": fence, "durable_median_s": statistics.median(durable) if durable else None,
