@@ -245,7 +245,13 @@ def _example(d: Diagnostic, first: Diagnostic) -> tuple[str, str]:
     return word, f"{word} ({line})" if line else word
 
 
-def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice nearest to ``word``, or None when none is near."""
     # short names (tp, dp) differ by one letter at ratio 0.5, so accept that for them
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5 if len(word) <= 3 else 0.6)
-    return f"did you mean {match[0]}?" if match else None
+    return match[0] if match else None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+    match = closest(word, choices)
+    return f"did you mean {match}?" if match else None

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from ..dtypes import itemsize
-from ..errors import BindError, Diagnostic, SpecError, did_you_mean
+from ..errors import BindError, Diagnostic, SpecError, closest, did_you_mean
 from ..lang import ast
 from ..lang.check import PARAM
 from ..lang.expr import (LIMIT, ExprError, check_extent, evaluate, evaluate_extent, evaluate_lets,
@@ -359,8 +359,8 @@ def _closest(pattern: str, names: Iterable[str]) -> str:
     shapes: dict[str, str] = {}
     for n in names:
         shapes.setdefault(re.sub(r"\d+", "0", n), n)
-    near = did_you_mean(re.sub(r"\{\w+\}", "0", pattern).replace("*", ""), shapes)
-    return f"; did you mean `{shapes[near.removeprefix('did you mean ')[:-1]]}`?" if near else ""
+    near = closest(re.sub(r"\{\w+\}", "0", pattern).replace("*", ""), shapes)
+    return f"; did you mean `{shapes[near]}`?" if near else ""
 
 
 def _rule_list(rules) -> str:
