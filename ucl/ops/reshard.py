@@ -20,6 +20,7 @@ from ..layout.mesh import Mesh, as_mesh
 from ..plan.buffers import Arena
 from ..plan.execute import run_copies
 from ..plan.ir import Plan
+from ..plan.stream import StridedCopy, contiguous_source, fill_block, strided_copies
 from ..store.source import StoreSource
 from ..store.writer import CheckpointWriter, Filled
 from .collective import commit_collectively
@@ -424,9 +425,12 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
     laid = job.laid or {}
     with open_checkpoint(job.src, job.format) as ckpt:
         source = StoreSource(ckpt, Arena(), verify=job.verify)
+        blocks = (Arena(), Arena())  # the streamed path's two block buffers (write_stream)
         targets = (Arena(), Arena())  # one is filled while the other is still being written (write_behind)
         for i, t in enumerate(sorted(task.groups, key=first_source)):  # reads sweep each source file in order
             g = job.groups[t.group]
+            if _streamed(job, g, t, ckpt, writer, laid, stats, blocks, progress):
+                continue
             covered = int(np.prod(c["size"][g.rows], axis=1).sum()) if len(g.rows) else 0
             buf = targets[i % 2].array(g.shape, storage_dtype(g.dtype), zero=covered < int(np.prod(g.shape, dtype=np.int64)))
             stats.bytes_needed += run_copies(job.plan, g.rows, source, {g.key: buf})
@@ -440,5 +444,67 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
                 if progress:
                     progress(buf.nbytes)
         entries = writer.finish(list(task.files))
-        stats.bytes_read = source.bytes_read
+        stats.bytes_read += source.bytes_read
     return WorkerResult(entries, stats, tuple(writer.filled))
+
+
+STREAM_BLOCK_BYTES = 2 << 20  # a streamed dataset passes in blocks of this size: hashed and written from cache
+
+
+def _streamed(job: ReshardJob, g: ReplicaGroup, t: GroupTask, ckpt, writer: CheckpointWriter, laid: dict,
+              stats: IOStats, blocks: tuple[Arena, Arena], progress: Callable[[int], None] | None) -> bool:
+    """Write group ``g`` block by block (plan.stream): each block of the target is copied from
+    mappings of the source files (a block that is one contiguous source run is not copied at all),
+    then hashed and written while in cache; memory stays at two blocks. False (nothing done) where
+    the source cannot be mapped (a foreign format, no recorded offsets, a file system without mmap)
+    or the dataset is small: the caller then assembles it whole."""
+    if g.nbytes < MIN_STREAM_BYTES or not hasattr(ckpt, "map_flat"):
+        return False
+    copies = strided_copies(job.plan, g.rows)
+    if copies is None:
+        return False
+    spans: dict[tuple[int, str], tuple[int, int]] = {}
+    for cp in copies:
+        lo, hi = spans.get((cp.src_rank, cp.src_key), (cp.src, cp.src_stop))
+        spans[(cp.src_rank, cp.src_key)] = (min(lo, cp.src), max(hi, cp.src_stop))
+    views = {}
+    for (rank, key), (lo, hi) in spans.items():
+        got = ckpt.map_flat(rank, key, lo, hi, verify=job.verify)
+        if got is None:
+            return False
+        views[(rank, key)] = got
+    dtype = storage_dtype(g.dtype)
+    total = int(np.prod(g.shape, dtype=np.int64))
+    covered = sum(cp.count for cp in copies)
+    step = max(1, STREAM_BLOCK_BYTES // dtype.itemsize)
+
+    def source(p: StridedCopy) -> tuple[np.ndarray, int]:
+        m = views[(p.src_rank, p.src_key)]
+        m.check(p.src, p.src_stop)  # each chunk verified right before its first use, while it is read anyway
+        return m.flat, m.first
+
+    def pieces() -> Iterator[np.ndarray]:
+        for k, lo in enumerate(range(0, total, step)):
+            hi = min(lo + step, total)
+            p = contiguous_source(copies, lo, hi)
+            if p is not None:
+                flat, base = source(p)
+                yield flat[p.src - base:p.src - base + hi - lo]
+                continue
+            out = blocks[k % 2].array((hi - lo,), dtype, zero=covered < total)
+            fill_block(copies, lo, out, source)
+            yield out
+    writer.write_stream({r: laid[r][g.key] if r in laid else None for r in t.ranks}, g.key, g.shape, g.dtype,
+                        pieces())
+    stats.bytes_read += sum(m.bytes_checked if job.verify else 0 for m in views.values()) + \
+        (0 if job.verify else covered * dtype.itemsize)
+    stats.bytes_needed += covered * dtype.itemsize
+    for _ in t.ranks:
+        stats.bytes_written += g.nbytes
+        stats.datasets_written += 1
+        if progress:
+            progress(g.nbytes)
+    return True
+
+
+MIN_STREAM_BYTES = 1 << 20  # smaller datasets are assembled whole (a block or less either way)

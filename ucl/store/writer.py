@@ -187,6 +187,68 @@ class CheckpointWriter:
                 h5.set_checksum_tables(d, digests)
             self._entries[rank][key] = self._entry(rank, key, logical, arr.shape, digests, offset)
 
+    def write_stream(self, targets: Mapping[int, int | None], key: str, shape: Sequence[int], dtype: str,
+                     pieces: Iterable[np.ndarray]) -> None:
+        """Write one dataset (logical ``dtype``) into the file of every rank in ``targets`` from
+        ``pieces``: 1-D storage arrays that follow each other in flat order and cover it exactly.
+        ``targets`` maps a rank to the byte offset of the dataset in a file another writer laid out
+        (``lay_out``; the report joins ``self.filled``), or to None: created here. Each piece is
+        hashed while it is in cache and then written, so a dataset of any size passes through a
+        few blocks of memory. With ``write_behind`` a piece is still being written while the next
+        is drawn: a generator may reuse a piece's memory two pieces later, not sooner."""
+        with self._lock:
+            shape = tuple(int(x) for x in shape)
+            sdtype = _dt.storage_dtype(dtype)
+            total = math.prod(shape)
+            at: dict[int, tuple[str, int]] = {}
+            made = {}
+            with self._io():
+                self._settle()
+                for rank, offset in sorted(targets.items()):
+                    path = os.path.join(self.tmp_path, file_name(rank))
+                    if offset is None:
+                        kind, name = self._new_key(rank, key)
+                        f, _ = self._handles.get(rank)
+                        d, offset = h5.create_allocated(f.require_group(kind), name, shape, sdtype)
+                        d.attrs["ucl_dtype"] = dtype
+                        made[rank] = (d, offset)
+                    else:
+                        self._check_open()
+                    at[rank] = (path, offset)
+                h, pos = IncrementalChecksum(shape, sdtype), 0
+                for piece in pieces:
+                    if piece.dtype != sdtype or piece.ndim != 1 or pos + piece.size > total:
+                        raise StoreError(f"write_stream of {key!r}: a piece of {piece.dtype} {list(piece.shape)} "
+                                         f"at element {pos} of {total} ({sdtype})", code="UCL409")
+                    h.advance(pos, piece)
+                    raw = raw_bytes(piece)
+                    spots = [(p, o + pos * sdtype.itemsize) for p, o in at.values()]
+                    self._write_pieces(spots, raw)
+                    pos += piece.size
+                self._settle()
+                digests = h.result(total)
+                if digests is None:
+                    raise StoreError(f"write_stream of {key!r}: pieces cover {pos} of its {total} elements",
+                                     code="UCL409")
+                for rank, (d, offset) in made.items():
+                    h5.set_checksum_tables(d, digests)
+                    self._entries[rank][key] = self._entry(rank, key, dtype, shape, digests, offset)
+            for rank in targets:
+                if rank not in made:
+                    self.filled.append(Filled(int(rank), key, dtype, shape, digests))
+
+    def _write_pieces(self, spots: Sequence[tuple[str, int]], raw: np.ndarray) -> None:
+        """``raw`` at each (path, byte offset) of ``spots``: in the write-behind thread, one piece
+        in flight, or here."""
+        def write() -> None:
+            for path, offset in spots:
+                self._direct.write(path, offset, raw, self.direct)
+        if self._behind is None:
+            write()
+        else:
+            self._settle()
+            self._inflight = self._behind.submit(write)
+
     def lay_out(self, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]]) -> dict[str, int | None]:
         """Create rank ``rank``'s file with every dataset of ``datasets`` (key -> (shape, dtype))
         allocated, and close it: several processes then write the data at the returned byte offsets

@@ -1,0 +1,95 @@
+"""The reshard's streamed path (a target dataset written block by block from mappings of the source
+files, ops.reshard._streamed) is forced for every dataset here, with blocks of a few kilobytes cut
+across rows, tensors and flat-buffer boundaries: the results are the single-pass results bit for
+bit, and corrupt or truncated sources are refused with nothing published."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+import pytest
+
+import ucl
+from tests.corrupt import flip_byte
+from tests.test_checkpoint import (U, M, assert_intact, assert_nothing_left, demo, read_all,  # noqa: F401
+                                   assert_same_shards, saved, _copy)
+from ucl.errors import StoreError
+
+reshard_module = importlib.import_module("ucl.ops.reshard")
+
+
+@pytest.fixture
+def streamed(monkeypatch):
+    """Every dataset streamed, in blocks of 4,100 bytes (no multiple of a row, a chunk or 8 bytes);
+    counts the datasets that took the path (in this process: workers=1)."""
+    monkeypatch.setattr(reshard_module, "MIN_STREAM_BYTES", 0)
+    monkeypatch.setattr(reshard_module, "STREAM_BLOCK_BYTES", 4100)
+    taken = []
+    real = reshard_module._streamed
+
+    def spy(*a, **k):
+        ok = real(*a, **k)
+        taken.append(ok)
+        return ok
+    monkeypatch.setattr(reshard_module, "_streamed", spy)
+    return taken
+
+
+CHAINS = [
+    ("pp=2,dp=2,tp=2", "pp=1,dp=2,tp=4"),  # row and column splits inside flat buffers
+    ("pp=4,dp=1,tp=1", "dp=3"),  # flat buffers padded to multiple_of(64 * 3): zero gaps
+    ("dp=3,tp=2", "universal"),
+    ("universal", "pp=2,dp=3,tp=2"),
+]
+
+
+@pytest.mark.parametrize("a,b", CHAINS, ids=[f"{a}->{b}" for a, b in CHAINS])
+def test_streamed_reshard_is_bit_exact(demo, saved, tmp_path, streamed, a, b):
+    model, truth = demo
+    ucl.reshard(saved(a), tmp_path / "B", M(b), workers=1)
+    assert streamed and all(streamed), "every dataset should take the streamed path"
+    assert_intact(tmp_path / "B", model, truth, M(b))
+
+
+def test_streamed_and_assembled_targets_have_equal_checksums(demo, saved, tmp_path, monkeypatch):
+    src = saved("pp=2,dp=2,tp=2")
+    monkeypatch.setattr(reshard_module, "MIN_STREAM_BYTES", 1 << 62)
+    ucl.reshard(src, tmp_path / "whole", M("pp=1,dp=2,tp=4"), workers=2)
+    monkeypatch.setattr(reshard_module, "MIN_STREAM_BYTES", 0)
+    monkeypatch.setattr(reshard_module, "STREAM_BLOCK_BYTES", 999)
+    ucl.reshard(src, tmp_path / "streamed", M("pp=1,dp=2,tp=4"), workers=2)
+
+    def sums(p):
+        m = json.load(open(os.path.join(p, "manifest.json")))
+        return [{k: (e["checksum"], e.get("chunks"), e.get("tiles")) for k, e in d.items()} for d in m["datasets"]]
+    assert sums(tmp_path / "whole") == sums(tmp_path / "streamed")
+    assert_same_shards(read_all(tmp_path / "whole"), read_all(tmp_path / "streamed"), "whole vs streamed")
+
+
+@pytest.mark.parametrize("key,rank", [("fp32/@flat0", 2), ("param/decoder.layers.0.mlp.linear_fc2.weight", 0)])
+@pytest.mark.parametrize("to", ["universal", "tp=4"])
+def test_streamed_reshard_refuses_a_corrupted_source(saved, tmp_path, streamed, key, rank, to):
+    bad = _copy(saved("dp=2,tp=2"), tmp_path / "src")
+    flip_byte(os.path.join(bad, f"rank_{rank:05d}.h5"), key)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(StoreError) as e:
+        ucl.reshard(bad, out / "x", M(to), workers=1)
+    msg = str(e.value)
+    assert e.value.code == "UCL407" and "checksum" in msg and key in msg and f"rank_{rank:05d}.h5" in msg, msg
+    assert_nothing_left(out, [])
+
+
+def test_streamed_reshard_refuses_a_source_cut_short(saved, tmp_path, streamed):
+    bad = _copy(saved("dp=2,tp=2"), tmp_path / "src")
+    path = os.path.join(bad, "rank_00001.h5")
+    with ucl.open(bad) as c:
+        end = max(c.info(1, k).offset + c.info(1, k).nbytes for k in c.keys(1))
+    os.truncate(path, end - 10)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(StoreError) as e:
+        ucl.reshard(bad, out / "x", U, workers=1)
+    assert e.value.code == "UCL406" and "rank_00001.h5" in str(e.value), str(e.value)
+    assert_nothing_left(out, [])
