@@ -25,6 +25,7 @@ def streamed(monkeypatch):
     counts the datasets that took the path (in this process: workers=1)."""
     monkeypatch.setattr(reshard_module, "MIN_STREAM_BYTES", 0)
     monkeypatch.setattr(reshard_module, "STREAM_BLOCK_BYTES", 4100)
+    monkeypatch.setattr(reshard_module, "DIRECT_BLOCK_BYTES", 4100)
     taken = []
     real = reshard_module._streamed
 
@@ -44,10 +45,13 @@ CHAINS = [
 ]
 
 
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "page-cache"])
 @pytest.mark.parametrize("a,b", CHAINS, ids=[f"{a}->{b}" for a, b in CHAINS])
-def test_streamed_reshard_is_bit_exact(demo, saved, tmp_path, streamed, a, b):
+def test_streamed_reshard_is_bit_exact(demo, saved, tmp_path, streamed, a, b, durable):
+    """Durable: every block copied into memory of our own (the device takes aligned blocks); else
+    a block that is one contiguous source run is written straight from the mapping."""
     model, truth = demo
-    ucl.reshard(saved(a), tmp_path / "B", M(b), workers=1)
+    ucl.reshard(saved(a), tmp_path / "B", M(b), workers=1, durable=durable)
     assert streamed and all(streamed), "every dataset should take the streamed path"
     assert_intact(tmp_path / "B", model, truth, M(b))
 
@@ -58,7 +62,7 @@ def test_streamed_and_assembled_targets_have_equal_checksums(demo, saved, tmp_pa
     ucl.reshard(src, tmp_path / "whole", M("pp=1,dp=2,tp=4"), workers=2)
     monkeypatch.setattr(reshard_module, "MIN_STREAM_BYTES", 0)
     monkeypatch.setattr(reshard_module, "STREAM_BLOCK_BYTES", 999)
-    ucl.reshard(src, tmp_path / "streamed", M("pp=1,dp=2,tp=4"), workers=2)
+    ucl.reshard(src, tmp_path / "streamed", M("pp=1,dp=2,tp=4"), workers=2, durable=False)
 
     def sums(p):
         m = json.load(open(os.path.join(p, "manifest.json")))

@@ -449,6 +449,7 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
 
 
 STREAM_BLOCK_BYTES = 2 << 20  # a streamed dataset passes in blocks of this size: hashed and written from cache
+DIRECT_BLOCK_BYTES = 16 << 20  # ... and of this size when written around the page cache (store.direct.PIECE)
 
 
 def _streamed(job: ReshardJob, g: ReplicaGroup, t: GroupTask, ckpt, writer: CheckpointWriter, laid: dict,
@@ -476,7 +477,9 @@ def _streamed(job: ReshardJob, g: ReplicaGroup, t: GroupTask, ckpt, writer: Chec
     dtype = storage_dtype(g.dtype)
     total = int(np.prod(g.shape, dtype=np.int64))
     covered = sum(cp.count for cp in copies)
-    step = max(1, STREAM_BLOCK_BYTES // dtype.itemsize)
+    # a durable reshard writes around the page cache (store.direct): the device takes large aligned
+    # blocks, from memory of our own; else blocks that stay in cache, straight from the mapping
+    step = max(1, (DIRECT_BLOCK_BYTES if job.durable else STREAM_BLOCK_BYTES) // dtype.itemsize)
 
     def source(p: StridedCopy) -> tuple[np.ndarray, int]:
         m = views[(p.src_rank, p.src_key)]
@@ -486,7 +489,7 @@ def _streamed(job: ReshardJob, g: ReplicaGroup, t: GroupTask, ckpt, writer: Chec
     def pieces() -> Iterator[np.ndarray]:
         for k, lo in enumerate(range(0, total, step)):
             hi = min(lo + step, total)
-            p = contiguous_source(copies, lo, hi)
+            p = None if job.durable else contiguous_source(copies, lo, hi)
             if p is not None:
                 flat, base = source(p)
                 yield flat[p.src - base:p.src - base + hi - lo]
