@@ -17,12 +17,12 @@ import xxhash
 from ..dtypes import storage_dtype
 from ..errors import StoreError, UclError
 from ..layout.mesh import Mesh, as_mesh
-from ..plan.buffers import Arena
+from ..plan.buffers import Arena, ArenaRing
 from ..plan.execute import run_copies
 from ..plan.ir import Plan
 from ..plan.stream import StridedCopy, contiguous_source, fill_block, strided_copies
 from ..store.source import StoreSource
-from ..store.writer import CheckpointWriter, Filled
+from ..store.writer import STREAM_DEPTH, CheckpointWriter, Filled
 from .collective import commit_collectively
 from .dist import allgather_json, gloo_group, initialized_dist
 from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for
@@ -425,7 +425,7 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
     laid = job.laid or {}
     with open_checkpoint(job.src, job.format) as ckpt:
         source = StoreSource(ckpt, Arena(), verify=job.verify)
-        blocks = (Arena(), Arena())  # the streamed path's two block buffers (write_stream)
+        blocks = ArenaRing(STREAM_DEPTH + 1)  # the streamed path's blocks: write_stream may still be writing the last few
         targets = (Arena(), Arena())  # one is filled while the other is still being written (write_behind)
         for i, t in enumerate(sorted(task.groups, key=first_source)):  # reads sweep each source file in order
             g = job.groups[t.group]
@@ -453,7 +453,7 @@ DIRECT_BLOCK_BYTES = 16 << 20  # ... and of this size when written around the pa
 
 
 def _streamed(job: ReshardJob, g: ReplicaGroup, t: GroupTask, ckpt, writer: CheckpointWriter, laid: dict,
-              stats: IOStats, blocks: tuple[Arena, Arena], progress: Callable[[int], None] | None) -> bool:
+              stats: IOStats, blocks: ArenaRing, progress: Callable[[int], None] | None) -> bool:
     """Write group ``g`` block by block (plan.stream): each block of the target is copied from
     mappings of the source files (a block that is one contiguous source run is not copied at all),
     then hashed and written while in cache; memory stays at two blocks. False (nothing done) where
@@ -487,14 +487,14 @@ def _streamed(job: ReshardJob, g: ReplicaGroup, t: GroupTask, ckpt, writer: Chec
         return m.flat, m.first
 
     def pieces() -> Iterator[np.ndarray]:
-        for k, lo in enumerate(range(0, total, step)):
+        for lo in range(0, total, step):
             hi = min(lo + step, total)
             p = None if job.durable else contiguous_source(copies, lo, hi)
             if p is not None:
                 flat, base = source(p)
                 yield flat[p.src - base:p.src - base + hi - lo]
                 continue
-            out = blocks[k % 2].array((hi - lo,), dtype, zero=covered < total)
+            out = blocks.array((hi - lo,), dtype, zero=covered < total)
             fill_block(copies, lo, out, source)
             yield out
     writer.write_stream({r: laid[r][g.key] if r in laid else None for r in t.ranks}, g.key, g.shape, g.dtype,

@@ -31,3 +31,16 @@ class Arena:
         if zero:
             out.fill(0)
         return out
+
+
+class ArenaRing:
+    """``n`` arenas handing out arrays in turn: an array stays valid until ``n`` more were handed
+    out (a writer may still be writing the last few while the next is filled)."""
+
+    def __init__(self, n: int) -> None:
+        self.arenas, self.turn = [Arena() for _ in range(n)], 0
+
+    def array(self, shape, dtype, zero: bool = False) -> np.ndarray:
+        arena = self.arenas[self.turn % len(self.arenas)]
+        self.turn += 1
+        return arena.array(shape, dtype, zero)

@@ -47,6 +47,9 @@ def entry_fields(dtype: str, shape: Sequence[int], digests: Digests, offset: int
     return e
 
 
+STREAM_DEPTH = 2  # write_stream pieces queued for the write-behind thread at most
+
+
 class CheckpointWriter:
     """Writes a checkpoint into a hidden temp directory; ``commit()`` publishes it atomically.
 
@@ -105,6 +108,7 @@ class CheckpointWriter:
         self._direct = DirectWriter()
         self._behind: ThreadPoolExecutor | None = ThreadPoolExecutor(1, "ucl-write") if write_behind else None
         self._inflight: Future | None = None
+        self._queued: list[Future] = []  # write_stream's pieces being written, oldest first
         self._lock = threading.RLock()
         self._entries: list[dict[str, dict[str, Any]]] = [{} for _ in range(nranks)]
         self._tables: list[list[np.ndarray]] = [[] for _ in range(nranks)]  # digest tables, per rank file
@@ -194,8 +198,10 @@ class CheckpointWriter:
         ``targets`` maps a rank to the byte offset of the dataset in a file another writer laid out
         (``lay_out``; the report joins ``self.filled``), or to None: created here. Each piece is
         hashed while it is in cache and then written, so a dataset of any size passes through a
-        few blocks of memory. With ``write_behind`` a piece is still being written while the next
-        is drawn: a generator may reuse a piece's memory two pieces later, not sooner."""
+        few blocks of memory. With ``write_behind`` up to ``STREAM_DEPTH`` pieces are still being
+        written when the next is drawn, and when this returns (the next call of any other method
+        waits for them): a piece's memory may be reused ``STREAM_DEPTH + 1`` pieces later, counted
+        across calls, not sooner."""
         with self._lock:
             shape = tuple(int(x) for x in shape)
             sdtype = _dt.storage_dtype(dtype)
@@ -203,7 +209,7 @@ class CheckpointWriter:
             at: dict[int, tuple[str, int]] = {}
             made = {}
             with self._io():
-                self._settle()
+                self._settle(pieces=False)  # the pieces of earlier streams may still be in flight
                 for rank, offset in sorted(targets.items()):
                     path = os.path.join(self.tmp_path, file_name(rank))
                     if offset is None:
@@ -225,7 +231,6 @@ class CheckpointWriter:
                     spots = [(p, o + pos * sdtype.itemsize) for p, o in at.values()]
                     self._write_pieces(spots, raw)
                     pos += piece.size
-                self._settle()
                 digests = h.result(total)
                 if digests is None:
                     raise StoreError(f"write_stream of {key!r}: pieces cover {pos} of its {total} elements",
@@ -246,8 +251,9 @@ class CheckpointWriter:
         if self._behind is None:
             write()
         else:
-            self._settle()
-            self._inflight = self._behind.submit(write)
+            self._queued.append(self._behind.submit(write))
+            while len(self._queued) > STREAM_DEPTH:
+                self._queued.pop(0).result()
 
     def lay_out(self, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]]) -> dict[str, int | None]:
         """Create rank ``rank``'s file with every dataset of ``datasets`` (key -> (shape, dtype))
@@ -372,11 +378,13 @@ class CheckpointWriter:
         else:
             self._inflight = self._behind.submit(self._direct.write, path, offset, raw, self.direct)
 
-    def _settle(self) -> None:
-        """Wait for the dataset in flight; its I/O error is raised here."""
+    def _settle(self, pieces: bool = True) -> None:
+        """Wait for the dataset in flight (and the streamed pieces); its I/O error is raised here."""
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             inflight.result()
+        while pieces and self._queued:
+            self._queued.pop(0).result()
 
     def _stop_behind(self) -> None:
         if self._behind is not None:
