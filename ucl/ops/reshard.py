@@ -325,7 +325,7 @@ def replica_groups(plan: Plan) -> list[ReplicaGroup]:
     bounds = np.searchsorted(c["dst_rank"][order], np.arange(plan.dst_mesh.size + 1))
     for r in range(plan.dst_mesh.size):
         rows = order[bounds[r]:bounds[r + 1]]
-        for key in np.unique(row_keys[rows]) if len(rows) else []:
+        for key in sorted(set(row_keys[rows].tolist())):  # (np.unique of objects imports numpy.ma: 7 ms)
             rows_by[(r, key)] = rows[row_keys[rows] == key]
     found: dict[tuple, tuple] = {}  # content signature -> (dataset, ranks, rows)
     stores = plan.first_holders  # a dataset several ranks hold is written to the first of them only
