@@ -12,9 +12,7 @@ import contextlib
 import errno
 import os
 import re
-import secrets
 import shutil
-import socket
 import stat
 import time
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ STALE_AGE_S = 3600.0  # a temp entry without a lock file counts as abandoned aft
 
 def tmp_name(final_name: str, tag: str = "") -> str:
     """Hidden sibling name for writing ``final_name``; readers and ``steps()`` skip it."""
-    return f".{final_name}.tmp-{tag}{secrets.token_hex(6)}"
+    return f".{final_name}.tmp-{tag}{os.urandom(6).hex()}"
 
 
 def is_tmp_name(name: str) -> bool:
@@ -165,7 +163,7 @@ def _hold_lock(folder: str) -> int | None:
             if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF):
                 raise
             # no locks on this filesystem: gc cannot take the lock either and falls back to the age rule
-        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        os.write(fd, f"{os.getpid()} {os.uname().nodename}\n".encode())
         os.rename(init, os.path.join(folder, LOCK_NAME))
     except BaseException:
         os.close(fd)
