@@ -15,6 +15,7 @@ from tests.corrupt import flip_byte
 from tests.test_checkpoint import (U, M, assert_intact, assert_nothing_left, demo, read_all,  # noqa: F401
                                    assert_same_shards, saved, _copy)
 from ucl.errors import StoreError
+import ucl.store.writer as store_writer
 
 reshard_module = importlib.import_module("ucl.ops.reshard")
 
@@ -97,3 +98,40 @@ def test_streamed_reshard_refuses_a_source_cut_short(saved, tmp_path, streamed):
         ucl.reshard(bad, out / "x", U, workers=1)
     assert e.value.code == "UCL406" and "rank_00001.h5" in str(e.value), str(e.value)
     assert_nothing_left(out, [])
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "page-cache"])
+def test_a_source_altered_during_the_reshard_is_never_copied_unchecked(demo, saved, tmp_path, streamed, monkeypatch,
+                                                                       durable):
+    """The bytes hashed and written are the bytes checked: each part of a block is read into memory
+    of our own and verified there. A source byte changed after its chunk was first read (another
+    process writing into the file) is refused when read again (UCL407), or was read before it
+    changed: the target never carries it under a fresh checksum."""
+    model, truth = demo
+    src = _copy(saved("tp=4"), tmp_path / "src")
+    key, path = "fp32/@flat0", os.path.join(src, "rank_00000.h5")
+    with ucl.open(src) as c:
+        at = c.info(0, key).offset + 8192  # inside the first checksum chunk, which spans several blocks
+    real, done = store_writer.CheckpointWriter.write_stream, []
+
+    def write_stream(self, targets, k, shape, dtype, pieces):
+        def altered():  # the source byte changes once the target's first block has been taken
+            for n, piece in enumerate(pieces):
+                yield piece
+                if k == key and 0 in targets and n == 0:
+                    done.append(1)
+                    with open(path, "r+b") as fh:
+                        fh.seek(at)
+                        b = fh.read(1)
+                        fh.seek(at)
+                        fh.write(bytes([b[0] ^ 0x7F]))
+        return real(self, targets, k, shape, dtype, altered())
+    monkeypatch.setattr(store_writer.CheckpointWriter, "write_stream", write_stream)
+    try:
+        ucl.reshard(src, tmp_path / "out", M("tp=4"), workers=1, durable=durable)
+    except StoreError as e:
+        assert e.code == "UCL407", str(e)
+        assert_nothing_left(tmp_path, ["src"])
+        return
+    assert done
+    assert_intact(tmp_path / "out", model, truth, M("tp=4"))

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from ucl.layout.boxes import strides
-from ucl.plan.stream import StridedCopy, box_rank, contiguous_source, fill_block, parts_in
+from ucl.plan.stream import StridedCopy, box_rank, fill_block, parts_in
 
 
 @st.composite
@@ -58,12 +58,20 @@ def test_parts_in_a_block_are_exactly_its_elements(c, data):
     assert got == sorted(e for e in elements(cp) if lo <= e[1] < hi)
 
 
+@settings(max_examples=300, deadline=None)
+@given(copies())
+def test_src_runs_list_the_source_offsets_in_box_order(c):
+    cp, _, _ = c
+    got = [start + i * stride + j for start, count, stride, block in cp.src_runs()
+           for i in range(count) for j in range(block)]
+    assert got == [s for s, _ in elements(cp)]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(copies(), min_size=1, max_size=3), st.data())
 def test_fill_block_by_blocks_equals_elementwise_copy(cs, data):
     """Copies into disjoint target ranges (one after another) filled in blocks of any size give the
-    element-by-element result; untouched elements keep their value; a block that
-    ``contiguous_source`` names is exactly one consecutive source run."""
+    element-by-element result; untouched elements keep their value."""
     placed, at = [], 0
     for k, (cp, src_len, dst_len) in enumerate(cs):
         placed.append((StridedCopy(k, f"s{k}", cp.src, cp.src_strides, at + cp.dst, cp.dst_strides, cp.sizes), src_len))
@@ -74,29 +82,14 @@ def test_fill_block_by_blocks_equals_elementwise_copy(cs, data):
     for p, _ in placed:
         for s, d in elements(p):
             want[d] = sources[(p.src_rank, p.src_key)][s]
+
+    def read(p, view):  # the part's source elements in box order, as a reader of runs gives them
+        src = sources[(p.src_rank, p.src_key)]
+        view[...] = np.array([src[s] for s, _ in elements(p)], np.int64).reshape(p.sizes)
     block = data.draw(st.integers(1, max(1, total)), label="block")
     got = np.full(total, -1, np.int64)
     plist = [p for p, _ in placed]
     for lo in range(0, total, block):
         hi = min(lo + block, total)
-        n = fill_block(plist, lo, got[lo:hi], lambda p: (sources[(p.src_rank, p.src_key)], 0))
-        assert n == int((want[lo:hi] != -1).sum())
-        one = contiguous_source(plist, lo, hi)
-        if one is not None:
-            run = sources[(one.src_rank, one.src_key)][one.src:one.src + hi - lo]
-            assert run.size == hi - lo and np.array_equal(run, want[lo:hi])
+        assert fill_block(plist, lo, got[lo:hi], read) == int((want[lo:hi] != -1).sum())
     assert np.array_equal(got, want)
-
-
-@settings(max_examples=300, deadline=None)
-@given(copies())
-def test_contiguous_source_names_exactly_the_consecutive_runs(c):
-    cp, _, _ = c
-    pairs = list(elements(cp))
-    src = [s for s, _ in pairs]
-    dst = [d for _, d in pairs]
-    consecutive = src == list(range(src[0], src[0] + len(src))) and dst == list(range(dst[0], dst[0] + len(dst)))
-    one = contiguous_source([cp], cp.dst, cp.dst_stop)
-    assert (one is not None) == consecutive
-    if one is not None:
-        assert (one.src, one.dst, one.count) == (src[0], dst[0], len(pairs))

@@ -20,7 +20,8 @@ from ..layout.mesh import Mesh, as_mesh
 from ..plan.buffers import Arena, ArenaRing
 from ..plan.execute import run_copies
 from ..plan.ir import Plan
-from ..plan.stream import StridedCopy, contiguous_source, fill_block, strided_copies
+from ..plan.stream import StridedCopy, fill_block, strided_copies
+from ..store.reader import Checkpoint
 from ..store.source import StoreSource
 from ..store.writer import STREAM_DEPTH, CheckpointWriter, Filled
 from .collective import commit_collectively
@@ -454,53 +455,41 @@ DIRECT_BLOCK_BYTES = 16 << 20  # ... and of this size when written around the pa
 
 def _streamed(job: ReshardJob, g: ReplicaGroup, t: GroupTask, ckpt, writer: CheckpointWriter, laid: dict,
               stats: IOStats, blocks: ArenaRing, progress: Callable[[int], None] | None) -> bool:
-    """Write group ``g`` block by block (plan.stream): each block of the target is copied from
-    mappings of the source files (a block that is one contiguous source run is not copied at all),
-    then hashed and written while in cache; memory stays at two blocks. False (nothing done) where
-    the source cannot be mapped (a foreign format, no recorded offsets, a file system without mmap)
-    or the dataset is small: the caller then assembles it whole."""
-    if g.nbytes < MIN_STREAM_BYTES or not hasattr(ckpt, "map_flat"):
+    """Write group ``g`` block by block (plan.stream): each part of a block is read from the source
+    into memory of our own (straight into the block where it lands contiguously), every checksum
+    chunk or tile it touches verified there, so the bytes hashed and written are the bytes checked;
+    the block is then hashed and written while in cache, and memory stays at a few blocks. False
+    (nothing done) for a small or empty dataset, or a source that is not a ucl checkpoint with byte
+    offsets (a foreign format): the caller then assembles the dataset whole."""
+    if g.nbytes < MIN_STREAM_BYTES or not g.nbytes or not isinstance(ckpt, Checkpoint):
         return False
     copies = strided_copies(job.plan, g.rows)
-    if copies is None:
+    if copies is None or any(ckpt.info(cp.src_rank, cp.src_key).offset is None for cp in copies):
         return False
-    spans: dict[tuple[int, str], tuple[int, int]] = {}
-    for cp in copies:
-        lo, hi = spans.get((cp.src_rank, cp.src_key), (cp.src, cp.src_stop))
-        spans[(cp.src_rank, cp.src_key)] = (min(lo, cp.src), max(hi, cp.src_stop))
-    views = {}
-    for (rank, key), (lo, hi) in spans.items():
-        got = ckpt.map_flat(rank, key, lo, hi, verify=job.verify)
-        if got is None:
-            return False
-        views[(rank, key)] = got
     dtype = storage_dtype(g.dtype)
     total = int(np.prod(g.shape, dtype=np.int64))
     covered = sum(cp.count for cp in copies)
-    # a durable reshard writes around the page cache (store.direct): the device takes large aligned
-    # blocks, from memory of our own; else blocks that stay in cache, straight from the mapping
+    # a durable reshard writes around the page cache (store.direct): the device takes large blocks
     step = max(1, (DIRECT_BLOCK_BYTES if job.durable else STREAM_BLOCK_BYTES) // dtype.itemsize)
+    read = 0
 
-    def source(p: StridedCopy) -> tuple[np.ndarray, int]:
-        m = views[(p.src_rank, p.src_key)]
-        m.check(p.src, p.src_stop)  # each chunk verified right before its first use, while it is read anyway
-        return m.flat, m.first
+    def fill(p: StridedCopy, dst: np.ndarray) -> None:
+        nonlocal read
+        into = dst.reshape(-1) if dst.flags.c_contiguous else staging.array((p.count,), dtype)
+        ckpt.read_runs(p.src_rank, p.src_key, p.src_runs(), out=into, verify=job.verify)
+        read += ckpt.bytes_last_read
+        if not dst.flags.c_contiguous:
+            np.copyto(dst, into.reshape(p.sizes))
 
     def pieces() -> Iterator[np.ndarray]:
         for lo in range(0, total, step):
-            hi = min(lo + step, total)
-            p = None if job.durable else contiguous_source(copies, lo, hi)
-            if p is not None:
-                flat, base = source(p)
-                yield flat[p.src - base:p.src - base + hi - lo]
-                continue
-            out = blocks.array((hi - lo,), dtype, zero=covered < total)
-            fill_block(copies, lo, out, source)
+            out = blocks.array((min(step, total - lo),), dtype, zero=covered < total)
+            fill_block(copies, lo, out, fill)
             yield out
+    staging = Arena()
     writer.write_stream({r: laid[r][g.key] if r in laid else None for r in t.ranks}, g.key, g.shape, g.dtype,
                         pieces())
-    stats.bytes_read += sum(m.bytes_checked if job.verify else 0 for m in views.values()) + \
-        (0 if job.verify else covered * dtype.itemsize)
+    stats.bytes_read += read
     stats.bytes_needed += covered * dtype.itemsize
     for _ in t.ranks:
         stats.bytes_written += g.nbytes

@@ -3,6 +3,7 @@ it is still in cache (the reshard's streamed path): plan rows as strided copies 
 and the parts of them that land in one block of the target."""
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -41,6 +42,20 @@ class StridedCopy:
     def src_stop(self) -> int:
         """One past the last source offset the copy reads."""
         return self.src + sum((n - 1) * s for n, s in zip(self.sizes, self.src_strides)) + 1
+
+    def src_runs(self) -> list[tuple[int, int, int, int]]:
+        """The source elements, in box order, as regular runs ``(start, count, stride, block)`` of
+        the source's flattening (``Checkpoint.read_runs``): the box's contiguous inner dims make the
+        block, the next dim the count and stride, the dims outside it one run each."""
+        sizes, st = self.sizes, self.src_strides
+        k, block = len(sizes), 1
+        while k > 0 and (sizes[k - 1] == 1 or st[k - 1] == block):  # dims contiguous with those inside
+            k -= 1
+            block *= sizes[k]
+        if k == 0:
+            return [(self.src, 1, block, block)]
+        outer = itertools.product(*(range(n) for n in sizes[:k - 1]))
+        return [(self.src + sum(i * s for i, s in zip(idx, st)), sizes[k - 1], st[k - 1], block) for idx in outer]
 
     def part(self, first: int, stop: int) -> Iterator["StridedCopy"]:
         """The copy of box elements ``[first, stop)`` (row-major order) as at most ``2 * ndim - 1``
@@ -109,38 +124,13 @@ def strided(flat: np.ndarray, offset: int, sizes: Sequence[int], strides_: Seque
 
 
 def fill_block(copies: Sequence[StridedCopy], lo: int, out: np.ndarray,
-               source: Callable[[StridedCopy], tuple[np.ndarray, int]]) -> int:
-    """Copy every part of ``copies`` landing in target elements ``[lo, lo + out.size)`` into the
-    1-D ``out``; ``source(copy)`` gives a 1-D array holding the copy's source elements and the
-    source offset of its first element. Elements no copy writes are left as they are. Returns the
-    elements copied."""
-    hi, done = lo + out.size, 0
-    for p in parts_in(copies, lo, hi):
-        src, base = source(p)
-        np.copyto(strided(out, p.dst - lo, p.sizes, p.dst_strides, True),
-                  strided(src, p.src - base, p.sizes, p.src_strides, False))
+               read: Callable[[StridedCopy, np.ndarray], None]) -> int:
+    """Fill, in the 1-D ``out`` holding target elements ``[lo, lo + out.size)``, every part of
+    ``copies`` landing there: ``read(part, view)`` puts the part's source elements into ``view``,
+    the part's (strided) box view of ``out``. Elements no copy writes are left as they are.
+    Returns the elements filled."""
+    done = 0
+    for p in parts_in(copies, lo, lo + out.size):
+        read(p, strided(out, p.dst - lo, p.sizes, p.dst_strides, True))
         done += p.count
     return done
-
-
-def contiguous_source(copies: Sequence[StridedCopy], lo: int, hi: int) -> StridedCopy | None:
-    """The single part of ``copies`` covering target elements ``[lo, hi)`` when it is one
-    contiguous source run (the block can be written straight from the source's bytes), else None."""
-    parts = list(parts_in(copies, lo, hi))
-    if len(parts) != 1:
-        return None
-    p = parts[0]
-    if p.count != hi - lo or p.dst != lo or not _contiguous(p.sizes, p.src_strides) \
-            or not _contiguous(p.sizes, p.dst_strides):
-        return None
-    return p
-
-
-def _contiguous(sizes: Sequence[int], strides_: Sequence[int]) -> bool:
-    """The box's elements are consecutive flat offsets."""
-    want = 1
-    for n, s in zip(reversed(sizes), reversed(strides_)):
-        if n > 1 and s != want:
-            return False
-        want *= n
-    return True

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import xxhash
 
 from ..errors import StoreError
 from ..layout.boxes import Slot, flat_runs
@@ -78,27 +77,6 @@ class RawFile:
             if window is not None:
                 window.close()
 
-    def map(self, offset: int, nbytes: int) -> np.ndarray | None:
-        """A read-only uint8 view of bytes ``[offset, offset + nbytes)`` from a mapping of just that
-        span (None where the file system refuses mmap). The file's size is checked right before, as
-        in ``gather_into``; the mapping is released when the last array pointing into it is. Its
-        pages are mapped as they are touched, not all at once: a reshard through such mappings ran
-        1.14x faster so (bench/reshard.py, TP4 target, medians of 9)."""
-        end = offset + nbytes
-        size = os.fstat(self.fd).st_size
-        if end > size:
-            raise StoreError(f"{self.where} ends at byte {size:,}, before the {nbytes:,} bytes at "
-                             f"{offset:,} its manifest places there (truncated)", code="UCL406")
-        if self.unmappable or nbytes == 0:
-            return None
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        try:
-            window = mmap.mmap(self.fd, end - base, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=base)
-        except OSError:
-            self.unmappable = True
-            return None
-        return np.frombuffer(window, np.uint8)[offset - base:]
-
     def read_into(self, offset: int, out: np.ndarray) -> None:
         """Fill the C-contiguous ``out`` with the file's bytes from ``offset`` (short reads retried;
         a file that ends early raises UCL406)."""
@@ -110,36 +88,6 @@ class RawFile:
                 raise StoreError(f"{self.where} ends at byte {offset + done:,}, before the {n:,} bytes at "
                                  f"{offset:,} its manifest places there (truncated)", code="UCL406")
             done += got
-
-
-class MappedRange:
-    """Elements ``[first, first + flat.size)`` of a dataset, a read-only view of a mapping of its
-    rank file (``Checkpoint.map_flat``). ``check(lo, hi)`` verifies the checksum chunks of ``per``
-    elements covering ``[lo, hi)``, each the first time only (against ``digests``, or the whole
-    dataset against ``whole`` when it has no chunk table; nothing when both are None)."""
-
-    def __init__(self, flat: np.ndarray, first: int, per: int, digests: np.ndarray | None, whole: str | None,
-                 where: str):
-        self.flat, self.first, self.per, self.where = flat, first, per, where
-        self.digests, self.whole = digests, whole
-        self._checked = np.zeros(-(-flat.size // per) if flat.size else 0, dtype=bool)
-        self.bytes_checked = 0
-
-    def check(self, lo: int, hi: int) -> None:
-        if self.digests is None and self.whole is None or hi <= lo:
-            return
-        a, b = (lo - self.first) // self.per, -(-(hi - self.first) // self.per)
-        for c in np.flatnonzero(~self._checked[a:b]) + a:
-            piece = self.flat[c * self.per:(c + 1) * self.per]
-            raw = piece.reshape(-1).view(np.uint8)
-            got = xxhash.xxh3_64_intdigest(raw) if self.digests is not None else xxhash.xxh3_64_hexdigest(raw)
-            first = self.first + c * self.per
-            want = int(self.digests[first // self.per]) if self.digests is not None else self.whole.split(":")[-1]
-            if got != want:
-                raise StoreError(f"checksum mismatch in {self.where} (elements {first}..{first + piece.size})",
-                                 code="UCL407")
-            self._checked[c] = True
-            self.bytes_checked += raw.nbytes
 
 
 @dataclass(frozen=True)

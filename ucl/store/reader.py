@@ -22,7 +22,7 @@ from . import raw
 from .checksum import (TileGrid, TilePlan, band_digests, checksum_of, chunk_count, chunk_size, chunk_table_digest,
                        raw_bytes, tile_grid, tile_plan, tile_table_digest)
 from .manifest import MANIFEST_NAME, TABLES_NAME, DatasetInfo, Manifest
-from .raw import MappedRange, RawFile
+from .raw import RawFile
 
 MAX_MANIFEST_BYTES = 1 << 30  # ~16k ranks of a large model's datasets; a bigger manifest is hostile
 _MANIFESTS: OrderedDict[tuple, Manifest] = OrderedDict()  # parsed manifests by file identity
@@ -259,26 +259,6 @@ class Checkpoint:
             self.bytes_last_read = out.nbytes
             src.read_runs_into(runs, out)
             return out
-
-    def map_flat(self, rank: int, key: str, start: int, stop: int, *, verify: bool = True) -> MappedRange | None:
-        """Elements ``[start, stop)`` of the flattening, rounded out to the checksum chunks around
-        them, as a read-only mapping of the rank file: no byte is copied (the reshard's streamed
-        path hashes and writes straight from the page cache). With ``verify`` the range checks each
-        chunk the first time a read touches it (``MappedRange.check``). None where the bytes cannot
-        be mapped (no recorded offset, a file system without mmap): read them instead."""
-        with self._lock, self._guard(rank, key):
-            info = self.info(rank, key)
-            if info.offset is None or not 0 <= start <= stop <= info.size:
-                return None
-            table = self._bound_chunk_table(rank, key, info) if verify else None
-            per = table[0] // info.storage_dtype.itemsize if table is not None else max(info.size, 1)
-            lo, hi = start // per * per, min(-(-stop // per) * per, info.size)
-            located = raw.locate(self._raw_file(rank), info.offset, info.shape, info.storage_dtype, info.nbytes)
-            window = located.file.map(located.offset + lo * located.dtype.itemsize, (hi - lo) * located.dtype.itemsize)
-        if window is None:
-            return None
-        return MappedRange(window.view(info.storage_dtype), lo, per, table[1] if table is not None else None,
-                           info.checksum if verify else None, self._where(rank, key))
 
     def _read_runs_verified(self, rank, key, src, info: DatasetInfo, runs, out: np.ndarray) -> int:
         """``read_runs`` with every byte verified. Runs forming one flat range (a tensor inside a flat
