@@ -1,5 +1,5 @@
 """The reshard's streamed path (a target dataset written block by block from mappings of the source
-files, ops.reshard._streamed) is forced for every dataset here, with blocks of a few kilobytes cut
+files, ops.streamed.stream_dataset) is forced for every dataset here, with blocks of a few kilobytes cut
 across rows, tensors and flat-buffer boundaries: the results are the single-pass results bit for
 bit, and corrupt or truncated sources are refused with nothing published."""
 from __future__ import annotations
@@ -17,23 +17,23 @@ from tests.test_checkpoint import (U, M, assert_intact, assert_nothing_left, dem
 from ucl.errors import StoreError
 import ucl.store.writer as store_writer
 
-reshard_module = importlib.import_module("ucl.ops.reshard")
+streamed_module = importlib.import_module("ucl.ops.streamed")
 
 
 @pytest.fixture
 def streamed(monkeypatch):
     """Every dataset streamed, in blocks of 4,100 bytes (no multiple of a row, a chunk or 8 bytes);
     counts the datasets that took the path (in this process: workers=1)."""
-    monkeypatch.setattr(reshard_module, "MIN_STREAM_BYTES", 0)
-    monkeypatch.setattr(reshard_module, "STREAM_BLOCK_BYTES", 4100)
+    monkeypatch.setattr(streamed_module, "MIN_STREAM_BYTES", 0)
+    monkeypatch.setattr(streamed_module, "STREAM_BLOCK_BYTES", 4100)
     taken = []
-    real = reshard_module._streamed
+    real = streamed_module.stream_dataset
 
     def spy(*a, **k):
         ok = real(*a, **k)
         taken.append(ok)
         return ok
-    monkeypatch.setattr(reshard_module, "_streamed", spy)
+    monkeypatch.setattr(streamed_module, "stream_dataset", spy)
     return taken
 
 
@@ -63,10 +63,10 @@ def test_a_durable_reshard_assembles_datasets_whole(demo, saved, tmp_path, strea
 
 def test_streamed_and_assembled_targets_have_equal_checksums(demo, saved, tmp_path, monkeypatch):
     src = saved("pp=2,dp=2,tp=2")
-    monkeypatch.setattr(reshard_module, "MIN_STREAM_BYTES", 1 << 62)
+    monkeypatch.setattr(streamed_module, "MIN_STREAM_BYTES", 1 << 62)
     ucl.reshard(src, tmp_path / "whole", M("pp=1,dp=2,tp=4"), workers=2)
-    monkeypatch.setattr(reshard_module, "MIN_STREAM_BYTES", 0)
-    monkeypatch.setattr(reshard_module, "STREAM_BLOCK_BYTES", 999)
+    monkeypatch.setattr(streamed_module, "MIN_STREAM_BYTES", 0)
+    monkeypatch.setattr(streamed_module, "STREAM_BLOCK_BYTES", 999)
     ucl.reshard(src, tmp_path / "streamed", M("pp=1,dp=2,tp=4"), workers=2, durable=False)
 
     def sums(p):

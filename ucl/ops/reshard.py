@@ -17,17 +17,16 @@ import xxhash
 from ..dtypes import storage_dtype
 from ..errors import StoreError, UclError
 from ..layout.mesh import Mesh, as_mesh
-from ..plan.buffers import Arena, ArenaRing
+from ..plan.buffers import Arena
 from ..plan.execute import run_copies
 from ..plan.ir import Plan
-from ..plan.stream import StridedCopy, fill_block, strided_copies
-from ..store.reader import Checkpoint
 from ..store.source import StoreSource
-from ..store.writer import STREAM_DEPTH, CheckpointWriter, Filled
+from ..store.writer import CheckpointWriter, Filled
 from .collective import commit_collectively
 from .dist import allgather_json, gloo_group, initialized_dist
 from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for
 from .stats import IOStats
+from . import streamed
 from .workers import run_forked
 
 
@@ -426,78 +425,31 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
     laid = job.laid or {}
     with open_checkpoint(job.src, job.format) as ckpt:
         source = StoreSource(ckpt, Arena(), verify=job.verify)
-        blocks = ArenaRing(STREAM_DEPTH + 1)  # the streamed path's blocks: write_stream may still be writing the last few
+        blocks = streamed.block_ring()
         targets = (Arena(), Arena())  # one is filled while the other is still being written (write_behind)
         for i, t in enumerate(sorted(task.groups, key=first_source)):  # reads sweep each source file in order
             g = job.groups[t.group]
-            if _streamed(job, g, t, ckpt, writer, laid, stats, blocks, progress):
-                continue
-            covered = int(np.prod(c["size"][g.rows], axis=1).sum()) if len(g.rows) else 0
-            buf = targets[i % 2].array(g.shape, storage_dtype(g.dtype), zero=covered < int(np.prod(g.shape, dtype=np.int64)))
-            stats.bytes_needed += run_copies(job.plan, g.rows, source, {g.key: buf})
-            for r in t.ranks:
-                if r in laid:
-                    writer.fill(r, g.key, laid[r][g.key], buf, dtype=g.dtype)
-                else:
-                    writer.write(r, g.key, buf, dtype=g.dtype)
-                stats.bytes_written += buf.nbytes
+            done = streamed.stream_dataset(job.plan, g.rows, g.key, g.shape, g.dtype,
+                                           {r: laid[r][g.key] if r in laid else None for r in t.ranks}, ckpt, writer,
+                                           blocks, verify=job.verify, durable=job.durable)
+            if done is not None:
+                stats.bytes_read += done.bytes_read
+                stats.bytes_needed += done.bytes_needed
+            else:
+                covered = int(np.prod(c["size"][g.rows], axis=1).sum()) if len(g.rows) else 0
+                buf = targets[i % 2].array(g.shape, storage_dtype(g.dtype),
+                                           zero=covered < int(np.prod(g.shape, dtype=np.int64)))
+                stats.bytes_needed += run_copies(job.plan, g.rows, source, {g.key: buf})
+                for r in t.ranks:
+                    if r in laid:
+                        writer.fill(r, g.key, laid[r][g.key], buf, dtype=g.dtype)
+                    else:
+                        writer.write(r, g.key, buf, dtype=g.dtype)
+            for _ in t.ranks:
+                stats.bytes_written += g.nbytes
                 stats.datasets_written += 1
                 if progress:
-                    progress(buf.nbytes)
+                    progress(g.nbytes)
         entries = writer.finish(list(task.files))
         stats.bytes_read += source.bytes_read
     return WorkerResult(entries, stats, tuple(writer.filled))
-
-
-STREAM_BLOCK_BYTES = 2 << 20  # a streamed dataset passes in blocks of this size: hashed and written from cache
-
-
-def _streamed(job: ReshardJob, g: ReplicaGroup, t: GroupTask, ckpt, writer: CheckpointWriter, laid: dict,
-              stats: IOStats, blocks: ArenaRing, progress: Callable[[int], None] | None) -> bool:
-    """Write group ``g`` block by block (plan.stream): each part of a block is read from the source
-    into memory of our own (straight into the block where it lands contiguously), every checksum
-    chunk or tile it touches verified there, so the bytes hashed and written are the bytes checked;
-    the block is then hashed and written while in cache, and memory stays at a few blocks. False
-    (nothing done) for a small or empty dataset, a source that is not a ucl checkpoint with byte
-    offsets (a foreign format), or a durable reshard: the caller then assembles the dataset whole.
-    Why not durable: its writes go around the page cache (store.direct), and a whole dataset in
-    flight kept the device busier than queued blocks (same run, 2-core VM: universal 1.59 s whole
-    vs 1.82 s streamed, TP4 1.50 vs 1.60); through the page cache, streaming is the faster."""
-    if job.durable or g.nbytes < MIN_STREAM_BYTES or not g.nbytes or not isinstance(ckpt, Checkpoint):
-        return False
-    copies = strided_copies(job.plan, g.rows)
-    if copies is None or any(ckpt.info(cp.src_rank, cp.src_key).offset is None for cp in copies):
-        return False
-    dtype = storage_dtype(g.dtype)
-    total = int(np.prod(g.shape, dtype=np.int64))
-    covered = sum(cp.count for cp in copies)
-    step = max(1, STREAM_BLOCK_BYTES // dtype.itemsize)
-    read = 0
-
-    def fill(p: StridedCopy, dst: np.ndarray) -> None:
-        nonlocal read
-        into = dst.reshape(-1) if dst.flags.c_contiguous else staging.array((p.count,), dtype)
-        ckpt.read_runs(p.src_rank, p.src_key, p.src_runs(), out=into, verify=job.verify)
-        read += ckpt.bytes_last_read
-        if not dst.flags.c_contiguous:
-            np.copyto(dst, into.reshape(p.sizes))
-
-    def pieces() -> Iterator[np.ndarray]:
-        for lo in range(0, total, step):
-            out = blocks.array((min(step, total - lo),), dtype, zero=covered < total)
-            fill_block(copies, lo, out, fill)
-            yield out
-    staging = Arena()
-    writer.write_stream({r: laid[r][g.key] if r in laid else None for r in t.ranks}, g.key, g.shape, g.dtype,
-                        pieces())
-    stats.bytes_read += read
-    stats.bytes_needed += covered * dtype.itemsize
-    for _ in t.ranks:
-        stats.bytes_written += g.nbytes
-        stats.datasets_written += 1
-        if progress:
-            progress(g.nbytes)
-    return True
-
-
-MIN_STREAM_BYTES = 1 << 20  # smaller datasets are assembled whole (a block or less either way)

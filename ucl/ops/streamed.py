@@ -1,0 +1,72 @@
+"""The reshard's streamed path: one target dataset written block by block (plan.stream), each part
+of a block read from the source into memory of our own and verified there, each block hashed and
+written while in cache (CheckpointWriter.write_stream); memory stays at a few blocks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from ..dtypes import storage_dtype
+from ..plan.buffers import Arena, ArenaRing
+from ..plan.ir import Plan
+from ..plan.stream import StridedCopy, fill_block, strided_copies
+from ..store.reader import Checkpoint
+from ..store.writer import STREAM_DEPTH, CheckpointWriter
+
+STREAM_BLOCK_BYTES = 2 << 20  # a streamed dataset passes in blocks of this size: hashed and written from cache
+MIN_STREAM_BYTES = 1 << 20  # smaller datasets are assembled whole (a block or less either way)
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What streaming one dataset read: bytes taken from the source (verified reads round out to
+    checksum chunks or tiles) and bytes the plan needed."""
+
+    bytes_read: int
+    bytes_needed: int
+
+
+def block_ring() -> ArenaRing:
+    """Block buffers for ``stream_dataset``: write_stream may still be writing the last few."""
+    return ArenaRing(STREAM_DEPTH + 1)
+
+
+def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: str, targets: Mapping[int, int | None],
+                   ckpt, writer: CheckpointWriter, blocks: ArenaRing, *, verify: bool, durable: bool) -> Streamed | None:
+    """Write dataset ``key`` (filled by plan ``rows``) into the files of ``targets`` (as
+    ``write_stream``) block by block: each part of a block is read with ``Checkpoint.read_runs``
+    (straight into the block where it lands contiguously), every checksum chunk or tile it touches
+    verified there, so the bytes hashed and written are the bytes checked. None (nothing done) for a
+    small or empty dataset, a source that is not a ucl checkpoint with byte offsets (a foreign
+    format), or a ``durable`` reshard: the caller then assembles the dataset whole. Why not durable:
+    its writes go around the page cache (store.direct), and a whole dataset in flight kept the
+    device busier than queued blocks (same run, 2-core VM: universal 1.59 s whole vs 1.82 s streamed,
+    TP4 1.50 vs 1.60); through the page cache, streaming is the faster."""
+    sdtype = storage_dtype(dtype)
+    total = int(np.prod(shape, dtype=np.int64))
+    if durable or total * sdtype.itemsize < MIN_STREAM_BYTES or not total or not isinstance(ckpt, Checkpoint):
+        return None
+    copies = strided_copies(plan, rows)
+    if copies is None or any(ckpt.info(cp.src_rank, cp.src_key).offset is None for cp in copies):
+        return None
+    covered = sum(cp.count for cp in copies)
+    step = max(1, STREAM_BLOCK_BYTES // sdtype.itemsize)
+    staging, read = Arena(), 0
+
+    def fill(p: StridedCopy, dst: np.ndarray) -> None:
+        nonlocal read
+        into = dst.reshape(-1) if dst.flags.c_contiguous else staging.array((p.count,), sdtype)
+        ckpt.read_runs(p.src_rank, p.src_key, p.src_runs(), out=into, verify=verify)
+        read += ckpt.bytes_last_read
+        if not dst.flags.c_contiguous:
+            np.copyto(dst, into.reshape(p.sizes))
+
+    def pieces() -> Iterator[np.ndarray]:
+        for lo in range(0, total, step):
+            out = blocks.array((min(step, total - lo),), sdtype, zero=covered < total)
+            fill_block(copies, lo, out, fill)
+            yield out
+    writer.write_stream(targets, key, shape, dtype, pieces())
+    return Streamed(read, covered * sdtype.itemsize)
