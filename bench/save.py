@@ -9,8 +9,9 @@ transformer (torch.nn: embedding, N blocks of attention + MLP, AdamW; CPU).
 Variants: none; torch.save of model + optimizer state_dicts, then fsync; DCP save (FileSystemWriter
 fsyncs); DCP async_save in a thread (default stager: copies inside the call); DCP async_save with
 AsyncCheckpointerType.PROCESS and a shared-memory DefaultStager staging in the background (the
-optimizer step waits for it); ucl.Checkpointer. Async variants finish one checkpoint before the next
-(DCP: future.result(); ucl: pool back-pressure). Each (variant, interval) runs in its own process
+optimizer step waits for it); ucl.Checkpointer; ucl-flat: the same with tile_checksums=False
+(flat chunk checksums only: about half the snapshot's CPU); ucl-host: persist_every=10. Async
+variants finish one checkpoint before the next (DCP: future.result(); ucl: pool back-pressure). Each (variant, interval) runs in its own process
 (`--variant X --interval K`, JSON on stdout), so peak RSS (getrusage maxrss) does not mix.
 
 Per run: 2 warm-up iterations (the second saves once: one-time setup shows as "1st durable"), drain,
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-VARIANTS = ["torch.save", "dcp", "dcp-async", "dcp-async-proc", "ucl", "ucl-host"]
+VARIANTS = ["torch.save", "dcp", "dcp-async", "dcp-async-proc", "ucl", "ucl-flat", "ucl-host"]
 KEEP = 3  # checkpoints kept on disk
 BASE = 4  # iterations without checkpointing timed in every round, right before the checkpointing ones
 
@@ -171,12 +172,15 @@ class DCPAsync(Saver):
 
 
 class Ucl(Saver):
-    def __init__(self, root, model, opt, persist_every=1):
+    def __init__(self, root, model, opt, persist_every=1, tile_checksums=True):
         super().__init__(root, model, opt)
         import ucl
-        self.ck = ucl.Checkpointer(root, model, opt, keep=KEEP, persist_every=persist_every)  # + step pre-hook fence
+        self.ck = ucl.Checkpointer(root, model, opt, keep=KEEP, persist_every=persist_every,  # + step pre-hook fence
+                                   tile_checksums=tile_checksums)
         if persist_every > 1:
             self.note = f"host-memory snapshot at every save, every {persist_every}th written to disk"
+        if not tile_checksums:
+            self.note = "tile_checksums=False: flat chunk checksums only"
 
     def save(self, step):
         t0 = time.perf_counter()
@@ -192,7 +196,7 @@ class Ucl(Saver):
 
 SAVERS = {"none": Saver, "torch.save": TorchSave, "dcp": DCPSync, "dcp-async": DCPAsync,
           "dcp-async-proc": lambda *a: DCPAsync(*a, process=True), "ucl": Ucl, "verify": Ucl,
-          "ucl-host": lambda *a: Ucl(*a, persist_every=10)}
+          "ucl-flat": lambda *a: Ucl(*a, tile_checksums=False), "ucl-host": lambda *a: Ucl(*a, persist_every=10)}
 
 
 # ---- one variant, in its own process ---------------------------------------------------------------------

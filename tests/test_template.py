@@ -128,3 +128,27 @@ def test_replaying_other_arrays_is_refused(tmp_path):
     with Checkpoint.open(tmp_path / "ck") as c:
         assert c.verify() == [] and c.read(0, "param/a").sum() == 16
     shutil.rmtree(tmp_path / "ck")
+
+
+def test_a_template_without_tiles_writes_flat_checksums_and_refuses_tiled_digests(tmp_path):
+    """``tiles=False`` lays out and fills no tile table (the datasets read by flat chunks, as the
+    format allows); digests computed with tiles do not fit it and are refused, not written short."""
+    from ucl.store.checksum import checksums
+    a = np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096)
+    w = CheckpointWriter(tmp_path / "ck", 1)
+    t = w.template(0, {"param/a": ((64, 4096), "float32")}, tiles=False)
+    with pytest.raises(StoreError, match=r"'param/a'.* without tiles") as e:
+        w.write_from(0, t, {"param/a": a}, {"param/a": checksums(a)})
+    assert e.value.code == "UCL409"
+    w.abort()
+    w = CheckpointWriter(tmp_path / "ck", 1)
+    w.write_from(0, w.template(0, {"param/a": ((64, 4096), "float32")}, tiles=False), {"param/a": a},
+                 {"param/a": checksums(a, tiles=False)})
+    w.commit()
+    e = entries(tmp_path / "ck")["param/a"]
+    assert "chunks" in e and "tiles" not in e
+    write_plain(tmp_path / "plain", {"param/a": (a, "float32")})
+    assert "tiles" in entries(tmp_path / "plain")["param/a"]  # the default writes them
+    with Checkpoint.open(tmp_path / "ck") as c:
+        assert c.verify() == [] and np.array_equal(c.read(0, "param/a"), a)
+        assert e["checksum"] == entries(tmp_path / "plain")["param/a"]["checksum"]

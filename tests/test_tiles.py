@@ -424,22 +424,26 @@ def test_incremental_checksums_of_any_pieces_equal_direct_hashes(rows, cols, ite
 
 
 @pytest.mark.parametrize("shape,item", [((3 << 20,), 1), ((1500, 1100), 4), ((3, 700, 333), 8)])
-def test_copy_checksummed_of_several_blocks(shape, item):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_copy_checksummed_of_several_blocks(shape, item, tiles):
     """Arrays of several copy blocks (about 1 MiB each; rows of 4,400 and 2,664 bytes do not divide it)."""
-    test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes.hypothesis.inner_test(shape, item, 5)
+    test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes.hypothesis.inner_test(shape, item, 5, tiles)
 
 
 @settings(max_examples=40, deadline=None)
 @given(shape=st.lists(st.integers(1, 400), min_size=0, max_size=3).filter(lambda s: math.prod(s) <= 200_000),
-       item=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**31))
-def test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes(shape, item, seed):
+       item=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**31), tiles=st.booleans())
+def test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes(shape, item, seed, tiles):
     """The copy is exact, and its digests are those hashed directly of the bytes: whole, per flat
-    chunk, and those `checksums` gives the copy (tiles included)."""
-    from ucl.store.checksum import copy_checksummed
+    chunk, and the tiles (none with ``tiles=False``, the flat digests unchanged); ``checksums``
+    of the copy agrees."""
+    from ucl.store.checksum import checksums, copy_checksummed
     dtype = np.dtype(f"u{item}")
     src = np.random.default_rng(seed).integers(0, 255, shape, dtype=np.uint8).astype(dtype)
     dst = np.full_like(src, 7)
-    got = copy_checksummed(dst, src)
+    got = copy_checksummed(dst, src, tiles=tiles)
+    again = checksums(dst, tiles=tiles)
+    assert got.whole == again.whole and (got.tiles is None) == (again.tiles is None)
     assert np.array_equal(dst, src)
     raw = src.reshape(-1).view(np.uint8)
     assert got.whole == "xxh3_64:" + xxhash.xxh3_64_hexdigest(raw)
@@ -447,7 +451,7 @@ def test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes(shape, item,
     assert (got.chunks is None) == (size is None)
     if size is not None:
         assert list(got.chunks[1]) == [xxhash.xxh3_64_intdigest(raw[i:i + size]) for i in range(0, raw.size, size)]
-    grid = tile_grid(src.shape, item)
+    grid = tile_grid(src.shape, item) if tiles else None
     assert (got.tiles is None) == (grid is None)
     if grid is not None:  # each tile copied out contiguously, hashed
         arr = src.reshape(-1, src.shape[-1])

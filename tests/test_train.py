@@ -129,7 +129,7 @@ def test_what_the_copier_hashed_is_not_hashed_again_and_verifies(tmp_path, monke
     import ucl.store.template as template
     hashed_by_flusher = []
     real = template.checksums
-    monkeypatch.setattr(template, "checksums", lambda arr: hashed_by_flusher.append(arr.shape) or real(arr))
+    monkeypatch.setattr(template, "checksums", lambda arr, **kw: hashed_by_flusher.append(arr.shape) or real(arr, **kw))
     model, _, _ = run(tmp_path, save_at=(2, 3))
     from ucl.store import CheckpointRoot
     with ucl.open(CheckpointRoot(tmp_path).latest()) as ck:
@@ -137,6 +137,44 @@ def test_what_the_copier_hashed_is_not_hashed_again_and_verifies(tmp_path, monke
         n_datasets = len(ck.keys(0))
     assert hashed_by_flusher == [()] * 2  # `seen`, a buffer, at each save; nothing else of the 20-odd datasets
     assert n_datasets > 10
+
+
+def test_without_tile_checksums_column_slices_are_verified_by_whole_rows(tmp_path):
+    """``tile_checksums=False``: matrices carry flat chunk checksums only (no ``tiles`` in the
+    manifest, no tile digests in the file); the checkpoint verifies and resumes as usual, and a
+    column slice is still verified, by reading the whole rows around it instead of its tiles."""
+    from ucl.store import CheckpointRoot
+
+    def make_mlp(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 8))
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    sizes = {}
+    for tiles in (True, False):
+        root = tmp_path / str(tiles)
+        model, optimizer = make_mlp(0)
+        with ucl.Checkpointer(root, model, optimizer, tile_checksums=tiles) as ck:
+            for _ in range(2):
+                model(torch.randn(4, 256)).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            ck.save(2)
+            saved = model[0].weight.detach().clone().numpy()
+        with ucl.open(CheckpointRoot(root).latest()) as ck:
+            assert ck.verify() == []
+            info = ck.info(0, "param/0.weight")  # 512 x 256 float32: chunked, tiled when asked
+            assert info.chunks is not None and (info.tiles is not None) == tiles
+            runs = [(r * 256 + 64, 1, 64, 64) for r in range(512)]  # columns 64..127 of every row
+            got = ck.read_runs(0, "param/0.weight", runs, verify=True)
+            assert np.array_equal(got.reshape(512, 64), saved[:, 64:128])
+            sizes[tiles] = ck.bytes_last_read
+        fresh, fresh_opt = make_mlp(1)
+        with ucl.Checkpointer(root, fresh, fresh_opt, tile_checksums=tiles) as ck:
+            assert ck.load()[0] == 2
+        assert np.array_equal(fresh[0].weight.detach().numpy(), saved)
+        assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], optimizer.state[model[0].weight]["exp_avg"])
+    assert sizes[True] == 512 * 64 * 4 < sizes[False] == 512 * 256 * 4  # tiles: its columns; flat: whole rows
 
 
 def test_persist_every_keep_and_tiers(tmp_path):

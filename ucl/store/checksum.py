@@ -71,11 +71,12 @@ class Digests:
         return None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def checksums(arr: np.ndarray) -> Digests:
+def checksums(arr: np.ndarray, *, tiles: bool = True) -> Digests:
     """Every checksum of a storage array, the flat ones in one pass (chunk by chunk while each is
-    in cache), the tiles in a second pass in tile order."""
+    in cache), the tiles in a second pass in tile order. ``tiles=False``: no tile table, as for a
+    dataset that carries none (a writer may leave it out, docs/format.md)."""
     raw = raw_bytes(arr)
-    grid = tile_grid(arr.shape, arr.itemsize)
+    grid = tile_grid(arr.shape, arr.itemsize) if tiles else None
     if grid is not None:  # one pass, a block of rows at a time: each block is read from memory once
         h, flat = IncrementalChecksum(arr.shape, arr.dtype), arr.reshape(-1)
         step = _block_elements(arr.shape, arr.itemsize)
@@ -93,14 +94,15 @@ def checksums(arr: np.ndarray) -> Digests:
     return Digests(format_checksum(whole.hexdigest()), (size, digests))
 
 
-def copy_checksummed(dst: np.ndarray, src: np.ndarray) -> Digests:
-    """Copy ``src`` into ``dst`` (C-contiguous, same shape and dtype) and return ``checksums(dst)``,
-    hashing each block of about a megabyte right after copying it, while it is still in cache:
-    the checksums cost about what hashing from cache costs, not a second pass over memory."""
+def copy_checksummed(dst: np.ndarray, src: np.ndarray, *, tiles: bool = True) -> Digests:
+    """Copy ``src`` into ``dst`` (C-contiguous, same shape and dtype) and return
+    ``checksums(dst, tiles=tiles)``, hashing each block of about a megabyte right after copying
+    it, while it is still in cache: the checksums cost about what hashing from cache costs, not a
+    second pass over memory (tile digests still cost a copy to tile order: about as much again)."""
     if dst.shape != src.shape or dst.dtype != src.dtype or not (dst.flags.c_contiguous and src.flags.c_contiguous):
         raise ValueError(f"copy_checksummed: {dst.dtype} {dst.shape} from {src.dtype} {src.shape}, "
                          "both C-contiguous, alike")
-    h, out, flat = IncrementalChecksum(dst.shape, dst.dtype), dst.reshape(-1), src.reshape(-1)
+    h, out, flat = IncrementalChecksum(dst.shape, dst.dtype, tiles=tiles), dst.reshape(-1), src.reshape(-1)
     step = _block_elements(dst.shape, dst.itemsize)
     for i in range(0, flat.size, step):
         np.copyto(out[i:i + step], flat[i:i + step])
@@ -120,14 +122,14 @@ class IncrementalChecksum:
     """Checksums (whole, per chunk, per tile) of a dataset filled piecewise: hashed on the fly while
     pieces arrive in flat order."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, *, tiles: bool = True) -> None:
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         self.hasher, self.next_flat, self.in_order = xxhash.xxh3_64(), 0, True
         self.size = chunk_size(nbytes)
         self.chunks: list[int] = []
         self.chunk, self.chunk_fill = xxhash.xxh3_64(), 0
-        grid = tile_grid(tuple(shape), dtype.itemsize)
+        grid = tile_grid(tuple(shape), dtype.itemsize) if tiles else None
         self.tiles = TileHasher(grid, dtype) if grid is not None else None
 
     def advance(self, start: int, flat: np.ndarray) -> None:

@@ -58,20 +58,23 @@ class RankTemplate:
     """One rank file's layout for a fixed set of datasets (``build``), filled by ``write``."""
 
     def __init__(self, rank: int, size: int, datasets: dict[str, TemplateDataset],
-                 pieces: list[tuple[int, np.ndarray]], tables: TemplateDataset | None):
+                 pieces: list[tuple[int, np.ndarray]], tables: TemplateDataset | None, tiles: bool = True):
         self.rank, self.size, self.datasets, self.pieces, self.tables = rank, size, datasets, pieces, tables
+        self.tiles = tiles
 
     @classmethod
-    def build(cls, scratch: str, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]]) -> "RankTemplate":
+    def build(cls, scratch: str, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]], *,
+              tiles: bool = True) -> "RankTemplate":
         """Lay out ``datasets`` (key -> (shape, logical dtype)) in the new file ``scratch`` with
-        HDF5, read back what the template keeps, and remove the file."""
+        HDF5, read back what the template keeps, and remove the file. ``tiles=False``: the datasets
+        carry no tile checksums (flat chunks only)."""
         specs = {k: (tuple(int(x) for x in shape), dtype) for k, (shape, dtype) in datasets.items()}
         table_at, n_table = {}, 0
         for key, (shape, dtype) in specs.items():
             if any(x < 0 for x in shape):
                 raise StoreError(f"negative shape {list(shape)} for {key!r}", code="UCL409")
             item = _dt.storage_dtype(dtype).itemsize
-            grid = tile_grid(shape, item)
+            grid = tile_grid(shape, item) if tiles else None
             count = chunk_count(math.prod(shape) * item) + (grid.count if grid is not None else 0)
             if count:
                 table_at[key], n_table = (n_table, count), n_table + count
@@ -117,7 +120,7 @@ class RankTemplate:
 
         placed = {k: place(k, offsets[k], _nbytes(*specs[k]), table_at.get(k)) for k in specs}
         tables = place(TABLES_NAME, tables_offset, 8 * n_table, None) if n_table else None
-        return cls(rank, size, placed, pieces, tables)
+        return cls(rank, size, placed, pieces, tables, tiles)
 
     def write(self, path: str, arrays: Mapping[str, np.ndarray], write_large,
               digests: Mapping[str, Digests] | None = None) -> dict[str, Placed]:
@@ -141,10 +144,15 @@ class RankTemplate:
                         self.pieces[t.piece][1][t.at:t.at + t.nbytes] = raw
                     else:
                         write_large(path, t.offset, raw)
-                d = known.get(key) or checksums(arr)
-                at = None
+                d = known.get(key) or checksums(arr, tiles=self.tiles)
+                values, at = d.table(), None
+                if (0 if values is None else values.size) != t.table_len:
+                    raise StoreError(f"rank {self.rank} dataset {key!r}: its checksums have "
+                                     f"{0 if values is None else values.size} table values, the template "
+                                     f"{'with' if self.tiles else 'without'} tiles lays out {t.table_len}",
+                                     code="UCL409")
                 if t.table_at is not None:
-                    table[t.table_at:t.table_at + t.table_len] = d.table()
+                    table[t.table_at:t.table_at + t.table_len] = values
                     at = self.tables.offset + 8 * t.table_at
                 placed[key] = Placed(d, at)
             if self.tables is not None:

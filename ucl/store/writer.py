@@ -309,14 +309,16 @@ class CheckpointWriter:
                     h5.set_checksum_tables(f[p.key], p.digests)
                     self._entries[p.rank][p.key] = self._entry(p.rank, p.key, dtype, shape, p.digests, offset)
 
-    def template(self, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]]) -> RankTemplate:
+    def template(self, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]], *,
+                 tiles: bool = True) -> RankTemplate:
         """Lay out a rank file for ``datasets`` (key -> (shape, dtype)) once, for ``write_from`` to
-        replay at every checkpoint of the same layout (store.template)."""
+        replay at every checkpoint of the same layout (store.template); ``tiles=False``: without
+        tile checksums (readers then verify column slices by flat chunks)."""
         with self._lock:
             self._check_open()
             with self._io():
                 return RankTemplate.build(os.path.join(self.tmp_path, f".template-{rank}-{os.getpid()}.h5"), rank,
-                                          datasets)
+                                          datasets, tiles=tiles)
 
     def write_from(self, rank: int, template: RankTemplate, arrays: Mapping[str, Any],
                    digests: Mapping[str, Digests] | None = None) -> None:

@@ -44,12 +44,15 @@ class Checkpointer:
     fsspec URLs each checkpoint is copied to, in the background, after it is durable.
     ``persist_every``: every ``save`` snapshots to host memory; steps that are multiples of N, and any
     save after N - 1 unwritten ones, are written.
-    ``pool_bytes``: host pool size (default: two snapshots). ``debug``: detect state mutated between
-    ``save`` and the next fence (checksums).
+    ``pool_bytes``: host pool size (default: two snapshots). ``tile_checksums``: also hash each
+    matrix by tiles, so a later load that takes column slices (another tensor-parallel degree)
+    verifies only those columns; off, snapshots cost about half the CPU and such loads read whole
+    rows. ``debug``: detect state mutated between ``save`` and the next fence (checksums).
     """
 
     def __init__(self, root, model, optimizer=None, *, spec=None, mesh=None, keep: int = 3, tiers=None,
-                 persist_every: int = 1, pool_bytes: int | None = None, debug: bool = False):
+                 persist_every: int = 1, pool_bytes: int | None = None, tile_checksums: bool = True,
+                 debug: bool = False):
         import torch
         if not isinstance(persist_every, int) or persist_every < 1:
             raise UclError(f"persist_every must be a positive integer, got {persist_every!r}", code="UCL430")
@@ -88,11 +91,11 @@ class Checkpointer:
         self._promoter = Promoter(self.tiers, keep, self._progress, self.trace, rank) \
             if self.tiers and rank == 0 else None
         self._flusher = Flusher(self.root, self._layouts, self._snapshots, self._progress, self.trace, keep=keep,
-                                dist=self._dist, group=self._group, promoter=self._promoter)
+                                dist=self._dist, group=self._group, promoter=self._promoter, tiles=tile_checksums)
         if self._promoter is not None:
             self._catch_up_tiers()
         self._copier = Copier(self._snapshots, self._progress, self.trace, rank, device=self._device,
-                              then=self._flusher.submit, stored=self._layouts.stored)
+                              then=self._flusher.submit, stored=self._layouts.stored, tiles=tile_checksums)
         self._hook = optimizer.register_step_pre_hook(lambda *a: self._fence()) if optimizer is not None else None
 
     def _check_same_root(self) -> None:

@@ -19,10 +19,11 @@ from .trace import Trace
 
 class Copier(Stage):
     def __init__(self, snapshots: Snapshots, progress: Progress, trace: Trace, rank: int, *,
-                 device, then: Callable[[Snapshot], None], stored: Callable[[TrainLayout], frozenset[str]]):
+                 device, then: Callable[[Snapshot], None], stored: Callable[[TrainLayout], frozenset[str]],
+                 tiles: bool = True):
         import torch
         self.snapshots, self.progress, self.trace, self.rank, self.then = snapshots, progress, trace, rank, then
-        self.stored = stored
+        self.stored, self.tiles = stored, tiles
         self._stream = torch.cuda.Stream(device=device) if device is not None else None  # CUDA only
         super().__init__("ucl-snapshot")  # unbounded: bounded by the pool, save() waits for a region first
 
@@ -65,7 +66,8 @@ class Copier(Stage):
                 src = host_bytes(e.tensor)  # None for a CUDA tensor; offloaded optimizer state is on the CPU
                 if src is not None and e.key in hashed:
                     dst = self.snapshots.array(snap, e, off)
-                    snap.digests[e.key] = copy_checksummed(dst, src.view(dst.dtype).reshape(dst.shape))
+                    snap.digests[e.key] = copy_checksummed(dst, src.view(dst.dtype).reshape(dst.shape),
+                                                                tiles=self.tiles)
                 elif src is not None:  # one thread, GIL released: no second team of intra-op threads
                     np.copyto(self.snapshots.bytes(snap, off, src.size), src)
                 else:

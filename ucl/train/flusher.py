@@ -26,9 +26,10 @@ TEMPLATES_KEPT = 2  # rank-file templates kept: the current layout and the one b
 
 class Flusher(Stage):
     def __init__(self, root: CheckpointRoot, layouts: Layouts, snapshots: Snapshots, progress: Progress,
-                 trace: Trace, *, keep: int, dist=None, group=None, promoter: Promoter | None = None):
+                 trace: Trace, *, keep: int, dist=None, group=None, promoter: Promoter | None = None,
+                 tiles: bool = True):
         self.root, self.layouts, self.snapshots, self.progress, self.trace = root, layouts, snapshots, progress, trace
-        self.keep, self.dist, self.group, self.promoter = keep, dist, group, promoter
+        self.keep, self.dist, self.group, self.promoter, self.tiles = keep, dist, group, promoter, tiles
         self.rank = dist.get_rank() if dist else 0
         self.world = dist.get_world_size() if dist else 1
         self._hidden: str | None = None  # a checkpoint of the step being rewritten, hidden until replaced
@@ -134,7 +135,7 @@ class Flusher(Stage):
             datasets[e.key] = (tuple(e.tensor.shape), logical_of_torch_dtype(e.tensor.dtype))
         rank = snap.layout.rank
         signature = (rank, tuple(datasets.items()))
-        template = self._templates.pop(signature, None) or writer.template(rank, datasets)
+        template = self._templates.pop(signature, None) or writer.template(rank, datasets, tiles=self.tiles)
         self._templates[signature] = template
         while len(self._templates) > TEMPLATES_KEPT:
             self._templates.pop(next(iter(self._templates)))
