@@ -179,23 +179,28 @@ def cmd_reshard(args) -> int:
     from .ops.reshard import reshard
     from .layout.mesh import Mesh
     to = Mesh.parse(args.to)
-    con = _console()
     src = _checkpoint(args.src)
     if torchrun_world() > 1:  # under torchrun: every process writes its share (docs/distributed.md)
-        return _reshard_distributed(args, src, to, con)
-    if args.quiet:
+        return _reshard_distributed(args, src, to, _console())
+    if args.quiet:  # plain output: --quiet does not import rich (a tenth of a small reshard's start-up)
         stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync)
-    else:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TimeRemainingColumn(), console=con, transient=True) as bar:
-            task = bar.add_task(_e(f"reshard -> {to}"), total=_reshard_bytes(src, to))
-            stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync,
-                            progress=lambda n: bar.advance(task, n))
-    con.print("[green]wrote[/] " + _e(f"{args.dst} ({to}): {stats.datasets_written} datasets, "
-              f"{stats.bytes_written:,} B written, {stats.bytes_read:,} B read "
-              f"({stats.bytes_needed:,} B needed) in {stats.seconds:.2f} s (plan {stats.compile_seconds:.2f} s)"))
+        print(f"wrote {_reshard_summary(args.dst, to, stats)}")
+        return 0
+    con = _console()
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TimeRemainingColumn(), console=con, transient=True) as bar:
+        task = bar.add_task(_e(f"reshard -> {to}"), total=_reshard_bytes(src, to))
+        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync,
+                        progress=lambda n: bar.advance(task, n))
+    con.print("[green]wrote[/] " + _e(_reshard_summary(args.dst, to, stats)))
     return 0
+
+
+def _reshard_summary(dst, to, stats) -> str:
+    return (f"{dst} ({to}): {stats.datasets_written} datasets, {stats.bytes_written:,} B written, "
+            f"{stats.bytes_read:,} B read ({stats.bytes_needed:,} B needed) in {stats.seconds:.2f} s "
+            f"(plan {stats.compile_seconds:.2f} s)")
 
 
 def _reshard_distributed(args, src: str, to, con) -> int:
