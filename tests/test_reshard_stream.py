@@ -1,5 +1,5 @@
-"""The reshard's streamed path (a target dataset written block by block from mappings of the source
-files, ops.streamed.stream_dataset) is forced for every dataset here, with blocks of a few kilobytes cut
+"""The reshard's streamed path (a target dataset assembled and written block by block, each source part
+read and verified in memory of its own, ops.streamed.stream_dataset) is forced for every dataset here, with blocks of a few kilobytes cut
 across rows, tensors and flat-buffer boundaries: the results are the single-pass results bit for
 bit, and corrupt or truncated sources are refused with nothing published."""
 from __future__ import annotations
