@@ -405,10 +405,16 @@ def main() -> None:
               f"{os.cpu_count()} CPUs; checkpoints in {work} ({fs or '?'}); timed iterations {iters}")
         print("page cache: warm (nothing dropped; every variant fsyncs what it writes, so durable = on disk); "
               f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
-        none = spawn(args, "none", 1, max(iters.values()))
-        results = [spawn(args, v, k, iters[k]) for k in args.every for v in args.variants
+        def measured(variant: str, interval: int, n: int) -> dict:
+            try:
+                return spawn(args, variant, interval, n)
+            finally:  # its checkpoints (keep=3 of them, several GB each) go before the next variant's
+                shutil.rmtree(Path(work) / f"{variant}-{interval}", ignore_errors=True)
+
+        none = measured("none", 1, max(iters.values()))
+        results = [measured(v, k, iters[k]) for k in args.every for v in args.variants
                    if not (v == "ucl-host" and k != 1)]  # host snapshots matter when saving every iteration
-        check = spawn(args, "verify", 1, 2)
+        check = measured("verify", 1, 2)
         report(results, none)
         print(f"\nload average at end {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
         ok = f"FAILED to run: {check['error']}" if "error" in check else \
