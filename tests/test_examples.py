@@ -42,6 +42,7 @@ def test_train_resume_after_a_kill_prints_the_uninterrupted_losses(tmp_path):
     assert losses(again) == {s: whole[s] for s in range(at + 1, 13)}
 
 
+@pytest.mark.slow  # three more processes importing torch: in .ci/run's slow pass
 def test_offload_resumes_with_the_uninterrupted_losses(tmp_path):
     script = str(EXAMPLES / "offload.py")
     whole = losses(run(script, str(tmp_path / "a"), "--steps", "12"))
