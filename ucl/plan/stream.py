@@ -106,9 +106,12 @@ def box_rank(sizes: Sequence[int], strides_: Sequence[int], x: int) -> int:
 
 
 def parts_in(copies: Sequence[StridedCopy], lo: int, hi: int) -> Iterator[StridedCopy]:
-    """The parts of ``copies`` whose target offsets lie in ``[lo, hi)``, as sub-copies."""
+    """The parts of ``copies`` (sorted by ``dst``, as ``strided_copies`` gives them) whose target
+    offsets lie in ``[lo, hi)``, as sub-copies."""
     for cp in copies:
-        if cp.dst >= hi or cp.dst_stop <= lo:
+        if cp.dst >= hi:  # so do all later ones: a block does not scan the copies of the blocks after it
+            break
+        if cp.dst_stop <= lo:
             continue
         first = box_rank(cp.sizes, cp.dst_strides, lo - cp.dst)
         stop = box_rank(cp.sizes, cp.dst_strides, hi - cp.dst)
@@ -126,7 +129,7 @@ def strided(flat: np.ndarray, offset: int, sizes: Sequence[int], strides_: Seque
 def fill_block(copies: Sequence[StridedCopy], lo: int, out: np.ndarray,
                read: Callable[[StridedCopy, np.ndarray], None]) -> int:
     """Fill, in the 1-D ``out`` holding target elements ``[lo, lo + out.size)``, every part of
-    ``copies`` landing there: ``read(part, view)`` puts the part's source elements into ``view``,
+    ``copies`` (sorted by ``dst``) landing there: ``read(part, view)`` puts the part's source elements into ``view``,
     the part's (strided) box view of ``out``. Elements no copy writes are left as they are.
     Returns the elements filled."""
     done = 0
