@@ -313,6 +313,7 @@ class TileHasher:
         self.grid, self.row, self.digests = grid, 0, np.empty(grid.count, np.uint64)
         self._band = BandHasher(grid.nc, grid.tile_cols)
         self._stage, self._staged = np.empty(grid.cols, dtype), 0
+        self._tiles: np.ndarray | None = None  # whole bands in tile order (_whole_bands)
 
     def advance(self, flat: np.ndarray) -> None:
         cols, pos = self.grid.cols, 0
@@ -335,6 +336,11 @@ class TileHasher:
         g = self.grid
         while rows.shape[0]:
             band = self.row // g.tile_rows
+            whole = min(rows.shape[0], g.rows - self.row) // g.tile_rows if self.row % g.tile_rows == 0 else 0
+            if whole:  # bands wholly inside this piece: each tile hashed in one call
+                self._whole_bands(rows[:whole * g.tile_rows], band)
+                rows, self.row = rows[whole * g.tile_rows:], self.row + whole * g.tile_rows
+                continue
             end = g.row_span(band)[1]
             n = min(rows.shape[0], end - self.row)
             self._band.update(rows[:n])
@@ -342,6 +348,31 @@ class TileHasher:
             if self.row == end:
                 self.digests[band * g.nc:(band + 1) * g.nc] = self._band.digests()
                 self._band.reset()
+
+
+    def _whole_bands(self, rows: np.ndarray, first: int) -> None:
+        """Digests of the full-height bands ``first, first + 1, ...`` that ``rows`` holds exactly:
+        about a megabyte of bands at a time is copied to tile order, then each tile is hashed in
+        one call (one copy and one call per tile instead of a streaming hasher per band)."""
+        g = self.grid
+        h, w, nc = g.tile_rows, g.tile_cols, g.nc
+        full = g.cols // w  # tile columns of full width; a narrower last one is hashed apart
+        per = max(1, _HASH_BLOCK_BYTES // (h * g.cols * rows.itemsize))  # bands per copy
+        nb = rows.shape[0] // h
+        for b in range(0, nb, per):
+            k = min(per, nb - b)
+            block = rows[b * h:(b + k) * h]
+            out = self.digests[(first + b) * nc:(first + b + k) * nc].reshape(k, nc)
+            if full:
+                if self._tiles is None or self._tiles.size < k * full * h * w:
+                    self._tiles = np.empty(min(per, nb) * full * h * w, rows.dtype)
+                t = self._tiles[:k * full * h * w].reshape(k, full, h, w)
+                np.copyto(t, block[:, :full * w].reshape(k, h, full, w).transpose(0, 2, 1, 3))
+                out[:, :full] = np.fromiter(map(xxhash.xxh3_64_intdigest, t.reshape(k * full, -1).view(np.uint8)),
+                                            np.uint64, k * full).reshape(k, full)
+            if full < nc:
+                edge = np.ascontiguousarray(block[:, full * w:]).reshape(k, -1).view(np.uint8)
+                out[:, full] = np.fromiter(map(xxhash.xxh3_64_intdigest, edge), np.uint64, k)
 
 
 def tile_table_digest(whole: str, tile_shape: tuple[int, int], digests: np.ndarray) -> str:
