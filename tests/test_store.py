@@ -295,6 +295,31 @@ def test_corrupt_byte_detected(tmp_path):
     assert len(problems) == 1 and "exp_avg/layers.3.mlp.w" in problems[0]
 
 
+@pytest.mark.parametrize("runs", [
+    [(0, 1, 40_000, 40_000)],  # one flat range: its whole chunks are read in place and checked there
+    [(3, 9_000, 4, 2)],  # strided: the chunks around it are staged, then checked
+])
+def test_a_flipped_byte_is_reported_with_its_chunks_elements(tmp_path, runs):
+    """The chunk a flipped byte lies in (16 KiB = 4,096 float32 elements here) is the one named,
+    whichever path verifies it; reads that avoid it still succeed."""
+    p = tmp_path / "ck"
+    data = np.arange(40_000, dtype=np.float32)
+    with CheckpointWriter(p, 1) as w:
+        w.write(0, "param/w", data)
+        w.commit()
+    f = p / "rank_00000.h5"
+    raw = bytearray(f.read_bytes())
+    at = raw.find(data.tobytes()) + 4 * 4096 * 5 + 123  # inside chunk 5: elements 20480..24576
+    raw[at] ^= 0x01
+    f.write_bytes(bytes(raw))
+    ck = Checkpoint.open(p)
+    with pytest.raises(StoreError, match=r"elements 20480\.\.24576\)") as e:
+        ck.read_runs(0, "param/w", runs, verify=True)
+    assert e.value.code == "UCL407"
+    assert np.array_equal(ck.read_runs(0, "param/w", [(0, 1, 20_480, 20_480)], verify=True), data[:20_480])
+    assert np.array_equal(ck.read_runs(0, "param/w", [(24_576, 1, 15_424, 15_424)], verify=True), data[24_576:])
+
+
 def test_truncated_file_is_a_clear_error(tmp_path):
     p = _simple(tmp_path / "ck")
     f = p / "rank_00001.h5"

@@ -10,7 +10,6 @@ from collections import OrderedDict
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-import xxhash
 
 from .. import dtypes as _dt
 from ..errors import StoreError
@@ -19,8 +18,8 @@ from ..plan.buffers import Arena
 from . import h5
 from .atomic import is_tmp_name
 from . import raw
-from .checksum import (TileGrid, TilePlan, band_digests, checksum_of, chunk_count, chunk_size, chunk_table_digest,
-                       raw_bytes, tile_grid, tile_plan, tile_table_digest)
+from .checksum import (TileGrid, TilePlan, band_digests, checksum_of, chunk_count, chunk_digests, chunk_size,
+                       chunk_table_digest, raw_bytes, tile_grid, tile_plan, tile_table_digest)
 from .manifest import MANIFEST_NAME, TABLES_NAME, DatasetInfo, Manifest
 from .raw import RawFile
 
@@ -276,12 +275,7 @@ class Checkpoint:
             return self._read_chunks_verified(rank, key, src, info, runs, out)
         inside = out[x0 - a:x1 - a]
         src.read_flat_into(x0, x1, inside)
-        digests = table[1]
-        for i in range(0, x1 - x0, per):
-            c = (x0 + i) // per
-            if xxhash.xxh3_64_intdigest(raw_bytes(inside[i:i + per])) != int(digests[c]):
-                raise StoreError(f"checksum mismatch in {self._where(rank, key)} (elements "
-                                 f"{c * per}..{min((c + 1) * per, info.size)})", code="UCL407")
+        self._check_chunks(rank, key, info, inside, x0 // per, per, table[1])
         read = inside.nbytes
         if x0 > a:
             read += self._read_chunks_verified(rank, key, src, info, [(a, 1, x0 - a, x0 - a)], out[:x0 - a])
@@ -327,13 +321,14 @@ class Checkpoint:
             read += buf.nbytes
             if len(groups) == 1 and len(g) == len(need):
                 whole_buf = buf
+            if digests is None:  # verified whole
+                if checksum_of(buf) != info.checksum:
+                    raise StoreError(f"checksum mismatch in {self._where(rank, key)} (elements 0..{size})",
+                                     code="UCL407")
+            else:
+                self._check_chunks(rank, key, info, buf, first, per, digests)
             for c in (int(x) for x in g):
                 piece = buf[(c - first) * per:(c - first + 1) * per]
-                ok = (checksum_of(piece) == info.checksum) if digests is None else \
-                    xxhash.xxh3_64_intdigest(raw_bytes(piece)) == int(digests[c])
-                if not ok:
-                    raise StoreError(f"checksum mismatch in {self._where(rank, key)} (elements "
-                                     f"{c * per}..{min((c + 1) * per, size)})", code="UCL407")
                 have[c] = piece
                 if c in (int(g[0]), int(g[-1])):  # edge chunks are the ones neighbouring boxes share
                     cache.put((rank, key, c), piece.copy())
@@ -360,6 +355,17 @@ class Checkpoint:
                     out[pos:pos + take] = have[c][b - c * per:b - c * per + take]
                     pos, b, left = pos + take, b + take, left - take
         return read
+
+    def _check_chunks(self, rank: int, key: str, info: DatasetInfo, buf: np.ndarray, first: int, per: int,
+                      digests) -> None:
+        """UCL407 unless ``buf`` (elements from chunk ``first`` on, whole chunks of ``per`` elements but
+        the dataset's last) hashes chunk by chunk to ``digests[first:]``."""
+        got = chunk_digests(raw_bytes(buf), per * info.storage_dtype.itemsize)
+        bad = np.flatnonzero(got != np.asarray(digests[first:first + got.size], dtype=np.uint64))
+        if bad.size:
+            c = first + int(bad[0])
+            raise StoreError(f"checksum mismatch in {self._where(rank, key)} (elements "
+                             f"{c * per}..{min((c + 1) * per, info.size)})", code="UCL407")
 
     def _stored_tables(self, rank: int, key: str, info: DatasetInfo) -> tuple[Any, Any]:
         """(chunk table, tile table) as the rank file stores them, validated against the writer's rules
