@@ -10,7 +10,7 @@ Variants: none; torch.save of model + optimizer state_dicts, then fsync; DCP sav
 fsyncs); DCP async_save in a thread (default stager: copies inside the call); DCP async_save with
 AsyncCheckpointerType.PROCESS and a shared-memory DefaultStager staging in the background (the
 optimizer step waits for it); ucl.Checkpointer; ucl-flat: the same with tile_checksums=False
-(flat chunk checksums only: about half the snapshot's CPU); ucl-host: persist_every=10. Async
+(flat chunk checksums only: about a third less snapshot CPU); ucl-host: persist_every=10. Async
 variants finish one checkpoint before the next (DCP: future.result(); ucl: pool back-pressure). Each (variant, interval) runs in its own process
 (`--variant X --interval K`, JSON on stdout), so peak RSS (getrusage maxrss) does not mix.
 

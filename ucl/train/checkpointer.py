@@ -46,7 +46,7 @@ class Checkpointer:
     save after N - 1 unwritten ones, are written.
     ``pool_bytes``: host pool size (default: two snapshots). ``tile_checksums``: also hash each
     matrix by tiles, so a later load that takes column slices (another tensor-parallel degree)
-    verifies only those columns; off, snapshots cost about half the CPU and such loads read whole
+    verifies only those columns; off, snapshots cost about a third less CPU and such loads read whole
     rows. ``debug``: detect state mutated between ``save`` and the next fence (checksums).
     """
 
