@@ -7,8 +7,9 @@ optimizer buffers) on TP2·PP2·DP2, against `cp -r` of the same directory measu
 
 Each operation runs as its own process (like a user would run it), in interleaved rounds after one
 warm-up round; the source is read (untimed) right before every run, so it is in the page cache
-("warm") even on machines that reclaim cached pages; medians with min-max are printed, plus ratios to `cp -r`,
-bytes read vs needed and the peak RSS of the largest process. Before each timed run the benchmark
+("warm") even on machines that reclaim cached pages; medians with min-max are printed, plus ratios to `cp -r`
+(of the medians, and of the fastest runs), the CPU time of each run's process tree (steadier than wall time
+on a shared machine), bytes read vs needed and the peak RSS of the largest process. Before each timed run the benchmark
 touches and frees ``--pretouch-gb`` of memory, so that every run (cp -r included) finds hot free
 pages on VMs that hand freed memory back to the host.
 
@@ -187,19 +188,29 @@ def repeated(cmd, work: Path, repeat: int, warm: Path | None = None) -> tuple[li
     return times, last
 
 
-def interleaved(ops: dict, work: Path, repeat: int, src: Path) -> tuple[dict, dict, dict]:
+def children_cpu() -> float:
+    """User + system CPU seconds of this process's reaped children so far (a run's workers included)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def interleaved(ops: dict, work: Path, repeat: int, src: Path, cpu: dict | None = None) -> tuple[dict, dict, dict]:
     """``repeat`` rounds of every operation ``ops[name](out) -> command`` in turn, after one warm-up
     round (interleaved, so the machine's drift hits every operation alike), ``src`` re-read before
     each run: wall times per operation, each one's last output, and the least share of ``src`` in
-    the page cache after its runs (None where that cannot be asked)."""
+    the page cache after its runs (None where that cannot be asked). ``cpu``: filled with each
+    operation's CPU seconds per run (its whole process tree)."""
     times = {name: [] for name in ops}
     last, warm = {}, {name: [] for name in ops}
     for i in range(repeat + 1):
         for k, (name, cmd) in enumerate(ops.items()):
             out = work / f"out-{k}-{i}"
+            before = children_cpu()
             dt, last[name] = timed(cmd(out), warm=src)
             if i:
                 times[name].append(dt)
+                if cpu is not None:
+                    cpu.setdefault(name, []).append(children_cpu() - before)
                 warm[name].append(cached_fraction(src))  # after the run: what it may have lost to reclaim
             shutil.rmtree(out)
     cached = {name: None if None in warm[name] else min(warm[name]) for name in ops}
@@ -320,16 +331,21 @@ def main() -> None:
                                                            "--no-fsync"],
             "  -> universal, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet"],
         }
-        times, last, cached = interleaved(ops, work, args.repeat, src)
+        cpu: dict = {}
+        times, last, cached = interleaved(ops, work, args.repeat, src, cpu)
         results = {name: (times[name], last[name]) for name in ops}
         base = statistics.median(results["cp -r"][0])
-        print(f"\n{'operation':<28} {'median s':>9} {'min-max s':>13} {'x cp -r':>8} {'cached':>6}  notes  "
-              f"(warm cache, {args.repeat} interleaved rounds; cached: least share of the source in the page cache after a run)")
+        fastest = min(results["cp -r"][0])
+        print(f"\n{'operation':<28} {'median s':>9} {'min-max s':>13} {'x cp -r':>8} {'min/min':>7} {'CPU s':>6} "
+              f"{'cached':>6}  notes  (warm cache, {args.repeat} interleaved rounds; min/min: fastest run over cp -r's "
+              "fastest; CPU s: median user + system time of the whole process tree; cached: least share of the source "
+              "in the page cache after a run)")
         for name, (times, text) in results.items():
             med = statistics.median(times)
             note = text.strip().splitlines()[-1][:110] if text.strip() else ""
             share = "?" if cached[name] is None else f"{cached[name]:.0%}"
-            print(f"{name:<28} {med:9.2f} {min(times):6.2f}-{max(times):<6.2f} {med / base:8.2f} {share:>6}  {note}")
+            print(f"{name:<28} {med:9.2f} {min(times):6.2f}-{max(times):<6.2f} {med / base:8.2f} {min(times) / fastest:7.2f} "
+                  f"{statistics.median(cpu[name]):6.2f} {share:>6}  {note}")
         if any(c is not None and c < 0.95 for c in cached.values()):
             print("warning: the source was partly evicted from the page cache before some runs (the machine reclaims "
                   "it): those runs read from disk and are not comparable to cp -r from cache")
