@@ -82,8 +82,8 @@ class Digests:
 
 def checksums(arr: np.ndarray, *, tiles: bool = True) -> Digests:
     """Every checksum of a storage array, the flat ones in one pass (a megabyte of chunks at a time,
-    hashed while in cache), the tiles in a second pass in tile order. ``tiles=False``: no tile table, as for a
-    dataset that carries none (a writer may leave it out, docs/format.md)."""
+    hashed while in cache), the tiles in a second pass in tile order. ``tiles=False``: no tile
+    table, as for a dataset that carries none (a writer may leave it out, docs/format.md)."""
     raw = raw_bytes(arr)
     grid = tile_grid(arr.shape, arr.itemsize) if tiles else None
     if grid is not None:  # one pass, a block of rows at a time: each block is read from memory once
@@ -360,7 +360,6 @@ class TileHasher:
             if self.row == end:
                 self.digests[band * g.nc:(band + 1) * g.nc] = self._band.digests()
                 self._band.reset()
-
 
     def _whole_bands(self, rows: np.ndarray, first: int) -> None:
         """Digests of the full-height bands ``first, first + 1, ...`` that ``rows`` holds exactly:
