@@ -81,28 +81,14 @@ class Digests:
 
 
 def checksums(arr: np.ndarray, *, tiles: bool = True) -> Digests:
-    """Every checksum of a storage array, the flat ones in one pass (a megabyte of chunks at a time,
-    hashed while in cache), the tiles in a second pass in tile order. ``tiles=False``: no tile
-    table, as for a dataset that carries none (a writer may leave it out, docs/format.md)."""
-    raw = raw_bytes(arr)
-    grid = tile_grid(arr.shape, arr.itemsize) if tiles else None
-    if grid is not None:  # one pass, a block of rows at a time: each block is read from memory once
-        h, flat = IncrementalChecksum(arr.shape, arr.dtype), arr.reshape(-1)
-        step = _block_elements(arr.shape, arr.itemsize)
-        for i in range(0, flat.size, step):
-            h.advance(i, flat[i:i + step])
-        return h.result(flat.size)
-    size = chunk_size(raw.size)
-    if size is None:
-        return Digests(format_checksum(xxhash.xxh3_64_hexdigest(raw)))
-    whole, digests = xxhash.xxh3_64(), []
-    step = max(size, _HASH_BLOCK_BYTES // size * size)  # whole chunks, about a megabyte: hashed twice from cache
-    for i in range(0, raw.size, step):
-        piece = raw[i:i + step]
-        whole.update(piece)
-        digests.append(chunk_digests(piece, size))
-    digests = np.concatenate(digests)
-    return Digests(format_checksum(whole.hexdigest()), (size, digests))
+    """Every checksum of a storage array in one pass, about a megabyte at a time (each block is
+    read from memory once, then hashed from cache). ``tiles=False``: no tile table, as for a
+    dataset that carries none (a writer may leave it out, docs/format.md)."""
+    h, flat = IncrementalChecksum(arr.shape, arr.dtype, tiles=tiles), arr.reshape(-1)
+    step = _block_elements(arr.shape, arr.itemsize)
+    for i in range(0, flat.size, step):
+        h.advance(i, flat[i:i + step])
+    return h.result(flat.size)
 
 
 def copy_checksummed(dst: np.ndarray, src: np.ndarray, *, tiles: bool = True) -> Digests:
