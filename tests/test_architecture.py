@@ -19,7 +19,7 @@ LAYERS = [
     (("ucl.layout",), 2),
     (("ucl.plan",), 3),
     (("ucl.store",), 4),
-    (("ucl.interop",), 5),
+    (("ucl.formats",), 5),
     (("ucl.ops",), 6),
     (("ucl.train", "ucl.export"), 7),
     (("ucl.cli", "ucl.demo", "ucl.picture", "ucl.__main__"), 8),

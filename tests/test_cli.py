@@ -609,7 +609,7 @@ def test_check_against_prints_each_problem_once_with_its_rule(capsys, tmp_path):
 
 
 def test_check_against_strings_are_clean():
-    from ucl.interop.hf import check_against
+    from ucl.formats.hf import check_against
     spec = ucl.load_spec("stdlib:llama")
     params = dict(spec.synthesize_params(LLAMA_DIMS), **{"extra.a": (3,), "extra.b": (4,)})
     problems = check_against(spec, dict(LLAMA_DIMS, ffn=172), params)

@@ -171,7 +171,7 @@ def test_exports_refuse_and_leave_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(dcp, "save", boom)
     with pytest.raises(OSError):
         export_dcp(FIXTURES / "z1_fp32_dp2", tmp_path / "half")
-    from ucl.export import torchsave
+    from ucl.formats.torchzip import write as torchsave
     monkeypatch.setattr(torchsave, "save", boom)
     with pytest.raises(OSError):
         export_deepspeed_universal(FIXTURES / "z1_fp32_dp2", tmp_path / "half")

@@ -454,7 +454,7 @@ def _safetensors(path, header: bytes, data: bytes = b""):
 @pytest.mark.parametrize("how", ["index-outside", "index-absolute", "header-longer-than-file", "header-deep",
                                  "header-nan", "shard-fifo"])
 def test_hostile_hugging_face_folders_are_ucl_errors(tmp_path, how):
-    from ucl.interop.hf import read_tensor_names
+    from ucl.formats.hf import read_tensor_names
     model = tmp_path / "model"
     model.mkdir()
     secret = tmp_path / "secret.safetensors"  # outside the folder: must never be read

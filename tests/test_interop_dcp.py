@@ -19,8 +19,8 @@ import pytest
 import ucl
 from corrupt import scramble
 from ucl.errors import StoreError
-from ucl.interop import dcp
-from ucl.interop.foreign import describe, detect_format
+from ucl.formats.dcp import read as dcp
+from ucl.formats.registry import describe, detect_format
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcp"
 ALL = ["fsdp2_dp2", "tp2", "fsdp2_tp_2x2"]
@@ -265,7 +265,7 @@ def test_torchtitan_layout_is_read_and_its_train_state_kept(tmp_path):
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as tdcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from ucl.interop.torchfile import kept_tensor
+    from ucl.formats.torchzip.read import kept_tensor
     model, opt = _trained(torch)
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     step = torch.tensor(7, dtype=torch.int32)
@@ -298,7 +298,7 @@ def test_mutated_files_give_ucl_errors_only(tmp_path):
     import random
 
     from ucl.errors import UclError
-    from ucl.interop.foreign import forget
+    from ucl.formats.registry import forget
     rng = random.Random(7)
     for i in range(40):
         folder = shutil.copytree(FIXTURES / "fsdp2_dp2", tmp_path / f"c{i}")

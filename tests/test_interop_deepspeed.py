@@ -22,7 +22,7 @@ import ucl
 from corrupt import rewrite_pickle, scramble
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
-from ucl.interop.foreign import describe
+from ucl.formats.registry import describe
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 ALL = sorted(p.name for p in FIXTURES.iterdir() if (p / "truth.json").is_file() and (p / "latest").is_file())
@@ -227,7 +227,7 @@ def test_a_pickle_that_runs_code_is_refused_and_runs_nothing(tmp_path):
 
 
 def test_deepspeed_records_are_inert_without_deepspeed():
-    from ucl.interop.torchfile import Record, read_torch_file
+    from ucl.formats.torchzip.read import Record, read_torch_file
     tf = read_torch_file(str(FIXTURES / "z1_fp32_dp2" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
     osd = tf.obj["optimizer_state_dict"]
     assert isinstance(osd["loss_scaler"], Record) and osd["loss_scaler"].cls.endswith("LossScaler")
@@ -334,7 +334,7 @@ def test_mutated_files_give_ucl_errors_only(tmp_path):
     import random
 
     from ucl.errors import UclError
-    from ucl.interop.foreign import forget
+    from ucl.formats.registry import forget
     rng = random.Random(11)
     files = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
              "zero_pp_rank_1_mp_rank_00_optim_states.pt"]

@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 import ucl
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
-from ucl.interop.foreign import describe, forget
+from ucl.formats.registry import describe, forget
 from bits import same_bits as _same  # noqa: E402
 
 HERE = Path(__file__).parent / "fixtures" / "deepspeed"

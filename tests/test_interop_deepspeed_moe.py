@@ -23,7 +23,7 @@ import ucl
 from corrupt import rewrite_pickle, scramble
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError, UclError
-from ucl.interop.foreign import describe, forget
+from ucl.formats.registry import describe, forget
 from bits import import_reshard_and_back, same_bits as _same  # noqa: E402
 
 HERE = Path(__file__).parent / "fixtures" / "deepspeed"

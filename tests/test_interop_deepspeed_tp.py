@@ -22,7 +22,7 @@ import pytest
 import ucl
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
-from ucl.interop.foreign import describe
+from ucl.formats.registry import describe
 from bits import import_reshard_and_back, same_bits as _same  # noqa: E402
 
 HERE = Path(__file__).parent / "fixtures" / "deepspeed"

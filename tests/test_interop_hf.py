@@ -1,4 +1,4 @@
-"""Hugging Face ``save_pretrained`` folders read in place (ucl/interop/hf_store.py).
+"""Hugging Face ``save_pretrained`` folders read in place (ucl/formats/hf/read.py).
 
 Oracles: safetensors' own reader (``safetensors.torch.load_file``) for the universal layout, and
 tensors sliced by hand in the test for the TP split the stdlib spec declares (q_proj rows, o_proj
@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import hf_models as H  # noqa: E402
 import ucl  # noqa: E402
 from ucl.errors import UclError  # noqa: E402
-from ucl.interop import foreign, hf_store  # noqa: E402
-from ucl.interop.hf.names import read_safetensors_entries  # noqa: E402
+from ucl.formats import registry as foreign  # noqa: E402
+from ucl.formats.hf import read as hf_store  # noqa: E402
+from ucl.formats.hf.names import read_safetensors_entries  # noqa: E402
 from bits import same_bits as _same  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import ucl
 from ucl.dtypes import to_numpy
-from ucl.interop.foreign import describe
+from ucl.formats.registry import describe
 from bits import same_bits as _same  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import ucl
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
-from ucl.interop import megatron, megatron_buckets
+from ucl.formats.megatron import buckets as megatron_buckets, dist as megatron
 from bits import same_bits as _same  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
@@ -207,8 +207,8 @@ def test_layout_recomputes_megatrons_param_index_map(dp):
 
 def test_pieces_that_are_not_the_runs_tp_are_refused_with_the_reason():
     # tp2's weights read with a tensor-parallel size that is not the grid's: QKV's two pieces do not fit
-    from ucl.interop.dcp_metadata import read_metadata
-    from ucl.interop.megatron_unstack import infer_tp, unstack
+    from ucl.formats.dcp.metadata import read_metadata
+    from ucl.formats.megatron.unstack import infer_tp, unstack
 
     assert infer_tp(read_metadata(str(FIXTURES / "tp2"))) == 2
     with pytest.raises(StoreError, match="tensor-parallel size is 1") as e:

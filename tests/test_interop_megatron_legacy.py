@@ -20,7 +20,7 @@ import ucl
 from corrupt import rewrite_pickle
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
-from ucl.interop.foreign import describe, detect_format
+from ucl.formats.registry import describe, detect_format
 from bits import same_bits as _same  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_legacy"
@@ -228,7 +228,7 @@ def test_a_truncated_rank_file_is_refused_before_reading(tmp_path):
 
 
 def test_dims_come_from_megatron_argument_names():
-    from ucl.interop.megatron_legacy import dims_from_args
+    from ucl.formats.megatron.legacy import dims_from_args
     spec = ucl.load_spec("stdlib:megatron_legacy_gpt")
     args = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": 1,
             "group_query_attention": False, "ffn_hidden_size": 256, "padded_vocab_size": 512,

@@ -19,7 +19,7 @@ import pytest
 import ucl
 from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
-from ucl.interop import megatron_legacy
+from ucl.formats.megatron import legacy as megatron_legacy
 from bits import same_bits as _same  # noqa: E402
 
 NAME = "tp2_dp2_distopt"
@@ -112,7 +112,7 @@ def test_description_reads_the_optimizer_and_notes_its_hyperparameters():
 
 
 def test_a_buffer_size_that_megatrons_rule_does_not_give_is_refused(monkeypatch):
-    from ucl.interop import megatron_legacy_optim
+    from ucl.formats.megatron import legacy_optim as megatron_legacy_optim
 
     monkeypatch.setattr(megatron_legacy_optim, "ALIGN", 32)
     with pytest.raises(StoreError, match="numel_unpadded is 7552") as e:

@@ -16,7 +16,7 @@ What is checked, and against what (never against ucl itself):
   to 128 * tp, local layer numbers incl. virtual stages, EP renumbering, distributed optimizer;
 * bit-exact round trips through three meshes and the universal layout for every spec, with Adam
   states (exp_avg, exp_avg_sq: distinct random values) and step scalars;
-* ucl.interop.hf: read_tensor_names, check_against (saved per-expert MoE names), draft_spec_from_hf.
+* ucl.formats.hf: read_tensor_names, check_against (saved per-expert MoE names), draft_spec_from_hf.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch
 import hf_models as H
 import ucl
 from ucl import UNIVERSAL, Mesh
-from ucl.interop import hf as uhf
+from ucl.formats import hf as uhf
 
 HF_SPEC = {"llama": "llama", "llama_tied": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
            "gemma": "gemma", "phi3": "phi3", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
@@ -691,7 +691,7 @@ def test_megatron_round_trips_bf16_with_moe():
         assert "param/decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight" not in b[r]
 
 
-# ---- 7. ucl.interop.hf-----------------------------------------------------------------------------------------
+# ---- 7. ucl.formats.hf-----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", H.ARCHS)
 def test_check_against_saved_and_in_memory(arch, tmp_path):
     m, params, bufs = real(arch)

@@ -1,4 +1,4 @@
-"""ucl.interop.torchfile against hostile torch.save files: a pickle can build nothing but inert
+"""ucl.formats.torchzip.read against hostile torch.save files: a pickle can build nothing but inert
 records of validated numbers, never reads outside its bytes, never allocates what it does not hold,
 and anything else is a UclError (UCL500) naming the problem."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ucl.errors import StoreError
-from ucl.interop.torchfile import plain, read_torch_file
+from ucl.formats.torchzip.read import plain, read_torch_file
 
 try:
     from numpy._core.multiarray import _reconstruct, scalar

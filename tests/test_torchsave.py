@@ -1,5 +1,5 @@
-"""ucl.export.torchsave writes what torch.load reads (weights_only=True, mmap too) and what
-ucl.interop.torchfile reads back: the oracle is torch's own loader."""
+"""ucl.formats.torchzip.write writes what torch.load reads (weights_only=True, mmap too) and what
+ucl.formats.torchzip.read reads back: the oracle is torch's own loader."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucl.export.torchsave import Size, Tensor, save
-from ucl.interop.torchfile import TensorRef, read_torch_file
+from ucl.formats.torchzip.write import Size, Tensor, save
+from ucl.formats.torchzip.read import TensorRef, read_torch_file
 
 torch = pytest.importorskip("torch")
 

@@ -100,7 +100,7 @@ def _checkpoint(path: str) -> str:
 def _params(spec, dims, source: str | None):
     if source is None:
         return spec.synthesize_params(dims)
-    from .interop.hf import read_tensor_names
+    from .formats.hf import read_tensor_names
     return read_tensor_names(source)
 
 
@@ -131,7 +131,7 @@ def cmd_check(args) -> int:
         return 0
     dims = _dims(spec, args.dims)
     if args.against:
-        from .interop.hf import check_against, read_tensor_names, unmatched_patterns
+        from .formats.hf import check_against, read_tensor_names, unmatched_patterns
         tensors = read_tensor_names(args.against)
         problems = check_against(spec, dims, tensors)
         for w in [] if problems else unmatched_patterns(spec, dims, tensors):
@@ -455,7 +455,7 @@ def cmd_spec_show(args) -> int:
 
 
 def cmd_spec_from_hf(args) -> int:
-    from .interop.hf import draft_spec_from_hf
+    from .formats.hf import draft_spec_from_hf
     text = draft_spec_from_hf(args.config)
     if args.output:
         Path(args.output).write_text(text)

@@ -56,10 +56,10 @@ import numpy as np
 
 from ..dtypes import to_float32
 from ..errors import StoreError
-from ..interop.torchfile import MAX_KEPT_TENSOR_BYTES, kept_tensor
+from ..formats.torchzip.read import MAX_KEPT_TENSOR_BYTES, kept_tensor
 from ..ops.stats import IOStats
 from ..store.atomic import fsync_dir, staged_dir
-from . import torchsave
+from ..formats.torchzip import write as torchsave
 from .source import ExportSource, check_target, survey, universal_tensors
 
 UC_VERSION = 0.4  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE in 0.19.8

@@ -53,8 +53,8 @@ import numpy as np
 
 from ..dtypes import DTYPES, to_numpy, torch_dtype
 from ..errors import StoreError, UclError
-from ..interop.hf.check import check_against
-from ..interop.hf_store import known_model_types
+from ..formats.hf.check import check_against
+from ..formats.hf.read import known_model_types
 from ..lang.spec import load_spec
 from ..model_config import load_config, read_raw_config
 from ..ops.stats import IOStats

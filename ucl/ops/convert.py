@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from ..errors import UclError
-from ..interop.foreign import UserSpec, user_placements
+from ..formats.registry import UserSpec, user_placements
 from ..lang.spec import load_spec, Spec
 from .prepare import mesh_of, open_checkpoint
 from .reshard import reshard

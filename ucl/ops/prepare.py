@@ -19,7 +19,7 @@ from ..layout.lower import lower
 from ..layout.mesh import Mesh
 from ..plan.compile import compile, compile_between
 from ..plan.ir import Plan
-from ..interop.foreign import open_foreign
+from ..formats.registry import open_foreign
 from ..store.extents import ExtentCheckpoint
 from ..store.manifest import MANIFEST_NAME
 from ..store.reader import Checkpoint

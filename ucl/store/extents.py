@@ -1,6 +1,6 @@
 """A checkpoint another framework wrote, read in place.
 
-Its reader (``ucl.interop``) describes it as a :class:`~ucl.store.manifest.Manifest` (spec, dims,
+Its reader (``ucl.formats``) describes it as a :class:`~ucl.store.manifest.Manifest` (spec, dims,
 mesh, datasets per rank) plus, for each dataset, an :class:`Extent`: the row-major bytes of the
 tensor at a known offset in one of the framework's files (a ``.pt`` zip member, a safetensors
 payload, a ``.distcp`` item). :class:`ExtentCheckpoint` then answers the same reads as

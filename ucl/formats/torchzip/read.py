@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import itemsize, storage_dtype
-from ..errors import StoreError
-from ..files import check_inside
+from ...dtypes import itemsize, storage_dtype
+from ...errors import StoreError
+from ...files import check_inside
 
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl holds structure, not tensors; a bigger one is hostile
 

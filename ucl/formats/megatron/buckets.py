@@ -1,5 +1,5 @@
 """Megatron-core's ``dp_reshardable`` distributed-optimizer state in ``torch_dist`` folders, described
-for reading in place (called by :mod:`ucl.interop.megatron`).
+for reading in place (called by :mod:`ucl.formats.megatron.dist`).
 
 What Megatron saves (megatron-core 0.16, ``DistributedOptimizer.sharded_param_state_dp_reshardable``):
 the optimizer state lives in the DDP gradient buffer's layout. The buffer holds the trained
@@ -15,7 +15,7 @@ and order are not: they are the model's.
 
 How it is read: the model keys are unstacked into one parameter per layer
 (``decoder.layers.3.self_attention.linear_qkv.weight``: a layer's chunks are their own items), each
-with the TP rule its chunk grid shows (:mod:`ucl.interop.megatron_unstack`), put in Megatron's
+with the TP rule its chunk grid shows (:mod:`ucl.formats.megatron.unstack`), put in Megatron's
 module order (the local layer spec's or Transformer Engine's, whichever reproduces the saved
 chunks). Data-parallel group ``G`` is model-parallel rank ``pp_rank * tp + tp_rank``: its stage's
 parameters (Megatron's even stages), TP-local. Each group's buckets are recomputed from those
@@ -44,13 +44,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import itemsize
-from ..errors import StoreError
-from ..store.extents import ZEROS, Extent, Piece
-from .dcp_metadata import METADATA, Metadata, TensorMeta
-from .foreign import Description
-from .megatron_unstack import LAYERS, chunks_extent, infer_tp, stage_of, tensor_ref, unstack
-from .torchfile import plain, read_torch_file
+from ...dtypes import itemsize
+from ...errors import StoreError
+from ...store.extents import ZEROS, Extent, Piece
+from ..dcp.metadata import METADATA, Metadata, TensorMeta
+from ..base import Description
+from .unstack import LAYERS, chunks_extent, infer_tp, stage_of, tensor_ref, unstack
+from ..torchzip.read import plain, read_torch_file
 
 PREFIX = "optimizer.distributed."
 BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(torch\.(\w+), "

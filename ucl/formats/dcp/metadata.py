@@ -10,9 +10,9 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dtypes import DTYPES
-from ..errors import StoreError, UclError
-from ..files import read_bounded
+from ...dtypes import DTYPES
+from ...errors import StoreError, UclError
+from ...files import read_bounded
 
 METADATA = ".metadata"
 MAX_METADATA_BYTES = 256 << 20

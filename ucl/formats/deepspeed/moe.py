@@ -28,8 +28,8 @@ import os
 import re
 
 from ...store.extents import Extent
-from ..foreign import Description
-from ..torchfile import TensorRef, TorchFile, plain, read_torch_file
+from ..base import Description
+from ..torchzip.read import TensorRef, TorchFile, plain, read_torch_file
 from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, group_state, NAME, OPTIM,
                      state_line, weight_dtype, zero12_group)
 

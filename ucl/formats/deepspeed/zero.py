@@ -8,8 +8,8 @@ import os
 from ...errors import StoreError
 from ...files import read_bounded
 from ...store.extents import Extent
-from ..foreign import Description, UserSpec
-from ..torchfile import TensorRef, plain, read_torch_file
+from ..base import Description, UserSpec
+from ..torchzip.read import TensorRef, plain, read_torch_file
 from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, group_state, NAME, OPTIM,
                      state_line, TAG, weight_dtype, zero12_group, zero3_group)
 from .mds import describe_mds, is_pattern_form

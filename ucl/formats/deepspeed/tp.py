@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...store.extents import Extent
-from ..foreign import Description
-from ..torchfile import TensorRef, plain, read_torch_file
+from ..base import Description
+from ..torchzip.read import TensorRef, plain, read_torch_file
 from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, group_state, NAME, OPTIM,
                      state_line, weight_dtype, zero12_group)
 

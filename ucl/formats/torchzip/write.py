@@ -5,7 +5,7 @@ made of exactly the opcodes needed for plain data and tensors, every global one 
 classes, ``torch.Size``, ``collections.OrderedDict``). Twice torch.save's speed here (no torch
 import, zlib's CRC-32) and one copy of each tensor in memory: the array itself, written in place.
 
-The pickle is the inverse of ``ucl.interop.torchfile``: that module reads what this writes."""
+The pickle is the inverse of ``ucl.formats.torchzip.read``: that module reads what this writes."""
 from __future__ import annotations
 
 import os
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import storage_dtype
-from ..errors import StoreError
+from ...dtypes import storage_dtype
+from ...errors import StoreError
 
 # logical dtype -> the torch storage class a tensor of it is pickled with
 _STORAGES = {"float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",

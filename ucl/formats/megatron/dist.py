@@ -7,7 +7,7 @@ rank shares: iteration, optimizer hyperparameters; a plain ``torch.save`` dict).
 are Megatron's sharded keys: global tensors, with a layer's parameters stacked along a prepended
 axis in global layer numbering (``decoder.layers.self_attention.linear_qkv.weight [L, ...]``) and
 the vocabulary stored padded. The chunks each rank wrote are described exactly as for any DCP
-folder (:func:`ucl.interop.dcp.describe_dcp`: nested uneven splits checked against the chunk grid);
+folder (:func:`ucl.formats.dcp.read.describe_dcp`: nested uneven splits checked against the chunk grid);
 this module only says which tensor is which:
 
 * a model key -> kind ``param``, named by the key;
@@ -18,7 +18,7 @@ this module only says which tensor is which:
 The default ``dp_reshardable`` distributed optimizer saves each data-parallel bucket as one 1-D
 tensor per kind whose chunks are the ranks' irregular shard ranges
 (``optimizer.distributed.dp_group_idx_G...bucket_idx_B.{param,exp_avg,exp_avg_sq}``): such a folder
-is described by :mod:`ucl.interop.megatron_buckets` instead (one parameter per layer, mesh ``dp``,
+is described by :mod:`ucl.formats.megatron.buckets` instead (one parameter per layer, mesh ``dp``,
 Megatron's buffer layout as ``flat over dp reverse align 64 ...`` statements, checked against every
 saved chunk). ``common.pt`` and ``metadata.json`` go into ``state['megatron']``.
 """
@@ -27,13 +27,13 @@ from __future__ import annotations
 import json
 import os
 
-from ..errors import StoreError
-from ..files import parse_json, read_bounded
-from .dcp import describe_dcp
-from .dcp_metadata import METADATA, read_metadata
-from .foreign import Description
-from .megatron_buckets import describe_buckets, has_buckets
-from .torchfile import plain, read_torch_file
+from ...errors import StoreError
+from ...files import parse_json, read_bounded
+from ..dcp.read import describe_dcp
+from ..dcp.metadata import METADATA, read_metadata
+from ..base import Description
+from .buckets import describe_buckets, has_buckets
+from ..torchzip.read import plain, read_torch_file
 
 META_JSON = "metadata.json"
 COMMON = "common.pt"
@@ -88,7 +88,7 @@ def classify(paths: dict[str, tuple]) -> dict[str, tuple[str, str] | None]:
     if buckets:  # describe() hands such folders to megatron_buckets; the DCP grid cannot say them
         raise _error(f"the distributed optimizer state is saved as data-parallel buckets ({len(buckets)} tensors, "
                      f"e.g. {json.dumps(buckets[0])}): Megatron's dp_reshardable format, which "
-                     "ucl.interop.megatron_buckets describes, not a chunk grid")
+                     "ucl.formats.megatron.buckets describes, not a chunk grid")
     out: dict[str, tuple[str, str] | None] = {}
     for key in paths:
         if key.startswith(_OPTIMIZER_STATE):

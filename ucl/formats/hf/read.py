@@ -15,7 +15,7 @@ from ``config.json`` (:meth:`ucl.Spec.dims_from_config`, the one config reader).
   data_offsets[0]`` of its file. Every header entry is checked (known dtype, shape, the offsets
   holding exactly dtype x shape bytes, inside the file) before anything is described, so a lying
   header is a StoreError and nothing is ever allocated for it. Shards named by the index must be
-  plain relative paths inside the folder (``ucl.interop.hf.names.safe_shard_name``).
+  plain relative paths inside the folder (``ucl.formats.hf.names.safe_shard_name``).
 
 Tied embeddings follow the stdlib specs (``lm_head.weight`` is ``optional if tied``:
 ``save_pretrained`` leaves it out). A checkpoint saved without the base model's prefix (GPT-2 on the
@@ -33,15 +33,15 @@ import os
 import re
 from collections import Counter
 
-from ..errors import StoreError, UclError
-from ..files import check_inside
-from ..lang.spec import Spec, load_spec
-from ..lang.stdlib import stdlib_names
-from ..model_config import CONFIG_NAME, read_raw_config
-from ..store.extents import Extent, Piece
-from .foreign import Description
-from .hf.check import check_against
-from .hf.names import INDEX_NAME, SINGLE_NAME, fuse_saved_experts, fused_expert_parts, read_saved_tensors
+from ...errors import StoreError, UclError
+from ...files import check_inside
+from ...lang.spec import Spec, load_spec
+from ...lang.stdlib import stdlib_names
+from ...model_config import CONFIG_NAME, read_raw_config
+from ...store.extents import Extent, Piece
+from ..base import Description
+from .check import check_against
+from .names import INDEX_NAME, SINGLE_NAME, fuse_saved_experts, fused_expert_parts, read_saved_tensors
 
 _NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
 _NOT_HF = ("megatron",)  # stdlib specs that describe another framework's names, not a model_type

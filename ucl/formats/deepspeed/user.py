@@ -14,8 +14,8 @@ from ...errors import BindError, Diagnostic
 from ...lang.expr import ExprError, evaluate_extent, evaluate_lets
 from ...lang.spec import Spec
 from ...layout.bind import PatternIndex
-from ..foreign import Description, UserSpec
-from ..torchfile import plain
+from ..base import Description, UserSpec
+from ..torchzip.read import plain
 from .common import error
 from .tp import describe_tp, Placement
 

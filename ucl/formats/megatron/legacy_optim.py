@@ -1,5 +1,5 @@
 """Megatron-LM legacy ``distrib_optim.pt`` (``--use-distributed-optimizer`` with ``--ckpt-format
-torch``), described for reading in place (called by :mod:`ucl.interop.megatron_legacy`).
+torch``), described for reading in place (called by :mod:`ucl.formats.megatron.legacy`).
 
 What the file is (megatron-core 0.16 ``DistributedOptimizer.save_parameter_state``, written by data-
 parallel rank 0 beside each model-parallel rank's ``model_optim_rng.pt``): a ``torch.save`` dict
@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..dtypes import itemsize
-from ..errors import StoreError
-from ..store.extents import ZEROS, Extent, Piece
-from .torchfile import TensorRef, TorchFile, read_torch_file
+from ...dtypes import itemsize
+from ...errors import StoreError
+from ...store.extents import ZEROS, Extent, Piece
+from ..torchzip.read import TensorRef, TorchFile, read_torch_file
 
 DISTRIB_OPTIM = "distrib_optim.pt"
 KINDS = {"param": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # Megatron's -> ucl's

@@ -1,5 +1,5 @@
 """The weights of a Megatron-core torch_dist folder as one parameter per layer, with their tensor-
-parallel layout read from the chunk grid (for :mod:`ucl.interop.megatron_buckets`).
+parallel layout read from the chunk grid (for :mod:`ucl.formats.megatron.buckets`).
 
 Megatron saves a layer's parameters stacked along a leading layer axis
 (``decoder.layers.mlp.linear_fc1.weight [L, ...]``), each layer's TP shard its own item, while its
@@ -23,11 +23,11 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..dtypes import itemsize
-from ..errors import StoreError
-from ..store.extents import Extent, Piece
-from .dcp_metadata import METADATA, Chunk, Metadata
-from .torchfile import TensorRef, read_torch_file
+from ...dtypes import itemsize
+from ...errors import StoreError
+from ...store.extents import Extent, Piece
+from ..dcp.metadata import METADATA, Chunk, Metadata
+from ..torchzip.read import TensorRef, read_torch_file
 
 LAYERS = "decoder.layers."
 

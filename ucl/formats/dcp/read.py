@@ -41,13 +41,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..dtypes import itemsize
-from ..errors import StoreError
-from ..files import check_inside
-from ..store.extents import Extent
-from .dcp_metadata import METADATA, Chunk, Metadata, TensorMeta, read_metadata
-from .foreign import Description
-from .torchfile import MAX_KEPT_TENSOR_BYTES, TensorRef, plain, read_torch_file
+from ...dtypes import itemsize
+from ...errors import StoreError
+from ...files import check_inside
+from ...store.extents import Extent
+from .metadata import METADATA, Chunk, Metadata, TensorMeta, read_metadata
+from ..base import Description
+from ..torchzip.read import MAX_KEPT_TENSOR_BYTES, TensorRef, plain, read_torch_file
 
 MAX_OBJECT_BYTES = 16 << 20  # bytes items larger than this are listed, not read
 _MAX_LEVELS = 3  # nested splits of one dim
@@ -82,9 +82,9 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
     torch_dist folders are DCP folders), ``state`` merged into its state. ``classify`` maps each
     tensor's state-dict path (``{key: path}``) to ``(kind, parameter name)``, or None for a tensor
     it cannot place; by default ``model.<fqn>`` is ``param`` and ``optim.state.<fqn>.<kind>`` a state."""
-    from ..lang.spec import Spec
-    from ..layout.lower import lower
-    from ..layout.mesh import Mesh
+    from ...lang.spec import Spec
+    from ...layout.lower import lower
+    from ...layout.mesh import Mesh
 
     if not detect(path):
         raise StoreError(f"{path} is not a DCP checkpoint (no {METADATA})", code="UCL501")

@@ -9,7 +9,7 @@ from typing import Any
 
 from ...errors import StoreError
 from ...store.extents import Extent
-from ..torchfile import TensorRef, TorchFile
+from ..torchzip.read import TensorRef, TorchFile
 
 TAG = re.compile(r"^[A-Za-z0-9_.-]+$")
 OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

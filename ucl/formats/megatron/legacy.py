@@ -31,7 +31,7 @@ The description:
 
 Weights, and with ``--use-distributed-optimizer`` the optimizer state: when every rank folder holds
 a ``distrib_optim.pt``, each rank's ``fp32/@flat0``, ``exp_avg/@flat0``, ``exp_avg_sq/@flat0`` are
-read from it in place (:mod:`ucl.interop.megatron_legacy_optim`: the layout of
+read from it in place (:mod:`ucl.formats.megatron.legacy_optim`: the layout of
 ``stdlib:megatron_gpt``'s distributed-optimizer statement at data-parallel size 1, checked against
 the file's buffer size) and the ``optimizer`` key (param groups, ``step``) goes into the state.
 Without it every parameter is frozen and an ``optimizer`` key is noted, not read. ``args`` (as plain data),
@@ -44,16 +44,16 @@ import os
 import re
 from typing import Any
 
-from ..errors import StoreError, UclError
-from ..files import read_bounded
-from ..lang.expr import ExprError, evaluate_extent, evaluate_lets
-from ..lang.spec import Spec, load_spec
-from ..layout.lower import lower
-from ..layout.mesh import Mesh
-from ..store.extents import Extent
-from . import megatron_legacy_optim as optim
-from .foreign import Description
-from .torchfile import Record, TensorRef, TorchFile, plain, read_torch_file
+from ...errors import StoreError, UclError
+from ...files import read_bounded
+from ...lang.expr import ExprError, evaluate_extent, evaluate_lets
+from ...lang.spec import Spec, load_spec
+from ...layout.lower import lower
+from ...layout.mesh import Mesh
+from ...store.extents import Extent
+from . import legacy_optim as optim
+from ..base import Description
+from ..torchzip.read import Record, TensorRef, TorchFile, plain, read_torch_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"

@@ -29,8 +29,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..foreign import Description
-from ..torchfile import plain
+from ..base import Description
+from ..torchzip.read import plain
 from .common import as_dict, as_list, error
 from .tp import describe_tp, Placement
 

@@ -5,8 +5,8 @@ import os
 import re
 
 from ...store.extents import Extent
-from ..foreign import Description
-from ..torchfile import plain, read_torch_file
+from ..base import Description
+from ..torchzip.read import plain, read_torch_file
 from .common import ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, group_state, state_line, zero12_group
 
 

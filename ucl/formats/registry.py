@@ -13,55 +13,19 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 from ..errors import StoreError
-from ..store.extents import NO_CHECKSUM, Extent, ExtentCheckpoint
-from ..store.manifest import Manifest
+from ..store.extents import ExtentCheckpoint
+from . import deepspeed
+from .dcp import read as dcp
+from .hf import read as hf
+from .megatron import dist as megatron, legacy as megatron_legacy
+from .base import Description, UserSpec
 
 FORMATS = ("deepspeed", "dcp", "megatron", "megatron-legacy", "hf")
 _CACHE: OrderedDict[tuple, tuple[tuple, "Description"]] = OrderedDict()
 _MAX_CACHED = 8
-
-
-@dataclass(frozen=True)
-class Description:
-    """What a format's reader knows about a foreign checkpoint (see the module doc)."""
-    format: str
-    spec: str
-    spec_name: str | None
-    dims: Mapping[str, int]
-    mesh: tuple[tuple[str, int], ...]
-    params: Mapping[str, tuple[int, ...]]
-    frozen: tuple[str, ...]
-    extents: tuple[Mapping[str, Extent], ...]  # per rank: dataset key -> where its bytes are
-    files: tuple[str, ...] = ()  # per rank: the file that names it in messages
-    state: Any = field(default_factory=dict)
-    read: tuple[str, ...] = ()  # files the description was made from (relative), for the cache
-
-    def manifest(self) -> Manifest:
-        datasets = [{k: {"dtype": e.dtype, "shape": list(e.shape), "checksum": NO_CHECKSUM} for k, e in table.items()}
-                    for table in self.extents]
-        files = list(self.files) or [f"{self.format}:{r}" for r in range(len(self.extents))]
-        # version 1: the extents name every rank's copy of a replicated tensor, as the framework wrote them
-        return Manifest(version=1, dims=dict(self.dims), mesh=[(a, int(s)) for a, s in self.mesh], files=files,
-                        datasets=datasets, spec=self.spec, spec_name=self.spec_name,
-                        params={n: list(s) for n, s in self.params.items()}, frozen=sorted(self.frozen),
-                        state=self.state)
-
-
-@dataclass(frozen=True)
-class UserSpec:
-    """Parameter placements a user supplies for a checkpoint whose files do not record them
-    (``ucl import --spec SPEC --dims DIMS``): spec text declaring the mesh and the parameters'
-    rules, and its dims. The reader still generates everything its files do say (the optimizer
-    state's layout)."""
-    text: str
-    dims: tuple[tuple[str, int], ...] = ()
-    filename: str = "<spec>"
-
-
 _USER: dict[str, UserSpec] = {}  # folder -> the placements describing it uses (see user_placements)
 
 
@@ -82,11 +46,15 @@ def user_placements(path: str | os.PathLike, user: UserSpec):
 
 
 def _describers() -> dict[str, tuple[Callable[[str], bool], Callable[[str], Description]]]:
-    from . import dcp, deepspeed, hf_store, megatron, megatron_legacy
+    from .dcp import read as dcp
+    from . import deepspeed
+    from .hf import read as hf_store
+    from .megatron import dist as megatron
+    from .megatron import legacy as megatron_legacy
     # Megatron's torch_dist folders are DCP folders too: asked first
     return {"deepspeed": (deepspeed.detect, deepspeed.describe), "megatron": (megatron.detect, megatron.describe),
             "megatron-legacy": (megatron_legacy.detect, megatron_legacy.describe),
-            "dcp": (dcp.detect, dcp.describe), "hf": (hf_store.detect, hf_store.describe)}
+            "dcp": (dcp.detect, dcp.describe), "hf": (hf.detect, hf.describe)}
 
 
 def detect_format(path: str) -> str | None:

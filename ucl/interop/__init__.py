@@ -1,1 +1,0 @@
-"""Interoperation with other frameworks' checkpoints and configs."""
