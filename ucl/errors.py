@@ -138,6 +138,13 @@ class StoreError(UclError):
     code = "UCL400"
 
 
+class ForeignFormatError(StoreError):
+    """Another framework's checkpoint that ucl cannot read or write as asked (docs/interop.md): its
+    layout cannot be described, its files contradict each other, or an export target is refused."""
+
+    code = "UCL502"
+
+
 # ---- the registry of error codes ---------------------------------------------------------------------
 # code -> the classes that raise it, most usual first. docs/errors.md lists each code in the table
 # of each of its classes; tests/test_error_codes.py checks the source, the docs and every error the
@@ -173,7 +180,7 @@ ERROR_CODES: dict[str, tuple[type[UclError], ...]] = {
     **{f"UCL{n}": (StoreError,) for n in (400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412,
                                           413, 416, 417, 420, 421, 422, 423, 424, 425)},
     # other frameworks' checkpoints (ucl.formats)
-    "UCL500": (StoreError,), "UCL501": (StoreError,), "UCL502": (StoreError,), "UCL503": (StoreError,),
+    "UCL500": (StoreError,), "UCL501": (StoreError,), "UCL502": (ForeignFormatError,), "UCL503": (ForeignFormatError,),
 }
 
 

@@ -31,7 +31,7 @@ import time
 import warnings
 from typing import Any
 
-from ..errors import StoreError
+from ..errors import ForeignFormatError
 from ..ops.stats import IOStats
 from ..store.atomic import staged_dir
 from .source import check_target, survey, universal_tensors
@@ -48,7 +48,7 @@ def export_dcp(ckpt: str | os.PathLike, out: str | os.PathLike, *, style: str = 
     import torch.distributed.checkpoint as dcp
 
     if style not in _STYLES:
-        raise StoreError(f"unknown DCP style {style!r}; choose {' or '.join(map(repr, _STYLES))}", code="UCL503")
+        raise ForeignFormatError(f"unknown DCP style {style!r}; choose {' or '.join(map(repr, _STYLES))}", code="UCL503")
     t0 = time.perf_counter()
     out = check_target(out)
     src = survey(ckpt)

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import to_float32
-from ..errors import StoreError
+from ..errors import ForeignFormatError
 from ..formats.torchzip.read import MAX_KEPT_TENSOR_BYTES, kept_tensor
 from ..ops.stats import IOStats
 from ..store.atomic import fsync_dir, staged_dir
@@ -80,10 +80,10 @@ def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, 
     steps = ds.get("global_steps", src.state.get("step", 0))
     tag = tag if tag is not None else f"global_step{steps if isinstance(steps, int) else 0}"
     if not _TAG.match(tag):
-        raise StoreError(f"tag {tag!r} is not a plain folder name", code="UCL503")
+        raise ForeignFormatError(f"tag {tag!r} is not a plain folder name", code="UCL503")
     for name in src.trainable + src.frozen + tuple(src.aliases):
         if "/" in name or os.sep in name or name in (".", ".."):
-            raise StoreError(f"parameter name {name!r} cannot be a folder name under zero/", code="UCL503")
+            raise ForeignFormatError(f"parameter name {name!r} cannot be a folder name under zero/", code="UCL503")
 
     stats = IOStats()
     with staged_dir(out) as folder:

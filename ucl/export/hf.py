@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import DTYPES, to_numpy, torch_dtype
-from ..errors import StoreError, UclError
+from ..errors import ForeignFormatError, UclError
 from ..formats.hf.check import check_against
 from ..formats.hf.read import known_model_types
 from ..lang.spec import load_spec
@@ -76,9 +76,6 @@ _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MI
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]I?B)?\s*$", re.IGNORECASE)
 _TIED_HEAD = "lm_head.weight"
 
-
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL503")
 
 
 @dataclass(frozen=True)
@@ -111,10 +108,10 @@ def parse_shard_size(size: int | str) -> int:
     elif isinstance(size, str) and (m := _SIZE.match(size)):
         value = int(float(m.group(1)) * _UNITS[m.group(2).upper()]) if m.group(2) else int(float(m.group(1)))
     else:
-        raise _error(f"max_shard_size {size!r} is not a size: give bytes or a number with KB, MB, GB or TB "
-                     "(decimal, as transformers) or KiB, MiB, GiB, TiB")
+        raise ForeignFormatError(f"max_shard_size {size!r} is not a size: give bytes or a number with KB, MB, GB or TB "
+                     "(decimal, as transformers) or KiB, MiB, GiB, TiB", code="UCL503")
     if value <= 0:
-        raise _error(f"max_shard_size {size!r} must be positive")
+        raise ForeignFormatError(f"max_shard_size {size!r} must be positive", code="UCL503")
     return value
 
 
@@ -125,7 +122,7 @@ def export_dtype(dtype: Any) -> str | None:
     name = str(dtype).rsplit(".", 1)[-1].lower()
     name = _ALIASES.get(name, name)
     if name not in EXPORT_DTYPES:
-        raise _error(f"cannot export weights as {dtype!r}; choose {', '.join(EXPORT_DTYPES)}")
+        raise ForeignFormatError(f"cannot export weights as {dtype!r}; choose {', '.join(EXPORT_DTYPES)}", code="UCL503")
     return name
 
 
@@ -143,7 +140,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = N
     raw = _config_of(src.state, config, ckpt)
     entries = _entries(src.datasets, target, raw)
     if not entries:
-        raise _error(f"{ckpt} holds no param/ tensors to export")
+        raise ForeignFormatError(f"{ckpt} holds no param/ tensors to export", code="UCL503")
     _check_config(raw, entries)
     dropped = _tied_head(raw, entries)
     written = [e for e in entries if e.name != dropped]
@@ -158,9 +155,9 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = N
         if dropped is not None:
             same = [e.name for e in entries if e.name != dropped and digests.get(e.name) == head_digest]
             if not same:
-                raise _error(f"the config ties the output embedding to the input one (tie_word_embeddings), but the "
+                raise ForeignFormatError(f"the config ties the output embedding to the input one (tie_word_embeddings), but the "
                              f"checkpoint's {dropped} equals no other tensor of its shape; transformers would replace "
-                             f"it with the input embedding. Pass a config with \"tie_word_embeddings\": false")
+                             f"it with the input embedding. Pass a config with \"tie_word_embeddings\": false", code="UCL503")
         _write_json(os.path.join(folder, CONFIG_NAME), raw, durable)
         if len(shards) > 1:
             index = {"metadata": {"total_parameters": sum(e.numel for e in written),
@@ -185,7 +182,7 @@ def _config_of(state: dict, config: Any, ckpt: Any) -> dict:
         try:
             raw = read_raw_config(config)
         except UclError as e:
-            raise _error(f"cannot use the config: {e}") from None
+            raise ForeignFormatError(f"cannot use the config: {e}", code="UCL503") from None
     else:
         hf = state.get("hf") if isinstance(state.get("hf"), dict) else {}
         raw = hf.get("config")
@@ -193,13 +190,13 @@ def _config_of(state: dict, config: Any, ckpt: Any) -> dict:
         if not isinstance(raw, dict) and isinstance(megatron.get("args"), dict):
             raw = config_from_megatron(megatron["args"])  # a Megatron-LM run's saved arguments
         if not isinstance(raw, dict):
-            raise _error(f"{ckpt} carries no Hugging Face config.json (it was not read from a Hugging Face folder, "
+            raise ForeignFormatError(f"{ckpt} carries no Hugging Face config.json (it was not read from a Hugging Face folder, "
                          "nor saved by Megatron-LM with its arguments); pass config= (--config config.json) "
-                         "with the model's config")
+                         "with the model's config", code="UCL503")
     try:
         json.dumps(raw, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise _error(f"the config cannot be written as JSON: {e}") from None
+        raise ForeignFormatError(f"the config cannot be written as JSON: {e}", code="UCL503") from None
     return dict(raw)
 
 
@@ -235,12 +232,12 @@ def _check_config(raw: dict, entries: list[_Entry]) -> None:
     try:
         dims = spec.dims_from_config(raw)
     except UclError as e:
-        raise _error(f"the config does not give the dims of stdlib:{model_type}: {e}") from None
+        raise ForeignFormatError(f"the config does not give the dims of stdlib:{model_type}: {e}", code="UCL503") from None
     shapes = {e.name: e.shape for e in entries}
     bad = check_against(spec, dims, shapes, frozen=tuple(shapes))
     if bad:
-        raise _error(f"the tensors do not fit stdlib:{model_type} with the dims of the config ({len(bad)} "
-                     f"problem{'s' * (len(bad) != 1)}); is it the model's own config.json?\n  " + "\n  ".join(bad[:8]))
+        raise ForeignFormatError(f"the tensors do not fit stdlib:{model_type} with the dims of the config ({len(bad)} "
+                     f"problem{'s' * (len(bad) != 1)}); is it the model's own config.json?\n  " + "\n  ".join(bad[:8]), code="UCL503")
 
 
 def _tied_head(raw: dict, entries: list[_Entry]) -> str | None:
@@ -337,7 +334,7 @@ def _write_shards(src: ExportSource, folder: str, shards: list[list[_Entry]], na
             for e in wanted[key]:
                 data = _converted(e.renamed.take(tensor) if e.renamed is not None else tensor, e)
                 if data.nbytes != e.nbytes:  # the manifest and the tensor read disagree: never write a lying header
-                    raise _error(f"{e.key} read as {data.nbytes} bytes, but its manifest entry says {e.nbytes}")
+                    raise ForeignFormatError(f"{e.key} read as {data.nbytes} bytes, but its manifest entry says {e.nbytes}", code="UCL503")
                 if e is head:
                     head_digest = _digest(data)
                     continue
@@ -348,7 +345,7 @@ def _write_shards(src: ExportSource, folder: str, shards: list[list[_Entry]], na
                     digests[e.name] = _digest(data)
         short = [f"{names[i]} ({n} bytes)" for i, n in enumerate(left) if n]
         if short:
-            raise _error(f"{', '.join(short)} short of what the header declares")
+            raise ForeignFormatError(f"{', '.join(short)} short of what the header declares", code="UCL503")
         for fd in fds if durable else ():
             os.fsync(fd)
     finally:

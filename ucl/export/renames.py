@@ -21,13 +21,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..errors import StoreError
+from ..errors import ForeignFormatError
 
 _LAYER = "{i}"
 
-
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL503")
 
 
 @dataclass(frozen=True)
@@ -102,8 +99,8 @@ def _llama_dims(config: Mapping[str, Any]) -> dict[str, int]:
             v = config.get(n)
             if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 return v
-        raise _error(f"the config has no positive integer {' or '.join(names)}, which the export needs to undo "
-                     "Megatron's fused tensors")
+        raise ForeignFormatError(f"the config has no positive integer {' or '.join(names)}, which the export needs to undo "
+                     "Megatron's fused tensors", code="UCL503")
 
     heads, hidden = field("num_attention_heads"), field("hidden_size")
     kv = config.get("num_key_value_heads") or heads
@@ -174,8 +171,8 @@ def config_from_megatron(args: Mapping[str, Any]) -> dict:
     numbers = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_layers", "padded_vocab_size")
     why += [f"{n} is missing" for n in numbers if not isinstance(arg(n), int) or isinstance(arg(n), bool)]
     if why:
-        raise _error("cannot derive a Hugging Face config from the Megatron-LM arguments: " + "; ".join(why)
-                     + ". Pass the config.json of the model to export to (--config)")
+        raise ForeignFormatError("cannot derive a Hugging Face config from the Megatron-LM arguments: " + "; ".join(why)
+                     + ". Pass the config.json of the model to export to (--config)", code="UCL503")
     heads, hidden = arg("num_attention_heads"), arg("hidden_size")
     qwen = bool(arg("add_qkv_bias"))
     config = {
@@ -204,8 +201,8 @@ def mapping_for(names: Mapping[str, tuple[int, ...]], config: Mapping[str, Any])
     model_type = config.get("model_type")
     mapping = TARGETS.get(model_type) if isinstance(model_type, str) else None
     if mapping is None:
-        raise _error(f"the checkpoint has Megatron's tensor names, and ucl maps them to the Hugging Face model types "
-                     f"{', '.join(sorted(TARGETS))}, not to {model_type!r}; pass the config.json of such a model")
+        raise ForeignFormatError(f"the checkpoint has Megatron's tensor names, and ucl maps them to the Hugging Face model types "
+                     f"{', '.join(sorted(TARGETS))}, not to {model_type!r}; pass the config.json of such a model", code="UCL503")
     return mapping
 
 
@@ -242,10 +239,10 @@ def rename(mapping: NameMap, shapes: Mapping[str, tuple[int, ...]], config: Mapp
         problems.append(f"{_grouped(unused)}: {config.get('model_type')} models have no such tensor (biases, LayerNorm "
                         "biases or learned position embeddings?); export to a model type that has them")
     if problems:
-        raise _error(f"cannot map the checkpoint's {mapping.name.split(' ')[0]} tensors to Hugging Face "
+        raise ForeignFormatError(f"cannot map the checkpoint's {mapping.name.split(' ')[0]} tensors to Hugging Face "
                      f"{config.get('model_type')} with the config's {_dims_text(dims)} "
                      f"({len(problems)} problem{'s' * (len(problems) != 1)}):\n  "
-                     + "\n  ".join(problems[:12]))
+                     + "\n  ".join(problems[:12]), code="UCL503")
     return out
 
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ..errors import StoreError
+from ..errors import ForeignFormatError
 from ..layout.mesh import UNIVERSAL
 from ..ops.load import iter_rank
 from ..ops.prepare import expected_datasets, model_of, open_checkpoint
@@ -55,7 +55,7 @@ def survey(path: str | os.PathLike) -> ExportSource:
     master = {n: f"fp32/{n}" if f"fp32/{n}" in datasets else f"param/{n}" for n in trainable}
     missing = [n for n in trainable if master[n] not in datasets]
     if missing:
-        raise StoreError(f"{path}: {missing[0]!r} has optimizer state but no weights (param/ or fp32/)",
+        raise ForeignFormatError(f"{path}: {missing[0]!r} has optimizer state but no weights (param/ or fp32/)",
                          code="UCL503")
     ds = state.get("deepspeed") if isinstance(state.get("deepspeed"), dict) else {}
     aliases = {str(a): str(t) for a, t in (ds.get("shared_params") or {}).items()
@@ -103,6 +103,6 @@ def check_target(out: str | os.PathLike) -> str:
     """``out`` as an absolute path, refused (UCL503) when something is there already."""
     out = os.path.abspath(os.fspath(out))
     if os.path.lexists(out):
-        raise StoreError(f"cannot export to {out}: it exists (exports never overwrite; remove it or pick "
+        raise ForeignFormatError(f"cannot export to {out}: it exists (exports never overwrite; remove it or pick "
                          "another name)", code="UCL503")
     return out

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Callable
 
-from ..errors import StoreError
+from ..errors import ForeignFormatError, StoreError
 from ..store.extents import ExtentCheckpoint
 from . import deepspeed
 from .dcp import read as dcp
@@ -46,11 +46,6 @@ def user_placements(path: str | os.PathLike, user: UserSpec):
 
 
 def _describers() -> dict[str, tuple[Callable[[str], bool], Callable[[str], Description]]]:
-    from .dcp import read as dcp
-    from . import deepspeed
-    from .hf import read as hf_store
-    from .megatron import dist as megatron
-    from .megatron import legacy as megatron_legacy
     # Megatron's torch_dist folders are DCP folders too: asked first
     return {"deepspeed": (deepspeed.detect, deepspeed.describe), "megatron": (megatron.detect, megatron.describe),
             "megatron-legacy": (megatron_legacy.detect, megatron_legacy.describe),
@@ -87,7 +82,7 @@ def describe(path: str | os.PathLike, format: str | None = None, user: UserSpec 
     elif not describers[format][0](path):
         raise StoreError(f"{path} is not a {format} checkpoint folder", code="UCL501")
     if user is not None and format != "deepspeed":
-        raise StoreError(f"{path}: a spec for the parameter placements is read for DeepSpeed tensor-parallel "
+        raise ForeignFormatError(f"{path}: a spec for the parameter placements is read for DeepSpeed tensor-parallel "
                          f"checkpoints only, not {format}", code="UCL502")
     key = (path, format, user)
     hit = _CACHE.get(key)
@@ -98,7 +93,7 @@ def describe(path: str | os.PathLike, format: str | None = None, user: UserSpec 
         desc = describers[format][1](path) if user is None else describers[format][1](path, user)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError) as e:
         # a file that says something no reader expects: named, never a traceback
-        raise StoreError(f"{path} is not a {format} checkpoint ucl can read: its metadata is malformed "
+        raise ForeignFormatError(f"{path} is not a {format} checkpoint ucl can read: its metadata is malformed "
                          f"({type(e).__name__}: {str(e)[:200]})", code="UCL502") from None
     _CACHE[key] = (_identity(path, desc.read), desc)
     while len(_CACHE) > _MAX_CACHED:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import dtypes as _dt
 from ..dtypes import itemsize
-from ..errors import StoreError
+from ..errors import ForeignFormatError, StoreError
 from ..files import check_inside
 from .h5 import check_box, check_out
 from .manifest import DatasetInfo, Manifest
@@ -75,7 +75,7 @@ class ExtentCheckpoint:
         self.path, self.manifest, self.format = path, manifest, format
         self._extents = list(extents)
         if len(self._extents) != manifest.nranks:
-            raise StoreError(f"{path}: {len(self._extents)} ranks of extents for {manifest.nranks} ranks", code="UCL502")
+            raise ForeignFormatError(f"{path}: {len(self._extents)} ranks of extents for {manifest.nranks} ranks", code="UCL502")
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self.bytes_last_read = 0
@@ -94,7 +94,7 @@ class ExtentCheckpoint:
                                          code="UCL406")
                 if e.pieces:
                     if sum(p.nbytes for p in e.pieces) != e.nbytes:
-                        raise StoreError(f"{self._where(rank, key)}: its pieces hold "
+                        raise ForeignFormatError(f"{self._where(rank, key)}: its pieces hold "
                                          f"{sum(p.nbytes for p in e.pieces):,} bytes, not {e.nbytes:,}", code="UCL502")
                     self._starts[e] = list(itertools.accumulate((p.nbytes for p in e.pieces), initial=0))
 

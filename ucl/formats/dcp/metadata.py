@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...dtypes import DTYPES
-from ...errors import StoreError, UclError
+from ...errors import ForeignFormatError, StoreError, UclError
 from ...files import read_bounded
 
 METADATA = ".metadata"
@@ -21,9 +21,6 @@ MAX_METADATA_BYTES = 256 << 20
 def _bad(msg: str) -> StoreError:
     return StoreError(msg, code="UCL500")
 
-
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL502")
 
 
 # ---- .metadata, unpickled with an allow-list ---------------------------------------------------
@@ -178,7 +175,7 @@ def read_metadata(path: str) -> Metadata:
                 or not isinstance(length, int) or start < 0 or length < 0:
             raise _bad(f"{mpath}: a malformed storage_data entry for {str(fqn)[:80]!r}")
         if info.get("transform_descriptors"):
-            raise _error(f"{mpath}: {fqn!r} was written through stream transforms "
+            raise ForeignFormatError(f"{mpath}: {fqn!r} was written through stream transforms "
                          f"{str(info.get('transform_descriptors'))[:80]} (compression); ucl reads only plain "
                          "items in place")
         if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") or not rel or "\0" in rel:
@@ -212,7 +209,7 @@ def read_metadata(path: str) -> Metadata:
             size = _ints(c.get("sizes"), f"{mpath}: chunk sizes of {key!r}")
             if len(off) != len(t.shape) or len(size) != len(t.shape) or \
                     any(o + s > n for o, s, n in zip(off, size, t.shape)):
-                raise _error(f"{mpath}: {key!r} {list(t.shape)} has a chunk at {list(off)} of {list(size)}, "
+                raise ForeignFormatError(f"{mpath}: {key!r} {list(t.shape)} has a chunk at {list(off)} of {list(size)}, "
                              "outside the tensor")
             loc = where.get((key, off))
             if loc is None:

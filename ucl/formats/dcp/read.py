@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...dtypes import itemsize
-from ...errors import StoreError
+from ...errors import ForeignFormatError, StoreError
 from ...files import check_inside
 from ...store.extents import Extent
 from .metadata import METADATA, Chunk, Metadata, TensorMeta, read_metadata
@@ -57,9 +57,6 @@ _NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec langu
 _KIND = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ZIP = b"PK\x03\x04"
 
-
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL502")
 
 
 def _bad(msg: str) -> StoreError:
@@ -92,14 +89,14 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
     _check_items(path, md)
     params, states, small = _classify(md, classify or classify_paths)
     if not params:
-        raise _error(f"{path}: the checkpoint holds no tensors (only other objects); nothing to read in place")
+        raise ForeignFormatError(f"{path}: the checkpoint holds no tensors (only other objects); nothing to read in place")
     trained = {f for _, f in states}
     frozen = [n for n in params if n not in trained]
     kinds = _kinds(params, states)
     layouts = {n: _options(params[n]) for n in params}
     for (kind, fqn), t in states.items():
         if kinds[kind] == "follow" and _boxes(t) != _boxes(params[fqn]):
-            raise _error(f"{t.key!r} is chunked at {_offsets(t)}, its parameter {params[fqn].key!r} at "
+            raise ForeignFormatError(f"{t.key!r} is chunked at {_offsets(t)}, its parameter {params[fqn].key!r} at "
                          f"{_offsets(params[fqn])}; ucl reads optimizer states laid out like their parameter")
     chosen, axes = _choose_mesh(params, layouts)
     spec = _spec(os.path.basename(os.path.normpath(path)), params, states, kinds, frozen, chosen, axes)
@@ -109,7 +106,7 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
     mesh = Mesh([(name, size) for name, size in axes])
     entries = math.prod(s for _, s in axes) * (len(params) + len(states))
     if entries > _MAX_ENTRIES:
-        raise _error(f"{path}: the layout ucl derived has {math.prod(s for _, s in axes):,} ranks of "
+        raise ForeignFormatError(f"{path}: the layout ucl derived has {math.prod(s for _, s in axes):,} ranks of "
                      f"{len(params) + len(states):,} datasets, more than ucl describes in place ({_MAX_ENTRIES:,})")
     by_key = {f"param/{n}": t for n, t in params.items()} | {f"{k}/{n}": t for (k, n), t in states.items()}
     extents = _extents(path, model, lower(model, mesh), mesh, by_key)
@@ -187,7 +184,7 @@ def _classify(md: Metadata, classify: Callable) -> tuple[dict[str, TensorMeta], 
              and math.prod(md.tensors[key].shape) * itemsize(md.tensors[key].dtype) <= MAX_KEPT_TENSOR_BYTES}
     large = [key for key in other if key not in small]
     if large:
-        raise _error(f"tensors outside the model and optimizer state ({', '.join(large[:5])}"
+        raise ForeignFormatError(f"tensors outside the model and optimizer state ({', '.join(large[:5])}"
                      f"{', ...' if len(large) > 5 else ''}); ucl reads DCP checkpoints of a model state dict, of "
                      "{'model': model_state_dict, 'optim': optim_state_dict} (get_state_dict, optimizer state "
                      "nested or flattened) or in torchtitan's layout (model keys at the top, 'optimizer.'), plus "
@@ -198,16 +195,16 @@ def _classify(md: Metadata, classify: Callable) -> tuple[dict[str, TensorMeta], 
         kind, name = places[key]
         table, at = (params, name) if kind == "param" else (states, (kind, name))
         if at in table:
-            raise _error(f"{table[at].key!r} and {key!r} are both {kind} of {name!r}")
+            raise ForeignFormatError(f"{table[at].key!r} and {key!r} are both {kind} of {name!r}")
         table[at] = t
     for name in params:
         if not _NAME.match(name):
-            raise _error(f"parameter name {name!r} cannot be written in a spec")
+            raise ForeignFormatError(f"parameter name {name!r} cannot be written in a spec")
     for kind, fqn in states:
         if fqn not in params:
-            raise _error(f"optimizer state {states[(kind, fqn)].key!r} belongs to no parameter of the model")
+            raise ForeignFormatError(f"optimizer state {states[(kind, fqn)].key!r} belongs to no parameter of the model")
         if not _KIND.match(kind) or kind == "param":
-            raise _error(f"optimizer state kind {kind!r} ({states[(kind, fqn)].key!r}) cannot be written in a spec")
+            raise ForeignFormatError(f"optimizer state kind {kind!r} ({states[(kind, fqn)].key!r}) cannot be written in a spec")
     return params, states, small
 
 
@@ -234,12 +231,12 @@ def _kinds(params: dict[str, TensorMeta], states: dict[tuple[str, str], TensorMe
             out[kind] = "scalar"
             for t in own.values():
                 if len(t.chunks) != 1:
-                    raise _error(f"{t.key!r} is 0-d but saved as {len(t.chunks)} chunks")
+                    raise ForeignFormatError(f"{t.key!r} is 0-d but saved as {len(t.chunks)} chunks")
         elif all(t.shape == params[f].shape for f, t in own.items()):
             out[kind] = "follow"
         else:
             bad = next(t for f, t in own.items() if t.shape != params[f].shape)
-            raise _error(f"{bad.key!r} is {list(bad.shape)}: neither 0-d nor its parameter's shape; ucl reads "
+            raise ForeignFormatError(f"{bad.key!r} is {list(bad.shape)}: neither 0-d nor its parameter's shape; ucl reads "
                          "optimizer states of either kind only")
     return out
 
@@ -296,7 +293,7 @@ def _options(t: TensorMeta) -> list[_Option]:
     """The ways to split ``t`` that give exactly its saved (non-empty) chunks."""
     if math.prod(t.shape) == 0 or not t.chunks:
         if not t.chunks:
-            raise _error(f"{t.key!r} has no saved chunks")
+            raise ForeignFormatError(f"{t.key!r} has no saved chunks")
         return [_Option((), 1)]
     boxes = _boxes(t)
     empties = len({(c.offsets, c.sizes) for c in t.chunks if c.empty})
@@ -307,11 +304,11 @@ def _options(t: TensorMeta) -> list[_Option]:
         pos = 0
         for o, s in proj:
             if o != pos:
-                raise _error(f"{t.key!r}: its chunks at offsets {_offsets(t)} do not tile dim {d} "
+                raise ForeignFormatError(f"{t.key!r}: its chunks at offsets {_offsets(t)} do not tile dim {d} "
                              f"(a piece starts at {o}, expected {pos}); not a grid ucl can describe")
             pos += s
         if pos != n:
-            raise _error(f"{t.key!r}: its chunks at offsets {_offsets(t)} cover {pos} of {n} along dim {d}")
+            raise ForeignFormatError(f"{t.key!r}: its chunks at offsets {_offsets(t)} cover {pos} of {n} along dim {d}")
         grid *= len(proj)
         seen = [s for _, s in proj]
         opts = []
@@ -320,12 +317,12 @@ def _options(t: TensorMeta) -> list[_Option]:
                 if [s for s in _pieces(n, f) if s] == seen:
                     opts.append((f, p))
         if not opts:
-            raise _error(f"{t.key!r} {list(t.shape)}: its chunks at offsets {_offsets(t)} cut dim {d} into pieces "
+            raise ForeignFormatError(f"{t.key!r} {list(t.shape)}: its chunks at offsets {_offsets(t)} cut dim {d} into pieces "
                          f"{seen}, which no split over a mesh axis gives (torch.chunk semantics, 'split {d} over AX "
                          f"uneven', nested up to {_MAX_LEVELS} deep)")
         per_dim.append(opts)
     if grid != len(boxes):
-        raise _error(f"{t.key!r}: its chunks at offsets {_offsets(t)} are not a grid of boxes; ucl describes "
+        raise ForeignFormatError(f"{t.key!r}: its chunks at offsets {_offsets(t)} are not a grid of boxes; ucl describes "
                      "chunks that split each dim independently")
     out = []
     for combo in itertools.islice(itertools.product(*per_dim), 4096):
@@ -427,7 +424,7 @@ def _extents(path: str, model, sm, mesh, by_key: dict[str, TensorMeta]) -> list[
             for d, lay in enumerate(h.pieces[0]):
                 segs = lay.segs
                 if len(lay.fills) or len(segs) > 1 or (len(segs) and (segs[0][1] != 0 or segs[0][2] != lay.local)):
-                    raise _error(f"{src.key!r}: the generated spec puts a non-contiguous piece of dim {d} on a rank")
+                    raise ForeignFormatError(f"{src.key!r}: the generated spec puts a non-contiguous piece of dim {d} on a rank")
                 box.append((int(segs[0][0]) if len(segs) else -1, int(lay.local)))
             shape = tuple(s for _, s in box)
             if 0 in shape:
@@ -436,7 +433,7 @@ def _extents(path: str, model, sm, mesh, by_key: dict[str, TensorMeta]) -> list[
                 want = (tuple(o for o, _ in box), shape)
                 chunk = next((c for c in src.chunks if (c.offsets, c.sizes) == want), None)
                 if chunk is None:
-                    raise _error(f"{src.key!r}: the layout ucl derived puts the box at {list(want[0])} of "
+                    raise ForeignFormatError(f"{src.key!r}: the layout ucl derived puts the box at {list(want[0])} of "
                                  f"{list(shape)} on a rank, but DCP saved no such chunk (chunks at {_offsets(src)})")
                 used.setdefault(src.key, set()).add(want)
                 e = read.get((src.key, want))
@@ -448,7 +445,7 @@ def _extents(path: str, model, sm, mesh, by_key: dict[str, TensorMeta]) -> list[
     for t in by_key.values():
         left = _boxes(t) - used.get(t.key, set())
         if left:
-            raise _error(f"{t.key!r}: the chunks at {sorted(list(o) for o, _ in left)[:8]} are saved but the "
+            raise ForeignFormatError(f"{t.key!r}: the chunks at {sorted(list(o) for o, _ in left)[:8]} are saved but the "
                          "layout ucl derived reads none of them")
     return out
 
@@ -459,14 +456,14 @@ def _chunk_extent(path: str, t: TensorMeta, c: Chunk) -> Extent:
         f.seek(c.offset)
         head = f.read(4)
     if head != _ZIP:
-        raise _error(f"{os.path.join(path, where)} is not a torch.save archive (written with "
+        raise ForeignFormatError(f"{os.path.join(path, where)} is not a torch.save archive (written with "
                      "SerializationFormat.SAFETENSORS?); ucl reads DCP's default torch_save items only")
     tf = read_torch_file(os.path.join(path, c.file), inside=path, offset=c.offset, length=c.length)
     ref = tf.obj
     if not isinstance(ref, TensorRef):
         raise _bad(f"{where} holds {type(ref).__name__}, not a tensor")
     if ref.shape != c.sizes or ref.dtype != t.dtype:
-        raise _error(f"{where} is {list(ref.shape)} {ref.dtype}, but {METADATA} says {list(c.sizes)} {t.dtype}")
+        raise ForeignFormatError(f"{where} is {list(ref.shape)} {ref.dtype}, but {METADATA} says {list(c.sizes)} {t.dtype}")
     return Extent(c.file, tf.byte_offset(ref), t.dtype, c.sizes)
 
 

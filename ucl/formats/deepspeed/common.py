@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any
 
-from ...errors import StoreError
+from ...errors import ForeignFormatError
 from ...store.extents import Extent
 from ..torchzip.read import TensorRef, TorchFile
 
@@ -15,10 +15,6 @@ TAG = re.compile(r"^[A-Za-z0-9_.-]+$")
 OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
 ALIGN = 2  # DeepSpeed pads each ZeRO-1/2 group to a multiple of 2 * dp (nccl_start_alignment_factor)
-
-
-def error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL502")
 
 
 BULKY = {"module", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "optimizer",
@@ -33,7 +29,7 @@ def state_line(kinds: list[str], names: list[str], layout: str) -> str:
 def weight_dtype(module: dict, shapes: dict) -> str:
     dtypes = {t.dtype for n, t in module.items() if n in shapes and isinstance(t, TensorRef)}
     if len(dtypes) > 1:
-        raise error(f"the module's parameters have several dtypes ({sorted(dtypes)}); ucl reads one training dtype")
+        raise ForeignFormatError(f"the module's parameters have several dtypes ({sorted(dtypes)}); ucl reads one training dtype")
     return dtypes.pop() if dtypes else "float32"
 
 
@@ -49,9 +45,9 @@ def zero12_group(g: int, names: list[str], shapes: dict, dp: int, optims: list[T
         o = osd[r]
         counts = o.get("partition_count")
         if counts is not None and as_list(counts, "partition_count")[g] != dp:
-            raise error(f"{where}: partition_count {counts[g]} is not dp_world_size {dp}")
+            raise ForeignFormatError(f"{where}: partition_count {counts[g]} is not dp_world_size {dp}")
         if any(any(int(x) for x in p) for p in [(o.get("param_alignment_paddings") or [[]] * (g + 1))[g]]):
-            raise error(f"{where}: parameters are aligned inside the flat buffer (param_alignment_paddings); "
+            raise ForeignFormatError(f"{where}: parameters are aligned inside the flat buffer (param_alignment_paddings); "
                          "ucl does not read that layout yet")
         # DeepSpeed's own record of where each fragment is must be the layout the spec lowers to
         mapping = (o.get("param_slice_mappings") or [None] * (g + 1))[g]
@@ -62,7 +58,7 @@ def zero12_group(g: int, names: list[str], shapes: dict, dp: int, optims: list[T
             got = {str(n): (int(a.get("start")), int(a.get("numel"))) for n, a in mapping.items()}
             if got != want:
                 bad = next(n for n in sorted(set(got) | set(want)) if got.get(n) != want.get(n))
-                raise error(f"{where}: DeepSpeed puts {bad!r} at (start, numel) {got.get(bad)} of the partition, "
+                raise ForeignFormatError(f"{where}: DeepSpeed puts {bad!r} at (start, numel) {got.get(bad)} of the partition, "
                              f"but a buffer of the group's parameters in order, padded to a multiple of "
                              f"{ALIGN} * dp, puts it at {want.get(bad)}")
         base = group_state(o, g, where)
@@ -85,7 +81,7 @@ def zero3_group(g: int, names: list[str], shapes: dict, dp: int, optims: list[To
         for kind, t in (("param", flat), ("exp_avg", base.get("exp_avg")), ("exp_avg_sq", base.get("exp_avg_sq"))):
             t = as_tensor(t, f"{kind} of group {g}")
             if t.shape != (sum(parts),):
-                raise error(f"{where}: {kind} holds {t.shape} elements, but the group's parameters split one by one "
+                raise ForeignFormatError(f"{where}: {kind} holds {t.shape} elements, but the group's parameters split one by one "
                              f"over dp={dp} (ceil division) give {sum(parts)}")
             start = t.offset
             for n, p in zip(names, parts):
@@ -106,24 +102,24 @@ def extent(tf: TorchFile, t: Any, rel: str, what: str, shape: tuple, allow_longe
     if tuple(t.shape) != tuple(shape):
         # a view shorter than the layout's piece is fine when its storage holds the rest (padding)
         if not (allow_longer and len(t.shape) == 1 and t.contiguous and t.offset + n <= t.storage.numel):
-            raise error(f"{tf.path}: {what} is {list(t.shape)}, the layout needs {list(shape)}")
+            raise ForeignFormatError(f"{tf.path}: {what} is {list(t.shape)}, the layout needs {list(shape)}")
         t = TensorRef(t.storage, t.offset, tuple(shape), (1,) * len(shape))
     return Extent(rel, tf.byte_offset(t), t.dtype, tuple(shape))
 
 
 def as_tensor(t: Any, what: str) -> TensorRef:
     if not isinstance(t, TensorRef):
-        raise error(f"{what} is {type(t).__name__}, not a tensor")
+        raise ForeignFormatError(f"{what} is {type(t).__name__}, not a tensor")
     return t
 
 
 def as_dict(x: Any, what: str) -> dict:
     if not isinstance(x, dict):
-        raise error(f"{what} is {type(x).__name__}, not a dict")
+        raise ForeignFormatError(f"{what} is {type(x).__name__}, not a dict")
     return x
 
 
 def as_list(x: Any, what: str) -> list:
     if not isinstance(x, (list, tuple)):
-        raise error(f"{what} is {type(x).__name__}, not a list")
+        raise ForeignFormatError(f"{what} is {type(x).__name__}, not a list")
     return list(x)

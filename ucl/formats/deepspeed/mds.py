@@ -29,9 +29,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ...errors import ForeignFormatError
 from ..base import Description
 from ..torchzip.read import plain
-from .common import as_dict, as_list, error
+from .common import as_dict, as_list
 from .tp import describe_tp, Placement
 
 REPLICATED = "tp_replicated_parameter_patterns"
@@ -62,22 +63,22 @@ def describe_mds(path: str, folder: str, names: list[str], rel, first: dict, dp:
             try:
                 re.compile(str(p))
             except re.error as e:
-                raise error(f"universal_checkpoint_info {k}: {p!r} is not a regular expression ({e})") from None
+                raise ForeignFormatError(f"universal_checkpoint_info {k}: {p!r} is not a regular expression ({e})") from None
 
     def place(n: str, shards: list[tuple], is_buffer: bool) -> Placement:
         if any(s != shards[0] for s in shards):
-            raise error(f"{n}: its tp shards differ in shape ({shards}); Megatron splits evenly")
+            raise ForeignFormatError(f"{n}: its tp shards differ in shape ({shards}); Megatron splits evenly")
         local = shards[0]
         hit = {k: _match(k, pats, n) for k, pats in lists.items()}
         vocab = hit[VOCAB]
         if hit[REPLICATED]:
             p = Placement(local, "replicate", None)
         elif hit[AVERAGE]:
-            raise error(f"{n}: universal_checkpoint_info has it averaged over tp ranks ({AVERAGE}, "
+            raise ForeignFormatError(f"{n}: universal_checkpoint_info has it averaged over tp ranks ({AVERAGE}, "
                          f"{hit[AVERAGE]!r}); ucl reads every element from one place and does not average")
         elif hit[TWO_HALVES]:
             if not local or local[0] % 2:
-                raise error(f"{n}: {TWO_HALVES} ({hit[TWO_HALVES]!r}) says dim 0 is two halves split over tp, but its "
+                raise ForeignFormatError(f"{n}: {TWO_HALVES} ({hit[TWO_HALVES]!r}) says dim 0 is two halves split over tp, but its "
                              f"tp-local shape is {list(local)}")
             half = local[0] // 2 * tp
             p = Placement((2 * half,) + local[1:], f"view 0 as [2, {half}]; split 0.1 over tp", None)
@@ -86,7 +87,7 @@ def describe_mds(path: str, folder: str, names: list[str], rel, first: dict, dp:
         else:
             dim = 1 if hit[ROW] else 0
             if len(local) <= dim:
-                raise error(f"{n}: universal_checkpoint_info makes it {'row' if dim else 'column'}-parallel "
+                raise ForeignFormatError(f"{n}: universal_checkpoint_info makes it {'row' if dim else 'column'}-parallel "
                              f"(split dim {dim} over tp), but its tp-local shape {list(local)} has no dim {dim}")
             full = local[:dim] + (local[dim] * tp,) + local[dim + 1:]
             p = Placement(full, f"split {dim} over tp", dim)
@@ -105,7 +106,7 @@ def describe_mds(path: str, folder: str, names: list[str], rel, first: dict, dp:
 def _match(key: str, patterns: list[str], name: str) -> str | None:
     hits = [p for p in patterns if re.match(p, name)]
     if len(hits) > 1:  # ds_to_universal refuses this too
-        raise error(f"{name}: several {key} match it ({hits}); DeepSpeed allows one")
+        raise ForeignFormatError(f"{name}: several {key} match it ({hits}); DeepSpeed allows one")
     return hits[0] if hits else None
 
 
@@ -121,19 +122,19 @@ def _concat(name: str, sub: dict, widths: dict, local: tuple, tp: int) -> Placem
     """``parameter_with_sub_params``: the partition dim concatenates sub-params, each split evenly."""
     shape, dim = as_list(sub.get("shape"), f"{SUB_PARAMS} shape of {name}"), sub.get("partition_dim")
     if not isinstance(dim, int) or not 0 <= dim < len(local) or len(shape) != len(local):
-        raise error(f"{name}: {SUB_PARAMS} entry {plain(sub)} does not fit its tp-local shape {list(local)}")
+        raise ForeignFormatError(f"{name}: {SUB_PARAMS} entry {plain(sub)} does not fit its tp-local shape {list(local)}")
     spec = shape[dim]
     if isinstance(spec, (list, tuple)):  # widths of the sub-params in the full tensor
         sizes = [int(x) for x in spec]
     else:  # a count of equal sub-params (older metadata)
         if not isinstance(spec, int) or spec < 1 or (local[dim] * tp) % spec:
-            raise error(f"{name}: {SUB_PARAMS} says dim {dim} holds {spec!r} sub-params, which does not divide "
+            raise ForeignFormatError(f"{name}: {SUB_PARAMS} says dim {dim} holds {spec!r} sub-params, which does not divide "
                          f"{local[dim] * tp}")
         sizes = [local[dim] * tp // spec] * spec
     got = widths.get(sub["pattern"])
     want = [[s // tp] * tp for s in sizes]
     if any(s % tp for s in sizes) or sum(sizes) != local[dim] * tp or (got is not None and plain(got) != want):
-        raise error(f"{name}: sub-params {sizes} along dim {dim} (shard widths {plain(got)}) are not each split "
+        raise ForeignFormatError(f"{name}: sub-params {sizes} along dim {dim} (shard widths {plain(got)}) are not each split "
                      f"evenly over tp={tp} into its tp-local {local[dim]}; ucl reads even sub-param splits only")
     parts = ", ".join(f"p{i} = {s}" for i, s in enumerate(sizes))
     full = local[:dim] + (sum(sizes),) + local[dim + 1:]
@@ -143,10 +144,10 @@ def _concat(name: str, sub: dict, widths: dict, local: tuple, tp: int) -> Placem
 def _vocab(name: str, p: Placement, vocab: Any, pattern: str) -> Placement:
     """The padded vocabulary (dim 0) holds ``original_vocab_size`` real rows."""
     if p.layout not in ("replicate", "split 0 over tp") or len(p.full) != 2:
-        raise error(f"{name}: {VOCAB} ({pattern!r}) pads dim 0 of a 2-D tensor split over dim 0 or replicated; "
+        raise ForeignFormatError(f"{name}: {VOCAB} ({pattern!r}) pads dim 0 of a 2-D tensor split over dim 0 or replicated; "
                      f"it is {list(p.full)} with '{p.layout}'")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or not 0 < vocab <= p.full[0]:
-        raise error(f"{name}: original_vocab_size {vocab!r} does not fit its padded vocabulary of {p.full[0]} rows")
+        raise ForeignFormatError(f"{name}: original_vocab_size {vocab!r} does not fit its padded vocabulary of {p.full[0]} rows")
     if vocab == p.full[0]:
         return p
     return Placement((vocab,) + p.full[1:], f"pad 0 to {p.full[0]}; {p.layout}", p.split_dim)

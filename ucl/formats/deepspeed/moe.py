@@ -27,10 +27,11 @@ from __future__ import annotations
 import os
 import re
 
+from ...errors import ForeignFormatError
 from ...store.extents import Extent
 from ..base import Description
 from ..torchzip.read import TensorRef, TorchFile, plain, read_torch_file
-from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, group_state, NAME, OPTIM,
+from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, extent, group_state, NAME, OPTIM,
                      state_line, weight_dtype, zero12_group)
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -47,38 +48,38 @@ def describe_moe(path: str, folder: str, names: list[str], rel, ms: dict, states
                  dp: int) -> Description:
     """A checkpoint with DeepSpeed MoE layers (see the module doc)."""
     if ms.get("mp_world_size", 1) != 1 or (ms.get("checkpoint_parallel_dimensions") or {}).get("pp_degree", 1) != 1:
-        raise error(f"{folder}: MoE with tensor or pipeline parallelism (mp_world_size={ms.get('mp_world_size')!r}) "
+        raise ForeignFormatError(f"{folder}: MoE with tensor or pipeline parallelism (mp_world_size={ms.get('mp_world_size')!r}) "
                      "is not read yet")
     if (ms.get("ds_config") or {}).get("use_data_before_expert_parallelism"):
-        raise error(f"{folder}: use_data_before_expert_parallelism (D + E rank order) is not read yet")
+        raise ForeignFormatError(f"{folder}: use_data_before_expert_parallelism (D + E rank order) is not read yet")
     if ms.get("ds_autoep_layers"):
-        raise error(f"{folder}: AutoEP MoE layers (ds_autoep_layers) are not read yet")
+        raise ForeignFormatError(f"{folder}: AutoEP MoE layers (ds_autoep_layers) are not read yet")
     counts = [int(n) for n in as_list(ms.get("num_experts"), f"{states_name}: num_experts")]
     optim = {}
     for n in names:
         if (m := OPTIM.match(n)) and int(m.group(3)) == 0:
             optim[int(m.group(2))] = n
     if sorted(optim) != list(range(dp)):
-        raise error(f"{folder} should hold optimizer files for dp ranks 0..{dp - 1} (dp_world_size={dp}), "
+        raise ForeignFormatError(f"{folder} should hold optimizer files for dp ranks 0..{dp - 1} (dp_world_size={dp}), "
                      f"found ranks {sorted(optim)}")
     optims = [read_torch_file(os.path.join(folder, optim[r]), inside=path) for r in range(dp)]
     osd = [as_dict(as_dict(o.obj, optim[r]).get("optimizer_state_dict"), f"{optim[r]}: optimizer_state_dict")
            for r, o in enumerate(optims)]
     stage = int(osd[0].get("zero_stage", 0))
     if stage not in (1, 2) or any("single_partition_of_fp32_groups" not in o for o in osd):
-        raise error(f"{folder}: ucl reads MoE checkpoints with ZeRO-1/2 flat optimizer state only "
+        raise ForeignFormatError(f"{folder}: ucl reads MoE checkpoints with ZeRO-1/2 flat optimizer state only "
                      f"(zero_stage {stage})")
     base = as_dict(osd[0].get("base_optimizer_state"), f"{optim[0]}: base_optimizer_state")
     opt_groups = [as_dict(g, "param group") for g in as_list(base.get("param_groups"), "param_groups")]
     groups = [list(g) for g in as_list(ms.get("param_shapes"), "param_shapes")]
     if len(groups) != len(opt_groups):
-        raise error(f"{states_name} has {len(groups)} param groups, {optim[0]} {len(opt_groups)}")
+        raise ForeignFormatError(f"{states_name} has {len(groups)} param groups, {optim[0]} {len(opt_groups)}")
     shapes = {n: tuple(int(x) for x in s) for g in ms["param_shapes"] for n, s in g.items()}
     is_expert = [bool(g.get("moe")) for g in opt_groups]
     for g, names_g in enumerate(groups):
         bad = [n for n in names_g if bool(_LOCAL.match(n)) != is_expert[g]]
         if bad:
-            raise error(f"{optim[0]} group {g} ({'expert' if is_expert[g] else 'dense'}) holds {bad[0]!r}, which "
+            raise ForeignFormatError(f"{optim[0]} group {g} ({'expert' if is_expert[g] else 'dense'}) holds {bad[0]!r}, which "
                          f"is {'not ' if is_expert[g] else ''}a DeepSpeed MoE expert parameter")
 
     # the layers: each expert prefix, its local experts, and the layer_L files that hold it
@@ -89,34 +90,34 @@ def describe_moe(path: str, folder: str, names: list[str], rel, ms: dict, states
             local_ids.setdefault(m.group(1), set()).add(int(m.group(2)))
     prefixes = list(local_ids)
     if len(prefixes) != len(counts):
-        raise error(f"{states_name}: num_experts lists {len(counts)} MoE layers, param_shapes has experts of "
+        raise ForeignFormatError(f"{states_name}: num_experts lists {len(counts)} MoE layers, param_shapes has experts of "
                      f"{len(prefixes)}")
     local = {p: len(ids) for p, ids in local_ids.items()}
     if any(sorted(ids) != list(range(len(ids))) for ids in local_ids.values()):
-        raise error(f"{states_name}: local expert ids are not 0..n-1 in every MoE layer")
+        raise ForeignFormatError(f"{states_name}: local expert ids are not 0..n-1 in every MoE layer")
     experts_of, files_of, opened = {}, {}, {}
     for layer, count in enumerate(counts):
         first = opened[(layer, 0)] = _expert_file(path, folder, layer, 0)
         hits = [p for p in prefixes if any(str(k).startswith(p + "0.") for k in as_dict(first.obj, first.path))]
         if len(hits) != 1 or hits[0] in experts_of:
-            raise error(f"{first.path}: its keys name {len(hits)} of the MoE layers in param_shapes, or one that "
+            raise ForeignFormatError(f"{first.path}: its keys name {len(hits)} of the MoE layers in param_shapes, or one that "
                          "another layer's file names; each layer_L file should hold one layer's experts")
         experts_of[hits[0]], files_of[hits[0]] = count, layer
     eps = {experts_of[p] // local[p] for p in prefixes}
     if len(eps) != 1 or any(experts_of[p] % local[p] for p in prefixes):
-        raise error(f"{folder}: MoE layers with num_experts {counts} and local experts {list(local.values())} do "
+        raise ForeignFormatError(f"{folder}: MoE layers with num_experts {counts} and local experts {list(local.values())} do "
                      "not share one expert-parallel size")
     ep = eps.pop()
     edps = sorted({int(as_list(osd[0].get("partition_count"), "partition_count")[g])
                    for g in range(len(groups)) if is_expert[g]})
     edp = edps[0] if len(edps) == 1 else 0
     if edp * ep != dp:
-        raise error(f"{folder}: expert groups partitioned over {edps} ranks (partition_count) with ep={ep} do not "
+        raise ForeignFormatError(f"{folder}: expert groups partitioned over {edps} ranks (partition_count) with ep={ep} do not "
                      f"make dp_world_size={dp}")
     for g in range(len(groups)):
         m = _GROUP.match(str(opt_groups[g].get("name", "")))
         if is_expert[g] and m and int(m.group(1)) != ep:
-            raise error(f"{optim[0]} group {g} is named {opt_groups[g]['name']!r}, but the experts say ep={ep}")
+            raise ForeignFormatError(f"{optim[0]} group {g} is named {opt_groups[g]['name']!r}, but the experts say ep={ep}")
 
     # global names: in each expert group, ordered so that every ep rank's experts keep DeepSpeed's local order
     def global_name(n: str, e: int) -> str:
@@ -139,7 +140,7 @@ def describe_moe(path: str, folder: str, names: list[str], rel, ms: dict, states
         params[n] = tuple(as_tensor(module.get(n), n).shape)
     for n in params:
         if not NAME.match(n):
-            raise error(f"parameter name {n!r} cannot be written in a spec")
+            raise ForeignFormatError(f"parameter name {n!r} cannot be written in a spec")
 
     # the expert files: each global expert's weights, under its global name
     expert_refs: dict[str, tuple[TorchFile, TensorRef, str]] = {}
@@ -153,7 +154,7 @@ def describe_moe(path: str, folder: str, names: list[str], rel, ms: dict, states
             want = {f"{p}{e}.{s}" for s in suffixes}
             if set(map(str, sd)) != want:
                 extra = sorted(set(map(str, sd)) ^ want)
-                raise error(f"{name} should hold the trained parameters of expert {e} ({sorted(want)[:2]}...), "
+                raise ForeignFormatError(f"{name} should hold the trained parameters of expert {e} ({sorted(want)[:2]}...), "
                              f"it differs in {extra[:4]} (frozen expert parameters and expert buffers are not "
                              "read yet)")
             for k in want:
@@ -215,7 +216,7 @@ def describe_moe(path: str, folder: str, names: list[str], rel, ms: dict, states
 def _expert_file(path: str, folder: str, layer: int, expert: int) -> TorchFile:
     name = f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
     if not os.path.isfile(os.path.join(folder, name)):
-        raise error(f"{folder} lacks {name}; num_experts in the model states says it is there")
+        raise ForeignFormatError(f"{folder} lacks {name}; num_experts in the model states says it is there")
     return read_torch_file(os.path.join(folder, name), inside=path)
 
 

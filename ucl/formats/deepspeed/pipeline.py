@@ -4,10 +4,11 @@ from __future__ import annotations
 import os
 import re
 
+from ...errors import ForeignFormatError
 from ...store.extents import Extent
 from ..base import Description
 from ..torchzip.read import plain, read_torch_file
-from .common import ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, group_state, state_line, zero12_group
+from .common import ALIGN, as_dict, as_list, as_tensor, BULKY, extent, group_state, state_line, zero12_group
 
 
 _LAYER = re.compile(r"^layer_(\d+)-model_states\.pt$")
@@ -26,7 +27,7 @@ def describe_pipeline(path: str, folder: str, names: list[str], rel) -> Descript
     dims = first.get("checkpoint_parallel_dimensions") or {}
     pp = dims.get("pp_degree", mp)
     if not all(isinstance(x, int) and x >= 1 for x in (dp, mp, pp)) or mp != pp:
-        raise error(f"{folder}: a pipeline checkpoint with dp={dp!r}, mp_world_size={mp!r}, pp_degree={pp!r}; ucl "
+        raise ForeignFormatError(f"{folder}: a pipeline checkpoint with dp={dp!r}, mp_world_size={mp!r}, pp_degree={pp!r}; ucl "
                      "reads pipeline checkpoints without tensor parallelism (mp_world_size == pp_degree)")
     stages = [read_torch_file(os.path.join(folder, f"mp_rank_{s:02d}_model_states.pt"), inside=path) for s in range(pp)]
     layers = {int(m.group(1)): read_torch_file(os.path.join(folder, n), inside=path)
@@ -35,13 +36,13 @@ def describe_pipeline(path: str, folder: str, names: list[str], rel) -> Descript
     for row in optim_names:
         for n in row:
             if n not in names:
-                raise error(f"{folder} lacks {n} (dp={dp}, pp={pp}); a pipeline checkpoint needs one optimizer file "
+                raise ForeignFormatError(f"{folder} lacks {n} (dp={dp}, pp={pp}); a pipeline checkpoint needs one optimizer file "
                              "per dp rank and stage")
     optims = [[read_torch_file(os.path.join(folder, n), inside=path) for n in row] for row in optim_names]
     osd = [[as_dict(as_dict(o.obj, o.path).get("optimizer_state_dict"), f"{o.path}: optimizer_state_dict") for o in row]
            for row in optims]
     if any(int(o.get("zero_stage", 0)) not in (0, 1) or "single_partition_of_fp32_groups" not in o for row in osd for o in row):
-        raise error(f"{folder}: ucl reads pipeline checkpoints with ZeRO stage 0/1 flat optimizer state only")
+        raise ForeignFormatError(f"{folder}: ucl reads pipeline checkpoints with ZeRO stage 0/1 flat optimizer state only")
     groups_by_stage = [[list(g) for g in as_list(as_dict(st.obj, st.path).get("param_shapes"), "param_shapes")]
                        for st in stages]
     shapes = {n: tuple(int(x) for x in sh) for st in stages for g in st.obj["param_shapes"] for n, sh in g.items()}
@@ -62,18 +63,18 @@ def describe_pipeline(path: str, folder: str, names: list[str], rel) -> Descript
             key, _, local = rest.partition(".")
             hits = [i for i in tied_files if local in as_dict(layers[i].obj, layers[i].path)]
             if len(hits) != 1:
-                raise error(f"{folder}: cannot tell which layer file holds the tied parameter {n!r} (candidates: "
+                raise ForeignFormatError(f"{folder}: cannot tell which layer file holds the tied parameter {n!r} (candidates: "
                              f"{[f'layer_{i:02d}' for i in hits]})")
             where[n] = (hits[0], local)
         else:
-            raise error(f"{folder}: pipeline parameter {n!r} is neither '<layer>.<name>' nor 'tied_modules.<key>.<name>'")
+            raise ForeignFormatError(f"{folder}: pipeline parameter {n!r} is neither '<layer>.<name>' nor 'tied_modules.<key>.<name>'")
     buffers = list(dict.fromkeys(str(b) for st in stages for b in (st.obj.get("buffer_names") or [])))
     frozen: list[str] = []
     for i in sorted(layers):  # what the layer files hold beyond the trained parameters
         prefix = f"{i}." if i in numbered else next(
             (n[:-len(loc)] for n, (j, loc) in where.items() if j == i), None)
         if prefix is None:
-            raise error(f"{folder}: layer_{i:02d} holds no parameter any stage trains; ucl cannot place it")
+            raise ForeignFormatError(f"{folder}: layer_{i:02d} holds no parameter any stage trains; ucl cannot place it")
         for local, t in as_dict(layers[i].obj, layers[i].path).items():
             name = prefix + local
             if name not in where:
@@ -86,7 +87,7 @@ def describe_pipeline(path: str, folder: str, names: list[str], rel) -> Descript
     weights = {where[n][0] for n in order}
     dtypes = {as_tensor(layers[where[n][0]].obj.get(where[n][1]), n).dtype for n in order}
     if len(dtypes) != 1 or not weights:
-        raise error(f"{folder}: the pipeline's parameters have several dtypes {sorted(dtypes)}")
+        raise ForeignFormatError(f"{folder}: the pipeline's parameters have several dtypes {sorted(dtypes)}")
     dtype = dtypes.pop()
     kinds = (["fp32"] if dtype != "float32" else []) + ["exp_avg", "exp_avg_sq"]
     spec = [f"# generated by ucl from the DeepSpeed pipeline checkpoint {os.path.basename(path)}", "mesh pp, dp",
@@ -104,7 +105,7 @@ def describe_pipeline(path: str, folder: str, names: list[str], rel) -> Descript
         mine = extents[s * dp:(s + 1) * dp]
         for g, names_g in enumerate(groups_by_stage[s]):
             if [n for n in order if n in names_g] != names_g:
-                raise error(f"{folder}: stage {s} flattens group {g} in an order no global parameter order gives")
+                raise ForeignFormatError(f"{folder}: stage {s} flattens group {g} in an order no global parameter order gives")
             zero12_group(g, names_g, shapes, dp, optims[s], osd[s], kinds, mine, os.path.dirname(rel("x")))
             for r in range(dp):
                 step = group_state(osd[s][r], g, optim_names[s][r]).get("step")

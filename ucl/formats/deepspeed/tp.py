@@ -9,10 +9,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ...errors import ForeignFormatError
 from ...store.extents import Extent
 from ..base import Description
 from ..torchzip.read import TensorRef, plain, read_torch_file
-from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, group_state, NAME, OPTIM,
+from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, extent, group_state, NAME, OPTIM,
                      state_line, weight_dtype, zero12_group)
 
 
@@ -38,7 +39,7 @@ def describe_autotp(path: str, folder: str, names: list[str], rel, first: dict, 
     refused."""
     uci = first["universal_checkpoint_info"]
     if uci.get("parameter_with_sub_params"):
-        raise error(f"{folder}: AutoTP split some parameters into sub-params "
+        raise ForeignFormatError(f"{folder}: AutoTP split some parameters into sub-params "
                      f"({list(uci['parameter_with_sub_params'])[:4]}); ucl does not read that layout yet")
     amap = as_dict(uci["affine_map"].get("params"), "universal_checkpoint_info affine_map params")
 
@@ -47,7 +48,7 @@ def describe_autotp(path: str, folder: str, names: list[str], rel, first: dict, 
         if not hits and is_buffer and len(set(shards)) == 1:
             return Placement(shards[0], "replicate", None)  # AutoTP does not split buffers
         if len(hits) != 1:
-            raise error(f"{n}: {len(hits)} entries of DeepSpeed's affine_map match it; ucl needs exactly one to "
+            raise ForeignFormatError(f"{n}: {len(hits)} entries of DeepSpeed's affine_map match it; ucl needs exactly one to "
                          "know where each tp rank's shard lies")
         dim, full = _affine_split(n, as_dict(hits[0], f"affine_map of {n}"), shards, tp)
         return Placement(full, "replicate" if dim is None else f"split {dim} over tp", dim)
@@ -71,17 +72,17 @@ def describe_tp(path: str, folder: str, names: list[str], rel, first: dict, dp: 
     generated ones, the state lines are generated and appended."""
     pdims = first.get("checkpoint_parallel_dimensions") or {}
     if pdims.get("pp_degree", 1) != 1 or pdims.get("tp_degree", tp) != tp:
-        raise error(f"{folder}: mp_world_size={tp} with checkpoint_parallel_dimensions {pdims!r}; ucl reads {flavor} "
+        raise ForeignFormatError(f"{folder}: mp_world_size={tp} with checkpoint_parallel_dimensions {pdims!r}; ucl reads {flavor} "
                      "checkpoints without a pipeline (tp_degree == mp_world_size, pp_degree == 1)")
     states_names = [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
     for n in states_names:
         if n not in names:
-            raise error(f"{folder} lacks {n} (mp_world_size={tp}); a {flavor} checkpoint has one per tp rank")
+            raise ForeignFormatError(f"{folder} lacks {n} (mp_world_size={tp}); a {flavor} checkpoint has one per tp rank")
     states = [read_torch_file(os.path.join(folder, n), inside=path) for n in states_names]
     mss = [as_dict(st.obj, n) for st, n in zip(states, states_names)]
     for t, m in enumerate(mss):
         if m.get("mp_world_size") != tp or m.get("dp_world_size") != dp:
-            raise error(f"{states_names[t]}: mp_world_size {m.get('mp_world_size')!r}, dp_world_size "
+            raise ForeignFormatError(f"{states_names[t]}: mp_world_size {m.get('mp_world_size')!r}, dp_world_size "
                          f"{m.get('dp_world_size')!r}; mp_rank_00 says {tp} and {dp}")
     optim: dict[tuple[int, int], str] = {}
     for n in names:
@@ -90,7 +91,7 @@ def describe_tp(path: str, folder: str, names: list[str], rel, first: dict, dp: 
             optim[(int(m.group(2)), int(m.group(3)))] = n
     want = {(d, t) for d in range(dp) for t in range(tp)}
     if set(optim) != want:
-        raise error(f"{folder} should hold optimizer files for dp ranks 0..{dp - 1} x tp ranks 0..{tp - 1}, found "
+        raise ForeignFormatError(f"{folder} should hold optimizer files for dp ranks 0..{dp - 1} x tp ranks 0..{tp - 1}, found "
                      f"(dp, tp) {sorted(optim)}")
     optims = [[read_torch_file(os.path.join(folder, optim[(d, t)]), inside=path) for d in range(dp)] for t in range(tp)]
     osd = [[as_dict(as_dict(o.obj, o.path).get("optimizer_state_dict"), f"{o.path}: optimizer_state_dict") for o in row]
@@ -99,14 +100,14 @@ def describe_tp(path: str, folder: str, names: list[str], rel, first: dict, dp: 
     if stage == 0 and "single_partition_of_fp32_groups" in osd[0][0]:
         stage = 1
     if stage not in (1, 2) or any("single_partition_of_fp32_groups" not in o for row in osd for o in row):
-        raise error(f"{folder}: ucl reads {flavor} checkpoints with ZeRO-1/2 flat optimizer state only "
+        raise ForeignFormatError(f"{folder}: ucl reads {flavor} checkpoints with ZeRO-1/2 flat optimizer state only "
                      f"(zero_stage {stage})")
     groups = [list(g) for g in as_list(mss[0].get("param_shapes"), "param_shapes")]
     local: list[dict[str, tuple]] = []
     for t, m in enumerate(mss):
         gs = [list(g) for g in as_list(m.get("param_shapes"), f"{states_names[t]}: param_shapes")]
         if gs != groups:
-            raise error(f"{states_names[t]}: its param groups differ from mp_rank_00's")
+            raise ForeignFormatError(f"{states_names[t]}: its param groups differ from mp_rank_00's")
         local.append({n: tuple(int(x) for x in sh) for g in m["param_shapes"] for n, sh in g.items()})
     shared = {str(k): str(v) for k, v in (first.get("shared_params") or {}).items()}
     buffers = [str(b) for b in first.get("buffer_names") or []]
@@ -115,12 +116,12 @@ def describe_tp(path: str, folder: str, names: list[str], rel, first: dict, dp: 
                     if n not in local[0] and n not in shared and n not in buffers and isinstance(t, TensorRef)]
     for n in list(local[0]) + frozen_names + buffers:
         if not NAME.match(n):
-            raise error(f"parameter name {n!r} cannot be written in a spec")
+            raise ForeignFormatError(f"parameter name {n!r} cannot be written in a spec")
     placements: dict[str, Placement] = {}
     for n in list(local[0]) + frozen_names + buffers:
         shards = [tuple(as_tensor(mod.get(n), f"{states_names[t]}: {n}").shape) for t, mod in enumerate(modules)]
         if n in local[0] and any(local[t][n] != shards[t] for t in range(tp)):
-            raise error(f"{n}: param_shapes and the module disagree on its tp-local shape")
+            raise ForeignFormatError(f"{n}: param_shapes and the module disagree on its tp-local shape")
         placements[n] = place(n, shards, n in buffers)
     weights = weight_dtype(modules[0], local[0])
     kinds = (["fp32"] if weights != "float32" else []) + ["exp_avg", "exp_avg_sq"]
@@ -174,10 +175,10 @@ def _affine_split(name: str, entry: dict, shards: list[tuple], tp: int) -> tuple
     ranks = as_dict(entry.get("ranks"), f"affine_map ranks of {name}")
     diff = [i for i, (a, b) in enumerate(zip(full, shards[0])) if a != b]
     if len(full) != len(shards[0]) or len(diff) > 1 or any(s != shards[0] for s in shards):
-        raise error(f"{name}: tp shards {shards} of the full {list(full)} are not one even split of one dim")
+        raise ForeignFormatError(f"{name}: tp shards {shards} of the full {list(full)} are not one even split of one dim")
     dim = diff[0] if diff else None
     if dim is not None and full[dim] != tp * shards[0][dim]:
-        raise error(f"{name}: dim {dim} is {full[dim]} in full and {shards[0][dim]} per tp rank; ucl reads even "
+        raise ForeignFormatError(f"{name}: dim {dim} is {full[dim]} in full and {shards[0][dim]} per tp rank; ucl reads even "
                      f"splits over tp={tp} only")
     strides = [math.prod(full[i + 1:]) for i in range(len(full))]
     local_strides = [math.prod(shards[0][i + 1:]) for i in range(len(full))]
@@ -191,7 +192,7 @@ def _affine_split(name: str, entry: dict, shards: list[tuple], tp: int) -> tuple
             src, dst = pieces[0].get("source"), pieces[0].get("dest")
             ok = _affine(src) == (start, strides) and _affine(dst) == (0, local_strides)
         if not ok:
-            raise error(f"{name}: DeepSpeed's affine_map places tp rank {t}'s shard in a way ucl does not read "
+            raise ForeignFormatError(f"{name}: DeepSpeed's affine_map places tp rank {t}'s shard in a way ucl does not read "
                          f"(one contiguous piece at {start} of the full tensor expected): {plain(r)}")
     return dim, full
 

@@ -6,17 +6,16 @@ every parameter, e.g. ``layers.{i}.mlp.fc1.weight [2 * ffn, hidden] : view 0 as 
 0.1 over tp``; it must not declare ``state``: the optimizer state's layout is in DeepSpeed's files
 and stays generated (appended to the user's text). Each parameter's global shape is its rule's
 shape; where its tp shards lie is the rule's layout, checked against the shards on disk when the
-checkpoint is opened (``check_stored``), so a wrong rule is an error, never a misread.
+checkpoint is opened (``check_stored``), so a wrong rule is an never a misread.
 """
 from __future__ import annotations
 
-from ...errors import BindError, Diagnostic
+from ...errors import BindError, Diagnostic, ForeignFormatError
 from ...lang.expr import ExprError, evaluate_extent, evaluate_lets
 from ...lang.spec import Spec
 from ...layout.bind import PatternIndex
 from ..base import Description, UserSpec
 from ..torchzip.read import plain
-from .common import error
 from .tp import describe_tp, Placement
 
 
@@ -24,10 +23,10 @@ def describe_user(path: str, folder: str, names: list[str], rel, first: dict, dp
                   user: UserSpec) -> Description:
     spec = Spec.from_text(user.text, filename=user.filename)
     if spec.axes != ["tp", "dp"]:
-        raise error(f"{user.filename}: the spec for {folder} must declare `mesh tp, dp` (DeepSpeed's tp rank t and dp "
+        raise ForeignFormatError(f"{user.filename}: the spec for {folder} must declare `mesh tp, dp` (DeepSpeed's tp rank t and dp "
                      f"rank d are rank t * dp + d), not mesh {', '.join(spec.axes) or '(none)'}")
     if spec.kinds != ["param"]:
-        raise error(f"{user.filename}: the spec declares state {[k for k in spec.kinds if k != 'param']}; the "
+        raise ForeignFormatError(f"{user.filename}: the spec declares state {[k for k in spec.kinds if k != 'param']}; the "
                      "optimizer state's layout is in DeepSpeed's files, give the parameters' rules only")
     dims = dict(user.dims)
     missing = [d for d in spec.dims if d not in dims]
@@ -40,7 +39,7 @@ def describe_user(path: str, folder: str, names: list[str], rel, first: dict, dp
     def place(n: str, shards: list[tuple], is_buffer: bool) -> Placement:
         hits = rules.matches(n)
         if len(hits) != 1 or hits[0].shape is None:
-            raise error(f"{n}: {user.filename} has {len(hits)} rules for it" if len(hits) != 1 else
+            raise ForeignFormatError(f"{n}: {user.filename} has {len(hits)} rules for it" if len(hits) != 1 else
                          f"{n}: its rule in {user.filename} (line {hits[0].span.line}) declares no shape; the files "
                          f"hold only its tp-local shape {list(shards[0])}")
         try:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import os
 
-from ...errors import StoreError
+from ...errors import ForeignFormatError, StoreError
 from ...files import read_bounded
 from ...store.extents import Extent
 from ..base import Description, UserSpec
 from ..torchzip.read import TensorRef, plain, read_torch_file
-from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, error, extent, group_state, NAME, OPTIM,
+from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, extent, group_state, NAME, OPTIM,
                      state_line, TAG, weight_dtype, zero12_group, zero3_group)
 from .mds import describe_mds, is_pattern_form
 from .moe import describe_moe, EXPERT_FILE, is_moe
@@ -58,16 +58,16 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
     states_name = "mp_rank_00_model_states.pt" if "mp_rank_00_model_states.pt" in names else \
         "zero_pp_rank_0_mp_rank_00_model_states.pt"
     if states_name not in names:
-        raise error(f"{folder} has no mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt")
+        raise ForeignFormatError(f"{folder} has no mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt")
     states = read_torch_file(os.path.join(folder, states_name), inside=path)
     ms = as_dict(states.obj, states_name)
     dp, mp = ms.get("dp_world_size"), ms.get("mp_world_size", 1)
     if not isinstance(dp, int) or dp < 1:
-        raise error(f"{states_name} has no usable dp_world_size ({dp!r})")
+        raise ForeignFormatError(f"{states_name} has no usable dp_world_size ({dp!r})")
     config = ms.get("ds_config") if isinstance(ms.get("ds_config"), dict) else {}
     zero_config = config.get("zero_optimization")
     if isinstance(zero_config, dict) and zero_config.get("round_robin_gradients"):
-        raise error(f"{folder} was written with zero_optimization.round_robin_gradients, which reorders each group's "
+        raise ForeignFormatError(f"{folder} was written with zero_optimization.round_robin_gradients, which reorders each group's "
                     "parameters in the flat buffer against the order DeepSpeed records (param_shapes); ucl does not "
                     "read that layout (DeepSpeed's own zero_to_fp32 misreads it)")
     if is_moe(names, ms):
@@ -83,7 +83,7 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
             return describe_mds(path, folder, names, rel, ms, dp, mp)
         if user is not None:
             return describe_user(path, folder, names, rel, ms, dp, mp, user)
-        raise error(f"{folder} is tensor-parallel (mp_world_size={mp}) without a universal_checkpoint_info ucl "
+        raise ForeignFormatError(f"{folder} is tensor-parallel (mp_world_size={mp}) without a universal_checkpoint_info ucl "
                      "reads (AutoTP's affine_map, or Megatron-DeepSpeed's parameter patterns) saying where each "
                      "rank's shard lies; its parameters' split dims are not in DeepSpeed's files: give them as a spec "
                      "(ucl import --spec SPEC --dims DIMS)")
@@ -93,14 +93,14 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
         m = OPTIM.match(n)
         if m:
             if int(m.group(3)) != 0:
-                raise error(f"{n}: model-parallel optimizer files are not read yet")
+                raise ForeignFormatError(f"{n}: model-parallel optimizer files are not read yet")
             optim[int(m.group(2))] = n
     if not optim and ms.get("optimizer") is not None:
-        raise error(f"{folder} is a ZeRO stage 0 checkpoint (the whole optimizer state inside {states_name}, no "
+        raise ForeignFormatError(f"{folder} is a ZeRO stage 0 checkpoint (the whole optimizer state inside {states_name}, no "
                     "zero_pp_rank_*_optim_states.pt files); ucl reads ZeRO stages 1-3. Its weights are "
                     f"torch.load('{states_name}')['module']")
     if sorted(optim) != list(range(dp)):
-        raise error(f"{folder} should hold optimizer files for dp ranks 0..{dp - 1} (dp_world_size={dp}), "
+        raise ForeignFormatError(f"{folder} should hold optimizer files for dp ranks 0..{dp - 1} (dp_world_size={dp}), "
                      f"found ranks {sorted(optim)}")
     optims = [read_torch_file(os.path.join(folder, optim[r]), inside=path) for r in range(dp)]
     osd = [as_dict(as_dict(o.obj, optim[r]).get("optimizer_state_dict"), f"{optim[r]}: optimizer_state_dict")
@@ -120,7 +120,7 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
                          if n not in shapes and n not in shared and n not in buffers and isinstance(t, TensorRef)}
     for n in list(shapes) + list(frozen_shapes) + buffers:
         if not NAME.match(n):
-            raise error(f"parameter name {n!r} cannot be written in a spec")
+            raise ForeignFormatError(f"parameter name {n!r} cannot be written in a spec")
 
     weights = weight_dtype(module, shapes)
     state = {"format": "deepspeed", "deepspeed": {k: plain(v, values=states) for k, v in ms.items() if k not in BULKY},
@@ -169,9 +169,9 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
                 extents[r][f"param/{n}"] = extent(per_rank[r], t, rel(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"),
                                                    n, tuple(t.shape))
                 if t.dtype != "float32":
-                    raise error(f"buffer {n!r} is {t.dtype}; ucl reads ZeRO-3 buffers in float32 only")
+                    raise ForeignFormatError(f"buffer {n!r} is {t.dtype}; ucl reads ZeRO-3 buffers in float32 only")
     else:
-        raise error(f"{optim[0]}: zero_stage {stage!r} is not a ZeRO checkpoint ucl reads (stages 1, 2, 3)")
+        raise ForeignFormatError(f"{optim[0]}: zero_stage {stage!r} is not a ZeRO checkpoint ucl reads (stages 1, 2, 3)")
     spec.append("state step : scalar")
     for r in range(dp):
         for g, names_g in enumerate(groups):
@@ -193,6 +193,6 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
 
 def _no_user(user: UserSpec | None, folder: str, what: str) -> None:
     if user is not None:
-        raise error(f"{folder} is {what}: DeepSpeed's files say where every shard lies, so ucl reads them and takes "
+        raise ForeignFormatError(f"{folder} is {what}: DeepSpeed's files say where every shard lies, so ucl reads them and takes "
                      "no spec for the parameters (--spec is for tensor-parallel checkpoints without "
                      "universal_checkpoint_info)")

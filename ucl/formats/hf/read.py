@@ -33,7 +33,7 @@ import os
 import re
 from collections import Counter
 
-from ...errors import StoreError, UclError
+from ...errors import ForeignFormatError, StoreError, UclError
 from ...files import check_inside
 from ...lang.spec import Spec, load_spec
 from ...lang.stdlib import stdlib_names
@@ -46,9 +46,6 @@ from .names import INDEX_NAME, SINGLE_NAME, fuse_saved_experts, fused_expert_par
 _NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
 _NOT_HF = ("megatron",)  # stdlib specs that describe another framework's names, not a model_type
 
-
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL502")
 
 
 def _has(path: str, name: str) -> bool:
@@ -93,13 +90,13 @@ def describe(path: str) -> Description:
     shapes = {n: e.shape for n, (_, e) in saved.items()}
     fused, problems = fuse_saved_experts(shapes)
     if problems:
-        raise _error(f"{path}: the per-expert tensors cannot be fused into the tensors {spec_name} describes:\n  "
+        raise ForeignFormatError(f"{path}: the per-expert tensors cannot be fused into the tensors {spec_name} describes:\n  "
                      + "\n  ".join(problems[:8]))
     saved = _fused(saved, fused, fused_expert_parts(shapes), path)
     names = _in_memory_names(base, list(saved))
     for n in names.values():
         if not _NAME.match(n):
-            raise _error(f"{path}: tensor name {n[:200]!r} cannot be written in a spec")
+            raise ForeignFormatError(f"{path}: tensor name {n[:200]!r} cannot be written in a spec")
 
     dtypes = {names[n]: e.dtype for n, e in saved.items()}
     spec_text = base.text.rstrip("\n") + "\n" + _dtype_lines(dtypes)
@@ -108,11 +105,11 @@ def describe(path: str) -> Description:
     frozen = tuple(params)
     bad = check_against(spec, dims, params, frozen=frozen)
     if bad:
-        raise _error(f"{path}: the tensors do not fit {spec_name} with the dims of config.json "
+        raise ForeignFormatError(f"{path}: the tensors do not fit {spec_name} with the dims of config.json "
                      f"({len(bad)} problem{'s' * (len(bad) != 1)}):\n  " + "\n  ".join(bad[:8]))
     missing = [n for n in _expected(spec, dims) if n not in params]
     if missing:
-        raise _error(f"{path} lacks {len(missing)} tensor(s) that {spec_name} with the dims of config.json expects "
+        raise ForeignFormatError(f"{path} lacks {len(missing)} tensor(s) that {spec_name} with the dims of config.json expects "
                      f"(e.g. {missing[:3]}); an incomplete save_pretrained folder is not read")
     extents = {f"param/{names[n]}": e for n, e in saved.items()}
     files = sorted({p.file for e in saved.values() for p in e.parts()})
@@ -133,7 +130,7 @@ def _fused(saved: dict, fused: dict, parts: dict[str, list[str]], path: str) -> 
             pieces = [saved[s] for s in parts[name]]
             dtypes = {e.dtype for _, e in pieces}
             if len(dtypes) != 1:
-                raise _error(f"{path}: the experts of {name} are stored in several dtypes {sorted(dtypes)}")
+                raise ForeignFormatError(f"{path}: the experts of {name} are stored in several dtypes {sorted(dtypes)}")
             out[name] = Extent.joined([Piece(f, e.offset, e.nbytes) for f, e in pieces], dtypes.pop(), shape)
         else:
             orig = name if name in saved else name.replace(".mlp.gate.", ".block_sparse_moe.gate.")

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...dtypes import itemsize
-from ...errors import StoreError
+from ...errors import ForeignFormatError
 from ...store.extents import ZEROS, Extent, Piece
 from ..dcp.metadata import METADATA, Metadata, TensorMeta
 from ..base import Description
@@ -72,9 +72,6 @@ _MLP = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", "m
 # way; the local spec registers input_layernorm before self_attention, TE has it inside linear_qkv.
 ORDERS = {"local": _IN_NORM + _ATTN + _QKV + _MLP, "transformer_engine": _ATTN + _IN_NORM + _QKV + _MLP}
 
-
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL502")
 
 
 @dataclass(frozen=True)
@@ -155,7 +152,7 @@ def module_orders(names: list[str]) -> dict[str, list[str]]:
     known = set().union(*ORDERS.values())
     unknown = sorted(other - set(_PRE) - set(_POST)) + sorted({r for s in layers.values() for r in s} - known)
     if unknown:
-        raise _error(f"the model has tensors ucl does not know Megatron's module order of ({', '.join(unknown[:4])}); "
+        raise ForeignFormatError(f"the model has tensors ucl does not know Megatron's module order of ({', '.join(unknown[:4])}); "
                      "the dp_reshardable buckets follow that order, so they cannot be placed")
     out = {}
     for label, order in ORDERS.items():
@@ -175,21 +172,21 @@ def _bucket_meta(md: Metadata, path: str) -> dict[int, dict[int, dict[str, Tenso
             continue
         m = BUCKET.match(key)
         if m is None or m.group(6) not in KINDS:
-            raise _error(f"{key!r} is not a dp_reshardable bucket tensor ucl knows "
+            raise ForeignFormatError(f"{key!r} is not a dp_reshardable bucket tensor ucl knows "
                          f"(optimizer.distributed.dp_group_idx_G.gbuf_idx_I.dtype_(P, G).bucket_idx_B.{{param,"
                          "exp_avg,exp_avg_sq}})")
         buffers.add(int(m.group(2)))
         if len(t.shape) != 1:
-            raise _error(f"{key!r} is {list(t.shape)}, not a 1-D bucket")
+            raise ForeignFormatError(f"{key!r} is {list(t.shape)}, not a 1-D bucket")
         out.setdefault(int(m.group(1)), {}).setdefault(int(m.group(5)), {})[m.group(6)] = t
     if buffers != {0}:
-        raise _error(f"{path}: the dp_reshardable optimizer state has gradient buffers {sorted(buffers)}: several "
+        raise ForeignFormatError(f"{path}: the dp_reshardable optimizer state has gradient buffers {sorted(buffers)}: several "
                      "parameter dtypes, experts or virtual pipeline chunks; ucl reads one buffer for now")
     if sorted(out) != list(range(len(out))):
-        raise _error(f"{path}: the dp_reshardable data-parallel groups are {sorted(out)}, not 0..N")
+        raise ForeignFormatError(f"{path}: the dp_reshardable data-parallel groups are {sorted(out)}, not 0..N")
     for g, buckets in out.items():
         if sorted(buckets) != list(range(len(buckets))) or any(set(k) != set(KINDS) for k in buckets.values()):
-            raise _error(f"{path}: group {g}'s bucket tensors are not {{param, exp_avg, exp_avg_sq}} of buckets "
+            raise ForeignFormatError(f"{path}: group {g}'s bucket tensors are not {{param, exp_avg, exp_avg_sq}} of buckets "
                          f"0..N (found buckets {sorted(buckets)})")
     return out
 
@@ -203,7 +200,7 @@ def _numels(objects: dict, group: str, what: str, nbuckets: int) -> list[int]:
         elif isinstance(v, dict) and len(v) == 1:
             v = next(iter(v.values()))
     if not isinstance(v, list) or len(v) != nbuckets or not all(isinstance(x, int) and x > 0 for x in v):
-        raise _error(f"{group}.{what} is {str(v)[:120]}, not one size per bucket ({nbuckets} buckets)")
+        raise ForeignFormatError(f"{group}.{what} is {str(v)[:120]}, not one size per bucket ({nbuckets} buckets)")
     return v
 
 
@@ -225,7 +222,7 @@ def describe_buckets(path: str, md: Metadata, state: dict) -> Description:
     groups = _bucket_meta(md, path)
     tp = infer_tp(md)
     if len(groups) % tp:
-        raise _error(f"{path}: {len(groups)} data-parallel groups for tensor-parallel size {tp} (from the chunks)")
+        raise ForeignFormatError(f"{path}: {len(groups)} data-parallel groups for tensor-parallel size {tp} (from the chunks)")
     pp = len(groups) // tp  # one group per model-parallel rank: G = pp_rank * tp + tp_rank
     objects = read_objects(path, md)
     numels = {g: (_numels(objects, f"{PREFIX}dp_group_idx_{g}", "per_bucket_numel_unpadded", len(b)),
@@ -234,14 +231,14 @@ def describe_buckets(path: str, md: Metadata, state: dict) -> Description:
                    if c.file.startswith("__") and c.file.count("_") >= 3} for g, buckets in groups.items()}
     dp = len(writers[0])  # each data-parallel rank of a group writes its own slices
     if dp == 0 or any(len(w) != dp for w in writers.values()):
-        raise _error(f"{path}: the data-parallel groups' bucket chunks were written by "
+        raise ForeignFormatError(f"{path}: the data-parallel groups' bucket chunks were written by "
                      f"{sorted(len(w) for w in writers.values())} ranks; a group's ranks write its slices")
     weights, dtype = unstack(md, tp)
     by_name = {w.name: w for w in weights}
     sizes = {w.name: w.local_numel for w in weights}
     layers = max((int(n[len(LAYERS):].partition(".")[0]) + 1 for n in by_name if n.startswith(LAYERS)), default=0)
     if layers % pp:
-        raise _error(f"{path}: {layers} layers over {pp} pipeline stages: ucl reads even stages")
+        raise ForeignFormatError(f"{path}: {layers} layers over {pp} pipeline stages: ucl reads even stages")
     stage = {n: stage_of(n, layers, pp) for n in by_name}
     problems, found = [], []
     for label, order in module_orders(list(by_name)).items():
@@ -258,10 +255,10 @@ def describe_buckets(path: str, md: Metadata, state: dict) -> Description:
         if not bad:
             found.append((label, order, got))
     if not found:
-        raise _error(f"{path}: Megatron's dp_reshardable buckets (dp={dp}, tp={tp}, pp={pp}) are not the layout ucl "
+        raise ForeignFormatError(f"{path}: Megatron's dp_reshardable buckets (dp={dp}, tp={tp}, pp={pp}) are not the layout ucl "
                      "recomputes from the parameter shapes; " + "; ".join(problems))
     if len(found) > 1 and len({tuple(b.names for g in f[2].values() for b in g[0]) for f in found}) > 1:
-        raise _error(f"{path}: the buckets fit several module orders ({', '.join(f[0] for f in found)}) that place "
+        raise ForeignFormatError(f"{path}: the buckets fit several module orders ({', '.join(f[0] for f in found)}) that place "
                      "parameters differently; ucl cannot tell which one the model had")
     label, order, got = found[0]
     # one flat statement per (stage, bucket), numbered in that order: @flat0, @flat1, ...

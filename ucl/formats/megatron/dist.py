@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 
-from ...errors import StoreError
+from ...errors import ForeignFormatError, StoreError
 from ...files import parse_json, read_bounded
 from ..dcp.read import describe_dcp
 from ..dcp.metadata import METADATA, read_metadata
@@ -40,9 +40,6 @@ COMMON = "common.pt"
 _OPTIMIZER_STATE = "optimizer.state."
 _BUCKETS = "optimizer.distributed."
 
-
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL502")
 
 
 def _metadata_json(path: str) -> dict | None:
@@ -66,7 +63,7 @@ def describe(path: str) -> Description:
         raise StoreError(f"{path} is not a Megatron dist_checkpointing folder (no {META_JSON} naming a "
                          "sharded_backend)", code="UCL501")
     if meta.get("sharded_backend") != "torch_dist":
-        raise _error(f"{path} was saved with the {meta.get('sharded_backend')!r} backend; ucl reads Megatron's "
+        raise ForeignFormatError(f"{path} was saved with the {meta.get('sharded_backend')!r} backend; ucl reads Megatron's "
                      "torch_dist format (the default)")
     common = {}
     if os.path.exists(os.path.join(path, COMMON)):
@@ -86,7 +83,7 @@ def classify(paths: dict[str, tuple]) -> dict[str, tuple[str, str] | None]:
     """(kind, parameter) of each tensor key of a torch_dist folder (see the module doc)."""
     buckets = sorted(k for k in paths if k.startswith(_BUCKETS))
     if buckets:  # describe() hands such folders to megatron_buckets; the DCP grid cannot say them
-        raise _error(f"the distributed optimizer state is saved as data-parallel buckets ({len(buckets)} tensors, "
+        raise ForeignFormatError(f"the distributed optimizer state is saved as data-parallel buckets ({len(buckets)} tensors, "
                      f"e.g. {json.dumps(buckets[0])}): Megatron's dp_reshardable format, which "
                      "ucl.formats.megatron.buckets describes, not a chunk grid")
     out: dict[str, tuple[str, str] | None] = {}

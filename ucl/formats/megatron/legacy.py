@@ -44,7 +44,7 @@ import os
 import re
 from typing import Any
 
-from ...errors import StoreError, UclError
+from ...errors import ForeignFormatError, StoreError, UclError
 from ...files import read_bounded
 from ...lang.expr import ExprError, evaluate_extent, evaluate_lets
 from ...lang.spec import Spec, load_spec
@@ -67,9 +67,6 @@ _CORE = ("stdlib:megatron_gpt", "decoder.layers.", "embedding.word_embeddings.we
 _LEGACY = ("stdlib:megatron_legacy_gpt", "language_model.encoder.layers.",
            "language_model.embedding.word_embeddings.weight", "word_embeddings_for_head.weight")
 
-
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL502")
 
 
 def _rank_dir(tp: int, pp: int, pp_size: int) -> str:
@@ -123,7 +120,7 @@ def _arg(args: dict, name: str, default: Any = None) -> Any:
 def _int_arg(args: dict, name: str, default: int | None = None) -> int:
     v = _arg(args, name, default)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise _error(f"args.{name} is {v!r}: not a usable whole number")
+        raise ForeignFormatError(f"args.{name} is {v!r}: not a usable whole number")
     return v
 
 
@@ -185,18 +182,18 @@ def describe(path: str) -> Description:
     tp, pp = _int_arg(args, "tensor_model_parallel_size", 1), _int_arg(args, "pipeline_model_parallel_size", 1)
     _refuse_unsupported(args, head, folder)
     if tp < 1 or pp < 1:
-        raise _error(f"{folder}: args give tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}")
+        raise ForeignFormatError(f"{folder}: args give tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}")
 
     # the rank files Megatron-LM names from args; never inferred from the folder listing
     names = {(p, t): _rank_dir(t, p, pp) for p in range(pp) for t in range(tp)}
     missing = [n for n in names.values() if not os.path.isfile(os.path.join(folder, n, MODEL_FILE))]
     if missing:
-        raise _error(f"{folder}: args say tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
+        raise ForeignFormatError(f"{folder}: args say tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
                      f"but {len(missing)} rank file(s) are missing: "
                      + ", ".join(f"{n}/{MODEL_FILE}" for n in missing[:8]))
     stray = sorted(n for n in os.listdir(folder) if _RANK_DIR.match(n) and n not in names.values())
     if stray:
-        raise _error(f"{folder} holds {', '.join(stray[:8])}, which a run with tensor_model_parallel_size={tp}, "
+        raise ForeignFormatError(f"{folder} holds {', '.join(stray[:8])}, which a run with tensor_model_parallel_size={tp}, "
                      f"pipeline_model_parallel_size={pp} does not write; the folder contradicts its args")
     ranks: list[_Rank] = []
     for (p, t), n in sorted(names.items()):
@@ -210,7 +207,7 @@ def describe(path: str) -> Description:
     dims = dims_from_args(args, base)
     vpp = dims.get("vpp", 1)
     if dims["layers"] % (pp * vpp):
-        raise _error(f"{folder}: num_layers={dims['layers']} is not a multiple of pipeline stages x virtual stages "
+        raise ForeignFormatError(f"{folder}: num_layers={dims['layers']} is not a multiple of pipeline stages x virtual stages "
                      f"({pp} x {vpp}); {spec_name} describes even blocks of layers only")
     chunk = dims["layers"] // (pp * vpp)
     for rk in ranks:
@@ -223,9 +220,9 @@ def describe(path: str) -> Description:
         for local, ref in rk.tensors.items():
             name = _global_name(local, layer_prefix, rk.pp, chunk, pp)
             if not _NAME.match(name):
-                raise _error(f"{rk.rel}: tensor name {name[:200]!r} cannot be written in a spec")
+                raise ForeignFormatError(f"{rk.rel}: tensor name {name[:200]!r} cannot be written in a spec")
             if stored.setdefault(name, ref.dtype) != ref.dtype:
-                raise _error(f"{name} is stored as {stored[name]} in one rank file and {ref.dtype} in {rk.rel}")
+                raise ForeignFormatError(f"{name} is stored as {stored[name]} in one rank file and {ref.dtype} in {rk.rel}")
             order.setdefault(name, tuple(ref.shape))
     # model order: embeddings, then the layers in global order, then the head
     first_seen = {n: i for i, n in enumerate(order)}
@@ -238,7 +235,7 @@ def describe(path: str) -> Description:
     if dims["vocab"] % (128 * tp):
         # the stdlib specs pad the vocabulary to a multiple of 128 * tp (Megatron's default
         # --make-vocab-size-divisible-by); another multiple would be misplaced rows, not padding
-        raise _error(f"{folder}: padded_vocab_size={dims['vocab']} is not a multiple of 128 x tp ({128 * tp}) "
+        raise ForeignFormatError(f"{folder}: padded_vocab_size={dims['vocab']} is not a multiple of 128 x tp ({128 * tp}) "
                      f"(make_vocab_size_divisible_by={args.get('make_vocab_size_divisible_by')!r}); {spec_name} "
                      "pads the vocabulary to multiple_of(128 * tp) and cannot describe this padding")
     spec_text, spec = _with_dtypes(base, spec_name, dims, params, stored, path)
@@ -246,7 +243,7 @@ def describe(path: str) -> Description:
     optim_files = {(rk.pp, rk.tp): os.path.join(os.path.dirname(rk.rel), DISTRIB_OPTIM) for rk in ranks}
     present = [f for f in optim_files.values() if os.path.isfile(os.path.join(path, f))]
     if present and len(present) != len(optim_files):
-        raise _error(f"{folder}: {len(present)} of the {len(optim_files)} rank folders hold {DISTRIB_OPTIM}")
+        raise ForeignFormatError(f"{folder}: {len(present)} of the {len(optim_files)} rank folders hold {DISTRIB_OPTIM}")
     if present:
         optim.refuse_unsupported(args, folder, vpp, pp, not dims.get("untied", 1), spec_name)
     frozen = () if present else tuple(params)
@@ -255,7 +252,7 @@ def describe(path: str) -> Description:
         mesh = Mesh((("pp", pp), ("tp", tp)))
         shard_map = lower(model, mesh)
     except UclError as e:
-        raise _error(f"{path}: the tensors of the Megatron-LM files do not fit {spec_name} with the dims of args "
+        raise ForeignFormatError(f"{path}: the tensors of the Megatron-LM files do not fit {spec_name} with the dims of args "
                      f"({', '.join(f'{k}={v}' for k, v in dims.items())}):\n{e}") from None
 
     extents: list[dict[str, Extent]] = []
@@ -291,7 +288,7 @@ def describe(path: str) -> Description:
         extents.append(table)
         files.append(rk.rel)
     if problems:
-        raise _error(f"{path}: the Megatron-LM files disagree with {spec_name} ({len(problems)} problem"
+        raise ForeignFormatError(f"{path}: the Megatron-LM files disagree with {spec_name} ({len(problems)} problem"
                      f"{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(problems[:8]))
 
     state = {"format": "megatron-legacy", "megatron": _state(head, args, sub, tracker, path, ranks, dims)}
@@ -305,32 +302,32 @@ def describe(path: str) -> Description:
 
 def _dict(obj: Any, where: str) -> dict:
     if not isinstance(obj, dict):
-        raise _error(f"{where} holds a {type(obj).__name__}, not the dict Megatron-LM saves")
+        raise ForeignFormatError(f"{where} holds a {type(obj).__name__}, not the dict Megatron-LM saves")
     return obj
 
 
 def _args(head: dict, where: str) -> dict:
     args = head.get("args")
     if not isinstance(args, Record) or args.cls != "argparse.Namespace" or not isinstance(args.state, dict):
-        raise _error(f"{where} has no 'args' (the run's argparse.Namespace); without it the layout is unknown")
+        raise ForeignFormatError(f"{where} has no 'args' (the run's argparse.Namespace); without it the layout is unknown")
     return args.state
 
 
 def _refuse_unsupported(args: dict, head: dict, folder: str) -> None:
     if _int_arg(args, "expert_model_parallel_size", 1) > 1:
-        raise _error(f"{folder}: expert-parallel checkpoints (expert_model_parallel_size="
+        raise ForeignFormatError(f"{folder}: expert-parallel checkpoints (expert_model_parallel_size="
                      f"{args['expert_model_parallel_size']}, files mp_rank_TT[_PPP]_EEE) are not read yet")
     uneven = [k for k in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                           "pipeline_model_parallel_layout") if args.get(k) is not None]
     uneven += [k for k in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
                if args.get(k)]
     if uneven:
-        raise _error(f"{folder}: the pipeline stages hold uneven blocks of layers ({', '.join(uneven)} set); the "
+        raise ForeignFormatError(f"{folder}: the pipeline stages hold uneven blocks of layers ({', '.join(uneven)} set); the "
                      "stdlib Megatron specs describe even blocks only")
     version = head.get("checkpoint_version", 0)
     if not isinstance(version, (int, float)) or version < 2.0:
         # versions 0 and 1.0 order the fused QKV rows differently (Megatron converts them on load)
-        raise _error(f"{folder}: checkpoint_version {version!r} stores query_key_value in an older order; "
+        raise ForeignFormatError(f"{folder}: checkpoint_version {version!r} stores query_key_value in an older order; "
                      "load and save it once with Megatron-LM (checkpoint_version >= 2.0) first")
 
 
@@ -340,20 +337,20 @@ def _modules(rk: _Rank, args: dict) -> list[dict[str, Any]]:
     sub = _args(obj, rk.rel)
     for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size"):
         if sub.get(k) != args.get(k):
-            raise _error(f"{rk.rel}: args.{k} is {sub.get(k)!r}, the rank-0 file says {args.get(k)!r}")
+            raise ForeignFormatError(f"{rk.rel}: args.{k} is {sub.get(k)!r}, the rank-0 file says {args.get(k)!r}")
     if "model" in obj:
         keys = ["model"]
     else:
         keys = sorted((k for k in obj if isinstance(k, str) and re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
         if not keys or keys != [f"model{i}" for i in range(len(keys))]:
-            raise _error(f"{rk.rel} has no 'model' (or model0, model1, ...) state dict: saved without the model?")
+            raise ForeignFormatError(f"{rk.rel} has no 'model' (or model0, model1, ...) state dict: saved without the model?")
     out = []
     for k in keys:
         flat: dict[str, Any] = {}
         _flatten(_dict(obj[k], f"{rk.rel}: {k}"), "", flat)
         for name, v in flat.items():
             if not name.endswith(_EXTRA) and not isinstance(v, TensorRef):
-                raise _error(f"{rk.rel}: {k}[{name!r}] is a {type(v).__name__}, not a tensor")
+                raise ForeignFormatError(f"{rk.rel}: {k}[{name!r}] is a {type(v).__name__}, not a tensor")
         out.append({n: v for n, v in flat.items() if not n.endswith(_EXTRA)})
     return out
 
@@ -365,14 +362,14 @@ def _which_spec(modules: dict) -> tuple[str, str, str, str]:
     if any(n.startswith(("decoder.", "embedding.")) for n in names):
         return _CORE
     sample = sorted(names)[:3]
-    raise _error(f"the module state dicts hold neither megatron-core GPTModel names (decoder.layers...) nor legacy "
+    raise ForeignFormatError(f"the module state dicts hold neither megatron-core GPTModel names (decoder.layers...) nor legacy "
                  f"GPT names (language_model...); e.g. {sample}")
 
 
 def _local_names(rk: _Rank, chunks: list[dict], layer_prefix: str, chunk: int, vpp: int, pp: int,
                  embedding: str, tied_copy: str, tied: bool) -> None:
     if len(chunks) != vpp:
-        raise _error(f"{rk.rel} holds {len(chunks)} model chunk(s), args say {vpp} virtual pipeline stage(s)")
+        raise ForeignFormatError(f"{rk.rel} holds {len(chunks)} model chunk(s), args say {vpp} virtual pipeline stage(s)")
     layer = re.compile(re.escape(layer_prefix) + r"(\d+)\.")
     for c, chunk_sd in enumerate(chunks):
         key = "model" if vpp == 1 else f"model{c}"
@@ -382,12 +379,12 @@ def _local_names(rk: _Rank, chunks: list[dict], layer_prefix: str, chunk: int, v
             if m:
                 j = int(m.group(1))
                 if j >= chunk:
-                    raise _error(f"{rk.rel}: {key}[{name!r}]: a stage holds {chunk} layer(s) per chunk")
+                    raise ForeignFormatError(f"{rk.rel}: {key}[{name!r}]: a stage holds {chunk} layer(s) per chunk")
                 local = f"{layer_prefix}{c * chunk + j}.{name[m.end():]}"
             elif tied and name == tied_copy and not (rk.pp == 0 and c == 0):
                 local = embedding  # the tied embedding's copy on the last stage
             if local in rk.tensors:
-                raise _error(f"{rk.rel}: {key}[{name!r}] and {rk.origin[local]} are the same tensor {local!r}")
+                raise ForeignFormatError(f"{rk.rel}: {key}[{name!r}] and {rk.origin[local]} are the same tensor {local!r}")
             rk.tensors[local], rk.origin[local] = ref, f"{key}[{name!r}]"
 
 
@@ -423,7 +420,7 @@ def _with_dtypes(base: Spec, spec_name: str, dims: dict, params: dict, stored: d
     try:
         declared = {t.name: t.dtype for t in base.bind(dims, params, frozen=tuple(params)).tensors}
     except UclError as e:
-        raise _error(f"{path}: the tensors of the Megatron-LM files do not fit {spec_name} with the dims of args "
+        raise ForeignFormatError(f"{path}: the tensors of the Megatron-LM files do not fit {spec_name} with the dims of args "
                      f"({', '.join(f'{k}={v}' for k, v in dims.items())}):\n{e}") from None
     other: dict[str, list[str]] = {}
     for name, dtype in stored.items():

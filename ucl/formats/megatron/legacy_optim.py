@@ -24,7 +24,7 @@ import os
 from typing import Any
 
 from ...dtypes import itemsize
-from ...errors import StoreError
+from ...errors import ForeignFormatError
 from ...store.extents import ZEROS, Extent, Piece
 from ..torchzip.read import TensorRef, TorchFile, read_torch_file
 
@@ -35,19 +35,16 @@ BUCKET_MULTIPLE = 128  # the buffer's end is padded to lcm(dp, 128)
 BUCKET_DEFAULT = 40_000_000  # DDP's bucket_size when --ddp-bucket-size is not given: max(this, 1e6 * dp)
 
 
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL502")
-
 
 def refuse_unsupported(args: dict, folder: str, vpp: int, pp: int, tied: bool, spec_name: str) -> None:
     if spec_name != "stdlib:megatron_gpt":
-        raise _error(f"{folder}: {DISTRIB_OPTIM} beside legacy module names (language_model.*) is not read: "
+        raise ForeignFormatError(f"{folder}: {DISTRIB_OPTIM} beside legacy module names (language_model.*) is not read: "
                      f"{spec_name} does not say how their older Megatron-LM aligned the buffer")
     if vpp > 1:
-        raise _error(f"{folder}: {DISTRIB_OPTIM} of a run with virtual pipeline stages (one gradient buffer per "
+        raise ForeignFormatError(f"{folder}: {DISTRIB_OPTIM} of a run with virtual pipeline stages (one gradient buffer per "
                      "model chunk) is not read yet")
     if tied and pp > 1:
-        raise _error(f"{folder}: {DISTRIB_OPTIM} of a run with a tied embedding on {pp} pipeline stages (Megatron "
+        raise ForeignFormatError(f"{folder}: {DISTRIB_OPTIM} of a run with a tied embedding on {pp} pipeline stages (Megatron "
                      "keeps it in a bucket of its own) is not read yet")
 
 
@@ -66,30 +63,30 @@ def read(path: str, rel: str, sizes: list[int], args: dict) -> tuple[dict[str, t
     tf = read_torch_file(os.path.join(path, rel), inside=path)
     obj = tf.obj
     if not isinstance(obj, dict) or obj.get("buckets_coalesced") is not True:
-        raise _error(f"{rel} is not Megatron's coalesced parameter state ({{'buckets_coalesced': True, 0: ...}}); "
+        raise ForeignFormatError(f"{rel} is not Megatron's coalesced parameter state ({{'buckets_coalesced': True, 0: ...}}); "
                      "the older per-bucket format is not read")
     buffers = [k for k in obj if k != "buckets_coalesced"]
     if buffers != [0] or not isinstance(obj[0], dict) or len(obj[0]) != 1:
-        raise _error(f"{rel} holds gradient buffers {buffers} with dtypes "
+        raise ForeignFormatError(f"{rel} holds gradient buffers {buffers} with dtypes "
                      f"{list(obj[0]) if buffers == [0] and isinstance(obj[0], dict) else '?'}: several parameter "
                      "dtypes or experts; ucl reads one buffer of one dtype")
     state: Any = next(iter(obj[0].values()))
     n = state.get("numel_unpadded") if isinstance(state, dict) else None
     want = unpadded_size(sizes)
     if n != want:
-        raise _error(f"{rel}: numel_unpadded is {n!r}, but the rank's {len(sizes)} parameters laid out Megatron's "
+        raise ForeignFormatError(f"{rel}: numel_unpadded is {n!r}, but the rank's {len(sizes)} parameters laid out Megatron's "
                      f"way (reverse order, each at a multiple of {ALIGN}) end at {want}")
     if args.get("overlap_grad_reduce"):
         dp = args.get("data_parallel_size") or 1
         size = args.get("ddp_bucket_size") or max(BUCKET_DEFAULT, 1_000_000 * int(dp))
         if want >= size:
-            raise _error(f"{rel}: with --overlap-grad-reduce the buffer ({want:,} elements) is cut into buckets of "
+            raise ForeignFormatError(f"{rel}: with --overlap-grad-reduce the buffer ({want:,} elements) is cut into buckets of "
                          f"{size:,} whose end padding the file leaves out; ucl reads the single-bucket layout")
     out = {}
     for mkind in KINDS:
         t = state.get(mkind)
         if not isinstance(t, TensorRef) or t.shape != (n,) or t.dtype != "float32" or not t.contiguous:
-            raise _error(f"{rel}: {mkind!r} is {getattr(t, 'shape', type(t).__name__)} "
+            raise ForeignFormatError(f"{rel}: {mkind!r} is {getattr(t, 'shape', type(t).__name__)} "
                          f"{getattr(t, 'dtype', '')}, not a contiguous float32 tensor of {n} elements")
         out[mkind] = (tf, t)
     return out, n
@@ -99,7 +96,7 @@ def extent(rel: str, tf: TorchFile, t: TensorRef, length: int) -> Extent:
     """The tensor ``t`` followed by zeros to ``length`` elements (the buffer's end padding)."""
     n, item = t.shape[0], itemsize(t.dtype)
     if length != -(-n // BUCKET_MULTIPLE) * BUCKET_MULTIPLE:  # dp = 1: padded to lcm(1, 128)
-        raise _error(f"{rel}: a buffer of {n} elements pads to {-(-n // BUCKET_MULTIPLE) * BUCKET_MULTIPLE} at data-"
+        raise ForeignFormatError(f"{rel}: a buffer of {n} elements pads to {-(-n // BUCKET_MULTIPLE) * BUCKET_MULTIPLE} at data-"
                      f"parallel size 1, but the spec's layout gives {length}")
     pieces = [Piece(rel, tf.byte_offset(t), n * item)]
     if length > n:

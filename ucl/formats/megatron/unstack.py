@@ -24,16 +24,13 @@ import os
 from dataclasses import dataclass
 
 from ...dtypes import itemsize
-from ...errors import StoreError
+from ...errors import ForeignFormatError, StoreError
 from ...store.extents import Extent, Piece
 from ..dcp.metadata import METADATA, Chunk, Metadata
 from ..torchzip.read import TensorRef, read_torch_file
 
 LAYERS = "decoder.layers."
 
-
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL502")
 
 
 @dataclass(frozen=True)
@@ -62,16 +59,16 @@ def unstack(md: Metadata, tp: int) -> tuple[list[Weight], str]:
         per_layer: dict[int, list[Chunk]] = {}
         for c in t.chunks:
             if stacked and c.sizes[0] != 1:
-                raise _error(f"{key!r} {list(t.shape)} has a chunk of {c.sizes[0]} layers; Megatron saves one per layer")
+                raise ForeignFormatError(f"{key!r} {list(t.shape)} has a chunk of {c.sizes[0]} layers; Megatron saves one per layer")
             per_layer.setdefault(c.offsets[0] if stacked else 0, []).append(c)
         if sorted(per_layer) != list(range(t.shape[0] if stacked else 1)):
-            raise _error(f"{key!r}: its layers are saved at {sorted(per_layer)}, not 0..{t.shape[0] - 1}")
+            raise ForeignFormatError(f"{key!r}: its layers are saved at {sorted(per_layer)}, not 0..{t.shape[0] - 1}")
         for layer, cs in sorted(per_layer.items()):
             name = f"{LAYERS}{layer}.{key[len(LAYERS):]}" if stacked else key
             out.append(_weight(name, key, tuple(t.shape[stacked:]), [(c.offsets[stacked:], c.sizes[stacked:], c)
                                                                     for c in cs], tp))
     if len(dtypes) > 1:
-        raise _error(f"the model's tensors have several dtypes ({sorted(dtypes)}); ucl reads one training dtype")
+        raise ForeignFormatError(f"the model's tensors have several dtypes ({sorted(dtypes)}); ucl reads one training dtype")
     return out, dtypes.pop() if dtypes else "float32"
 
 
@@ -87,7 +84,7 @@ def _weight(name: str, key: str, shape: tuple[int, ...], boxes: list[tuple], tp:
         and size[:d] + size[d + 1:] == shape[:d] + shape[d + 1:] for i, (off, size, _) in enumerate(pieces))
     where = f"{key!r} {list(shape)} (its layer or tensor {name!r})"
     if not even:
-        raise _error(f"{where} is saved in chunks at {[list(o) for o, _, _ in pieces][:8]}: not equal pieces along "
+        raise ForeignFormatError(f"{where} is saved in chunks at {[list(o) for o, _, _ in pieces][:8]}: not equal pieces along "
                      "one dim, which ucl reads for Megatron's dp_reshardable optimizer")
     local = tuple(n // tp if i == d else n for i, n in enumerate(shape))
     if k == tp:
@@ -97,7 +94,7 @@ def _weight(name: str, key: str, shape: tuple[int, ...], boxes: list[tuple], tp:
     if k == 2 * tp and d == 0 and ".linear_fc1." in f".{name}":  # SwiGLU: [gate_r; up_r] on rank r
         return Weight(name, shape, f"view 0 as [2, {shape[0] // 2}]; split 0.1 over tp", local,
                       tuple((pieces[r][2], pieces[tp + r][2]) for r in range(tp)))
-    raise _error(f"{where} is saved in {k} pieces along dim {d}, but the run's tensor-parallel size is {tp}; "
+    raise ForeignFormatError(f"{where} is saved in {k} pieces along dim {d}, but the run's tensor-parallel size is {tp}; "
                  "ucl reads a grid of tp equal pieces (SwiGLU's fc1: 2 * tp)")
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...dtypes import storage_dtype
-from ...errors import StoreError
+from ...errors import ForeignFormatError
 
 # logical dtype -> the torch storage class a tensor of it is pickled with
 _STORAGES = {"float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",
@@ -36,7 +36,7 @@ class Tensor:
 
     def __post_init__(self):
         if self.dtype not in _STORAGES or self.array.dtype != storage_dtype(self.dtype):
-            raise StoreError(f"cannot write a {self.array.dtype} array as a torch {self.dtype} tensor", code="UCL503")
+            raise ForeignFormatError(f"cannot write a {self.array.dtype} array as a torch {self.dtype} tensor", code="UCL503")
 
 
 class Size(tuple):
@@ -98,7 +98,7 @@ class _Pickler:
             out += b"}"
             self._items(o)
         else:
-            raise StoreError(f"cannot write a {type(o).__name__} into a torch.save file", code="UCL503")
+            raise ForeignFormatError(f"cannot write a {type(o).__name__} into a torch.save file", code="UCL503")
 
     def _items(self, d: dict) -> None:
         for k, v in d.items():
