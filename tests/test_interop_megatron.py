@@ -5,6 +5,8 @@ The fixtures (tests/fixtures/megatron, made by make.py with megatron-core 0.16.1
 oracle is Megatron's, and megatron-core is not needed here."""
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -68,3 +70,27 @@ def test_dp_reshardable_folders_are_read_weights_and_buckets():
     d = describe(FIXTURES / "dp2_optim")
     assert d.mesh == (("dp", 2),) and d.state["megatron"]["common"]["iteration"] == 1
     assert {"param/decoder.layers.1.mlp.linear_fc1.weight", "fp32/@flat0", "exp_avg_sq/@flat0"} <= set(d.extents[1])
+
+
+@pytest.mark.parametrize("name", READ + ["dp2_optim", "tp2_dp2_optim", "pp2_dp2_optim"])
+def test_mesh_is_the_runs_own_axes(name):
+    """The axes are Megatron's, sized as the generator ran it (truth.json's layout), never made up:
+    a TP=2 run is tp=2, not dp=2,tp=2,tp2=2."""
+    layout = json.loads((FIXTURES / name / "truth.json").read_text())["layout"]
+    d = describe(FIXTURES / name)
+    assert set(d.mesh) <= {(a, layout[a]) for a in ("pp", "dp", "tp")}  # the bucket reader leaves out size-1 pp, tp
+    assert math.prod(n for _, n in d.mesh) == layout["pp"] * layout["dp"] * layout["tp"]
+    assert not any(a[-1].isdigit() for a, _ in d.mesh)
+
+
+def test_stages_and_tp_splits_are_megatrons():
+    pp2 = describe(FIXTURES / "pp2")
+    assert "decoder.layers.self_attention.linear_qkv.weight [2, 32, 16] : split 0 over pp\n" in pp2.spec
+    assert "embedding.word_embeddings.weight [128, 16] : on pp = first" in pp2.spec
+    assert "output_layer.weight [128, 16] : on pp = last" in pp2.spec
+    assert pp2.state["megatron"]["layout"]["from"]["pp"] == "the ranks that wrote each layer"
+    tp2 = describe(FIXTURES / "tp2_dp2_optim_fully")
+    assert "linear_fc1.weight [2, 64, 16] : split 0 over pp; view 1 as [2, 32]; split 1.1 over tp uneven" in tp2.spec
+    assert "output_layer.weight [64, 16] : split 0 over tp uneven; on pp = last" in tp2.spec
+    assert len(tp2.extents) == 4  # dp=2 x tp=2, as run: the replicas' datasets are the same bytes
+    assert tp2.extents[0] == tp2.extents[2] and tp2.extents[1] == tp2.extents[3]

@@ -134,6 +134,7 @@ class Metadata:
     objects: dict[str, tuple[str, int, int]]  # key -> (file, offset, length)
     paths: dict[str, tuple]  # flattened key -> path in the nested state dict
     version: Any
+    ranks: int | None = None  # processes that saved: Megatron keeps one SavePlan each (all_local_plans)
 
 
 def _ints(x: Any, what: str) -> tuple[int, ...]:
@@ -218,4 +219,6 @@ def read_metadata(path: str) -> Metadata:
     planner = md.get("planner_data")
     paths = {k: tuple(v) for k, v in planner.items() if isinstance(k, str) and isinstance(v, (tuple, list))} \
         if isinstance(planner, dict) else {}
-    return Metadata(tensors, objects, paths, md.get("version"))
+    plans = md.get("all_local_plans")
+    ranks = len(plans) if isinstance(plans, list) and plans else None
+    return Metadata(tensors, objects, paths, md.get("version"), ranks)

@@ -6,9 +6,10 @@ Such a folder is a PyTorch DCP folder (``.metadata``, ``__R_K.distcp``) written 
 rank shares: iteration, optimizer hyperparameters; a plain ``torch.save`` dict). Its tensor keys
 are Megatron's sharded keys: global tensors, with a layer's parameters stacked along a prepended
 axis in global layer numbering (``decoder.layers.self_attention.linear_qkv.weight [L, ...]``) and
-the vocabulary stored padded. The chunks each rank wrote are described exactly as for any DCP
-folder (:func:`ucl.formats.dcp.read.describe_dcp`: nested uneven splits checked against the chunk grid);
-this module only says which tensor is which:
+the vocabulary stored padded. They are described in Megatron's own axes, ``mesh pp, dp, tp``
+(:mod:`ucl.formats.megatron.stacked`), or, where the chunk grid is not Megatron's, as any DCP folder
+(:func:`ucl.formats.dcp.read.describe_dcp`, axes named from the grid alone, as the state then says).
+Which tensor is which:
 
 * a model key -> kind ``param``, named by the key;
 * ``optimizer.state.<kind>.<model key>`` (the ``fully_reshardable`` distributed optimizer) -> kind
@@ -33,6 +34,7 @@ from ..dcp.read import describe_dcp
 from ..dcp.metadata import METADATA, read_metadata
 from ..base import Description
 from .buckets import describe_buckets, has_buckets
+from .stacked import describe_stacked
 from ..torchzip.read import plain, read_torch_file
 
 META_JSON = "metadata.json"
@@ -74,7 +76,12 @@ def describe(path: str) -> Description:
         d = describe_buckets(path, md, state)
         return Description(d.format, d.spec, d.spec_name, d.dims, d.mesh, d.params, d.frozen, d.extents, d.files,
                            d.state, d.read + ((COMMON,) if common else ()) + (META_JSON,))
-    d = describe_dcp(path, "megatron", state=state, classify=classify)
+    try:
+        d = describe_stacked(path, md, common, state)
+    except ForeignFormatError as e:  # a grid Megatron's axes do not explain: the generic DCP reading
+        d = describe_dcp(path, "megatron", state=state, classify=classify)
+        d.state["megatron"]["layout"] = {"axes": "inferred from the chunk grid alone; they are not Megatron's "
+                                                 f"tp/pp/dp ({e})"}
     return Description(d.format, d.spec, "megatron-torch_dist", d.dims, d.mesh, d.params, d.frozen, d.extents,
                        d.files, d.state, d.read + ((COMMON,) if common else ()) + (META_JSON,))
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ...dtypes import itemsize
 from ...errors import ForeignFormatError, StoreError
 from ...store.extents import Extent, Piece
-from ..dcp.metadata import METADATA, Chunk, Metadata
+from ..dcp.metadata import METADATA, Chunk, Metadata, TensorMeta
 from ..torchzip.read import TensorRef, read_torch_file
 
 LAYERS = "decoder.layers."
@@ -42,10 +42,20 @@ class Weight:
     rule: str
     local: tuple[int, ...]
     chunks: tuple[tuple[Chunk, ...], ...]
+    split: int | None = None  # the dim split over tp (None: replicated)
+    halves: bool = False  # SwiGLU's [gate; up] over tp
 
     @property
     def local_numel(self) -> int:
         return math.prod(self.local)
+
+    def rule_after(self, lead: int) -> str:
+        """The TP rule of this weight as a part of a tensor with ``lead`` more leading dims (the
+        stacked layer axis), ``uneven`` so that it also reads at a tp that does not divide it;
+        '' when replicated."""
+        if self.halves:
+            return f"view {lead} as [2, {self.shape[0] // 2}]; split {lead}.1 over tp uneven"
+        return "" if self.split is None else f"split {self.split + lead} over tp uneven"
 
 
 def unstack(md: Metadata, tp: int) -> tuple[list[Weight], str]:
@@ -55,21 +65,27 @@ def unstack(md: Metadata, tp: int) -> tuple[list[Weight], str]:
         if key.startswith("optimizer."):
             continue
         dtypes.add(t.dtype)
-        stacked = int(key.startswith(LAYERS))
-        per_layer: dict[int, list[Chunk]] = {}
-        for c in t.chunks:
-            if stacked and c.sizes[0] != 1:
-                raise ForeignFormatError(f"{key!r} {list(t.shape)} has a chunk of {c.sizes[0]} layers; Megatron saves one per layer")
-            per_layer.setdefault(c.offsets[0] if stacked else 0, []).append(c)
-        if sorted(per_layer) != list(range(t.shape[0] if stacked else 1)):
-            raise ForeignFormatError(f"{key!r}: its layers are saved at {sorted(per_layer)}, not 0..{t.shape[0] - 1}")
-        for layer, cs in sorted(per_layer.items()):
-            name = f"{LAYERS}{layer}.{key[len(LAYERS):]}" if stacked else key
-            out.append(_weight(name, key, tuple(t.shape[stacked:]), [(c.offsets[stacked:], c.sizes[stacked:], c)
-                                                                    for c in cs], tp))
+        out += unstack_key(key, t, tp)
     if len(dtypes) > 1:
         raise ForeignFormatError(f"the model's tensors have several dtypes ({sorted(dtypes)}); ucl reads one training dtype")
     return out, dtypes.pop() if dtypes else "float32"
+
+
+def unstack_key(key: str, t: TensorMeta, tp: int, name: str | None = None) -> list[Weight]:
+    """The tensor ``key`` as per-layer :class:`Weight`\\ s (one when it is not stacked), named as
+    ``name`` (default: ``key``) would be with the layer number put in."""
+    name = key if name is None else name
+    stacked = int(name.startswith(LAYERS))
+    per_layer: dict[int, list[Chunk]] = {}
+    for c in t.chunks:
+        if stacked and c.sizes[0] != 1:
+            raise ForeignFormatError(f"{key!r} {list(t.shape)} has a chunk of {c.sizes[0]} layers; Megatron saves one per layer")
+        per_layer.setdefault(c.offsets[0] if stacked else 0, []).append(c)
+    if sorted(per_layer) != list(range(t.shape[0] if stacked else 1)):
+        raise ForeignFormatError(f"{key!r}: its layers are saved at {sorted(per_layer)}, not 0..{t.shape[0] - 1}")
+    return [_weight(f"{LAYERS}{layer}.{name[len(LAYERS):]}" if stacked else name, key, tuple(t.shape[stacked:]),
+                    [(c.offsets[stacked:], c.sizes[stacked:], c) for c in cs], tp)
+            for layer, cs in sorted(per_layer.items())]
 
 
 def _weight(name: str, key: str, shape: tuple[int, ...], boxes: list[tuple], tp: int) -> Weight:
@@ -88,12 +104,12 @@ def _weight(name: str, key: str, shape: tuple[int, ...], boxes: list[tuple], tp:
                      "one dim, which ucl reads for Megatron's dp_reshardable optimizer")
     local = tuple(n // tp if i == d else n for i, n in enumerate(shape))
     if k == tp:
-        return Weight(name, shape, f"split {d} over tp", local, tuple((c,) for _, _, c in pieces))
+        return Weight(name, shape, f"split {d} over tp", local, tuple((c,) for _, _, c in pieces), d)
     if k == 2 * tp and d == 0 and ".linear_fc1." in f".{name}" and tp == 1:  # SwiGLU [gate; up], whole
         return Weight(name, shape, "replicate", shape, ((pieces[0][2], pieces[1][2]),))
     if k == 2 * tp and d == 0 and ".linear_fc1." in f".{name}":  # SwiGLU: [gate_r; up_r] on rank r
         return Weight(name, shape, f"view 0 as [2, {shape[0] // 2}]; split 0.1 over tp", local,
-                      tuple((pieces[r][2], pieces[tp + r][2]) for r in range(tp)))
+                      tuple((pieces[r][2], pieces[tp + r][2]) for r in range(tp)), None, True)
     raise ForeignFormatError(f"{where} is saved in {k} pieces along dim {d}, but the run's tensor-parallel size is {tp}; "
                  "ucl reads a grid of tp equal pieces (SwiGLU's fc1: 2 * tp)")
 
