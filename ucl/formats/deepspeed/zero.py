@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass, field, replace
 
 from ...errors import ForeignFormatError, StoreError
 from ...files import read_bounded
 from ...store.extents import Extent
 from ..base import Description, UserSpec
-from ..torchzip.read import TensorRef, plain, read_torch_file
+from ..torchzip.read import TensorRef, TorchFile, plain, read_torch_file
 from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, extent, group_state, NAME, OPTIM,
                      state_line, TAG, weight_dtype, zero12_group, zero3_group)
 from .mds import describe_mds, is_pattern_form
@@ -43,23 +44,94 @@ def detect(path: str) -> bool:
     return _tag_folder(path) is not None
 
 
+@dataclass(frozen=True)
+class DsFolder:
+    """A DeepSpeed tag folder and what its rank-0 model-states file says."""
+    path: str  # the checkpoint as given (a root with 'latest', or the tag folder)
+    tag: str  # the tag folder relative to ``path`` ('' when ``path`` is one)
+    names: tuple[str, ...]  # the tag folder's files, sorted
+    states_name: str = ""
+    states: TorchFile | None = None
+    ms: dict = field(default_factory=dict)  # the model states
+    dp: int = 0
+    mp: int = 1
+
+    @property
+    def folder(self) -> str:
+        return os.path.join(self.path, self.tag)
+
+    def rel(self, name: str) -> str:
+        return os.path.join(self.tag, name) if self.tag else name
+
+
+@dataclass(frozen=True)
+class ZeroRun:
+    """A ZeRO-1/2/3 checkpoint without pipeline or tensor parallelism: its optimizer files (per dp
+    rank) and the parameters the model states name."""
+    at: DsFolder
+    optim: tuple[str, ...]  # file name per dp rank
+    optims: tuple[TorchFile, ...]
+    osd: tuple[dict, ...]  # each file's optimizer_state_dict
+    stage: int
+    groups: list[list[str]]  # trainable names per param group, in flattening order
+    shapes: dict[str, tuple[int, ...]]
+    frozen_shapes: dict[str, tuple[int, ...]]
+    buffers: list[str]
+    module: dict
+    weights: str  # the training dtype
+
+    @property
+    def untrained(self) -> list[str]:
+        return list(self.frozen_shapes) + self.buffers
+
+    def shape(self, n: str) -> tuple[int, ...]:
+        return self.shapes.get(n) or self.frozen_shapes.get(n) or tuple(as_tensor(self.module.get(n), n).shape)
+
+
 def describe(path: str, user: UserSpec | None = None) -> Description:
     """``user``: the parameter placements of a tensor-parallel checkpoint whose files do not say them."""
+    f = _locate(path)
+    if any(n.startswith("layer_") for n in f.names) and not any(EXPERT_FILE.match(n) for n in f.names):
+        _no_user(user, f.folder, "a pipeline checkpoint")
+        return describe_pipeline(path, f.folder, list(f.names), f.rel)
+    f = _read_states(f)
+    args = (path, f.folder, list(f.names), f.rel, f.ms)
+    if is_moe(list(f.names), f.ms):
+        _no_user(user, f.folder, "an MoE checkpoint")
+        return describe_moe(*args, f.states, f.states_name, f.dp)
+    if f.mp != 1:
+        uci = f.ms.get("universal_checkpoint_info")
+        if isinstance(uci, dict) and isinstance(uci.get("affine_map"), dict):
+            _no_user(user, f.folder, "an AutoTP checkpoint (DeepSpeed's affine_map places its shards)")
+            return describe_autotp(*args, f.dp, f.mp)
+        if is_pattern_form(uci):  # Megatron-DeepSpeed's pattern table
+            _no_user(user, f.folder, "a checkpoint whose universal_checkpoint_info patterns place its shards")
+            return describe_mds(*args, f.dp, f.mp)
+        if user is not None:
+            return describe_user(*args, f.dp, f.mp, user)
+        raise ForeignFormatError(f"{f.folder} is tensor-parallel (mp_world_size={f.mp}) without a universal_checkpoint_info ucl "
+                     "reads (AutoTP's affine_map, or Megatron-DeepSpeed's parameter patterns) saying where each "
+                     "rank's shard lies; its parameters' split dims are not in DeepSpeed's files: give them as a spec "
+                     "(ucl import --spec SPEC --dims DIMS)")
+    _no_user(user, f.folder, f"not tensor-parallel (mp_world_size={f.mp})")
+    return _describe_zero(_read_zero(f))
+
+
+def _locate(path: str) -> DsFolder:
     tag = _tag_folder(path)
     if tag is None:
         raise StoreError(f"{path} is not a DeepSpeed checkpoint (no 'latest' naming a tag folder, no "
                          "*model_states.pt)", code="UCL501")
-    folder = os.path.join(path, tag)
-    names = sorted(os.listdir(folder))
-    rel = lambda n: os.path.join(tag, n) if tag else n  # noqa: E731
-    if any(n.startswith("layer_") for n in names) and not any(EXPERT_FILE.match(n) for n in names):
-        _no_user(user, folder, "a pipeline checkpoint")
-        return describe_pipeline(path, folder, names, rel)
-    states_name = "mp_rank_00_model_states.pt" if "mp_rank_00_model_states.pt" in names else \
+    return DsFolder(path, tag, tuple(sorted(os.listdir(os.path.join(path, tag)))))
+
+
+def _read_states(f: DsFolder) -> DsFolder:
+    """``f`` with its rank-0 model states read and checked."""
+    states_name = "mp_rank_00_model_states.pt" if "mp_rank_00_model_states.pt" in f.names else \
         "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    if states_name not in names:
-        raise ForeignFormatError(f"{folder} has no mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt")
-    states = read_torch_file(os.path.join(folder, states_name), inside=path)
+    if states_name not in f.names:
+        raise ForeignFormatError(f"{f.folder} has no mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt")
+    states = read_torch_file(os.path.join(f.folder, states_name), inside=f.path)
     ms = as_dict(states.obj, states_name)
     dp, mp = ms.get("dp_world_size"), ms.get("mp_world_size", 1)
     if not isinstance(dp, int) or dp < 1:
@@ -67,47 +139,41 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
     config = ms.get("ds_config") if isinstance(ms.get("ds_config"), dict) else {}
     zero_config = config.get("zero_optimization")
     if isinstance(zero_config, dict) and zero_config.get("round_robin_gradients"):
-        raise ForeignFormatError(f"{folder} was written with zero_optimization.round_robin_gradients, which reorders each group's "
+        raise ForeignFormatError(f"{f.folder} was written with zero_optimization.round_robin_gradients, which reorders each group's "
                     "parameters in the flat buffer against the order DeepSpeed records (param_shapes); ucl does not "
                     "read that layout (DeepSpeed's own zero_to_fp32 misreads it)")
-    if is_moe(names, ms):
-        _no_user(user, folder, "an MoE checkpoint")
-        return describe_moe(path, folder, names, rel, ms, states, states_name, dp)
-    if mp != 1:
-        uci = ms.get("universal_checkpoint_info")
-        if isinstance(uci, dict) and isinstance(uci.get("affine_map"), dict):
-            _no_user(user, folder, "an AutoTP checkpoint (DeepSpeed's affine_map places its shards)")
-            return describe_autotp(path, folder, names, rel, ms, dp, mp)
-        if is_pattern_form(uci):  # Megatron-DeepSpeed's pattern table
-            _no_user(user, folder, "a checkpoint whose universal_checkpoint_info patterns place its shards")
-            return describe_mds(path, folder, names, rel, ms, dp, mp)
-        if user is not None:
-            return describe_user(path, folder, names, rel, ms, dp, mp, user)
-        raise ForeignFormatError(f"{folder} is tensor-parallel (mp_world_size={mp}) without a universal_checkpoint_info ucl "
-                     "reads (AutoTP's affine_map, or Megatron-DeepSpeed's parameter patterns) saying where each "
-                     "rank's shard lies; its parameters' split dims are not in DeepSpeed's files: give them as a spec "
-                     "(ucl import --spec SPEC --dims DIMS)")
-    _no_user(user, folder, f"not tensor-parallel (mp_world_size={mp})")
+    return replace(f, states_name=states_name, states=states, ms=ms, dp=dp, mp=mp)
+
+
+def _optimizer_files(f: DsFolder) -> tuple[str, ...]:
+    """The optimizer file of each dp rank."""
     optim = {}
-    for n in names:
+    for n in f.names:
         m = OPTIM.match(n)
         if m:
             if int(m.group(3)) != 0:
                 raise ForeignFormatError(f"{n}: model-parallel optimizer files are not read yet")
             optim[int(m.group(2))] = n
-    if not optim and ms.get("optimizer") is not None:
-        raise ForeignFormatError(f"{folder} is a ZeRO stage 0 checkpoint (the whole optimizer state inside {states_name}, no "
+    if not optim and f.ms.get("optimizer") is not None:
+        raise ForeignFormatError(f"{f.folder} is a ZeRO stage 0 checkpoint (the whole optimizer state inside {f.states_name}, no "
                     "zero_pp_rank_*_optim_states.pt files); ucl reads ZeRO stages 1-3. Its weights are "
-                    f"torch.load('{states_name}')['module']")
-    if sorted(optim) != list(range(dp)):
-        raise ForeignFormatError(f"{folder} should hold optimizer files for dp ranks 0..{dp - 1} (dp_world_size={dp}), "
+                    f"torch.load('{f.states_name}')['module']")
+    if sorted(optim) != list(range(f.dp)):
+        raise ForeignFormatError(f"{f.folder} should hold optimizer files for dp ranks 0..{f.dp - 1} (dp_world_size={f.dp}), "
                      f"found ranks {sorted(optim)}")
-    optims = [read_torch_file(os.path.join(folder, optim[r]), inside=path) for r in range(dp)]
-    osd = [as_dict(as_dict(o.obj, optim[r]).get("optimizer_state_dict"), f"{optim[r]}: optimizer_state_dict")
-           for r, o in enumerate(optims)]
+    return tuple(optim[r] for r in range(f.dp))
+
+
+def _read_zero(f: DsFolder) -> ZeroRun:
+    """The optimizer files and the parameters the model states name, checked."""
+    optim = _optimizer_files(f)
+    optims = tuple(read_torch_file(os.path.join(f.folder, n), inside=f.path) for n in optim)
+    osd = tuple(as_dict(as_dict(o.obj, optim[r]).get("optimizer_state_dict"), f"{optim[r]}: optimizer_state_dict")
+                for r, o in enumerate(optims))
     stage = int(osd[0].get("zero_stage", 0))
     if stage == 0 and "single_partition_of_fp32_groups" in osd[0]:
         stage = 1  # BF16_Optimizer (bf16 with fp32 gradient accumulation): ZeRO-1's flat layout
+    ms = f.ms
     groups = [list(g) for g in as_list(ms.get("param_shapes"), "param_shapes")]
     shapes = {n: tuple(int(x) for x in s) for g in ms["param_shapes"] for n, s in g.items()}
     shared = {str(k): str(v) for k, v in (ms.get("shared_params") or {}).items()}
@@ -121,74 +187,92 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
     for n in list(shapes) + list(frozen_shapes) + buffers:
         if not NAME.match(n):
             raise ForeignFormatError(f"parameter name {n!r} cannot be written in a spec")
+    return ZeroRun(f, optim, optims, osd, stage, groups, shapes, frozen_shapes, buffers, module,
+                   weight_dtype(module, shapes))
 
-    weights = weight_dtype(module, shapes)
-    state = {"format": "deepspeed", "deepspeed": {k: plain(v, values=states) for k, v in ms.items() if k not in BULKY},
-             "optimizer": {"zero_stage": stage, "param_groups": [
-                 {**{k: plain(v) for k, v in g.items() if k != "params"}, "names": groups[i] if i < len(groups) else []}
-                 for i, g in enumerate(as_dict(osd[0].get("base_optimizer_state") or osd[0].get("optimizer_state_dict"),
-                                             "base optimizer state").get("param_groups", []))],
-                 "loss_scaler": plain(osd[0].get("loss_scaler"))}}
-    extents: list[dict[str, Extent]] = [{} for _ in range(dp)]
-    spec: list[str] = [f"# generated by ucl from the DeepSpeed ZeRO-{stage} checkpoint {os.path.basename(path)}",
+
+def _describe_zero(z: ZeroRun) -> Description:
+    f = z.at
+    extents: list[dict[str, Extent]] = [{} for _ in range(f.dp)]
+    spec: list[str] = [f"# generated by ucl from the DeepSpeed ZeRO-{z.stage} checkpoint {os.path.basename(f.path)}",
                        "mesh dp"]
-    if stage in (1, 2):
-        kinds = (["fp32"] if weights != "float32" else []) + ["exp_avg", "exp_avg_sq"]
-        by_dtype: dict[str, list[str]] = {}
-        for n in list(shapes) + list(frozen_shapes) + buffers:
-            by_dtype.setdefault(as_tensor(module.get(n), n).dtype, []).append(n)
-        for dtype, names_d in by_dtype.items():  # the training dtype for all, others named
-            if dtype == weights:
-                spec.append(f"state param : dtype {dtype}")
-            else:
-                spec.append(state_line(["param"], names_d, f"dtype {dtype}"))
-        for g, names_g in enumerate(groups):
-            spec.append(state_line(kinds, names_g, f"flat over dp pad to multiple_of({ALIGN} * dp)"))
-            zero12_group(g, names_g, shapes, dp, optims, osd, kinds, extents, os.path.dirname(rel(optim[0])))
-        for r in range(dp):
-            for n in list(shapes) + list(frozen_shapes) + buffers:
-                extents[r][f"param/{n}"] = extent(states, module.get(n), rel(states_name), n, shapes.get(n) or
-                                                   frozen_shapes.get(n) or tuple(as_tensor(module.get(n), n).shape))
-    elif stage == 3:
-        spec.append(state_line(["param", "exp_avg", "exp_avg_sq"], list(shapes), "flat over dp per_param"))
-        # ZeRO-3's model states files are per rank; their module holds the buffers whole
-        per_rank = [read_torch_file(os.path.join(folder, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"), inside=path)
-                    for r in range(dp)]
-        for g, names_g in enumerate(groups):
-            zero3_group(g, names_g, shapes, dp, optims, osd, extents, [rel(optim[r]) for r in range(dp)])
-        if frozen_shapes:
-            spec.append(state_line(["param"], list(frozen_shapes), f"dtype {weights}; flat over dp per_param"))
-        for r in range(dp):
-            frags = as_dict(per_rank[r].obj, "model states").get("frozen_param_fragments") or {}
-            for n, shape in frozen_shapes.items():
-                part = -(-math.prod(shape) // dp)
-                extents[r][f"param/{n}"] = extent(per_rank[r], frags.get(n), rel(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"),
-                                                   f"frozen fragment of {n}", (part,), allow_longer=True)
-            for n in buffers:
-                t = as_tensor(as_dict(per_rank[r].obj, "model states").get("module", {}).get(n), n)
-                extents[r][f"param/{n}"] = extent(per_rank[r], t, rel(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"),
-                                                   n, tuple(t.shape))
-                if t.dtype != "float32":
-                    raise ForeignFormatError(f"buffer {n!r} is {t.dtype}; ucl reads ZeRO-3 buffers in float32 only")
+    if z.stage in (1, 2):
+        _zero12(z, spec, extents)
+    elif z.stage == 3:
+        _zero3(z, spec, extents)
     else:
-        raise ForeignFormatError(f"{optim[0]}: zero_stage {stage!r} is not a ZeRO checkpoint ucl reads (stages 1, 2, 3)")
+        raise ForeignFormatError(f"{z.optim[0]}: zero_stage {z.stage!r} is not a ZeRO checkpoint ucl reads (stages 1, 2, 3)")
     spec.append("state step : scalar")
-    for r in range(dp):
-        for g, names_g in enumerate(groups):
-            step = group_state(osd[r], g, optim[r]).get("step")
+    for r in range(f.dp):
+        for g, names_g in enumerate(z.groups):
+            step = group_state(z.osd[r], g, z.optim[r]).get("step")
             for n in names_g:
-                extents[r][f"step/{n}"] = extent(optims[r], step, rel(optim[r]), f"step of group {g}", ())
-    frozen = list(frozen_shapes) + buffers
-    params = {n: shapes[n] for g in groups for n in g}
-    for n in frozen:
-        params[n] = frozen_shapes.get(n) or tuple(as_tensor(module.get(n), n).shape)
-    for n, shape in params.items():
-        spec.append(f"{n} [{', '.join(str(x) for x in shape)}] : replicate")
-    read = (("latest",) if tag else ()) + (rel(states_name),) + tuple(rel(optim[r]) for r in range(dp))
-    if stage == 3:  # frozen fragments and buffers come from every rank's model states
-        read += tuple(rel(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(1, dp))
-    return Description("deepspeed", "\n".join(spec) + "\n", f"deepspeed-zero{stage}", {}, (("dp", dp),), params,
-                       tuple(frozen), tuple(extents), tuple(rel(optim[r]) for r in range(dp)), state, read)
+                extents[r][f"step/{n}"] = extent(z.optims[r], step, f.rel(z.optim[r]), f"step of group {g}", ())
+    params = {n: z.shapes[n] for g in z.groups for n in g}
+    for n in z.untrained:
+        params[n] = z.shape(n)
+    spec += [f"{n} [{', '.join(str(x) for x in shape)}] : replicate" for n, shape in params.items()]
+    files = tuple(f.rel(n) for n in z.optim)
+    read = (("latest",) if f.tag else ()) + (f.rel(f.states_name),) + files
+    if z.stage == 3:  # frozen fragments and buffers come from every rank's model states
+        read += tuple(f.rel(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(1, f.dp))
+    return Description("deepspeed", "\n".join(spec) + "\n", f"deepspeed-zero{z.stage}", {}, (("dp", f.dp),), params,
+                       tuple(z.untrained), tuple(extents), files, _state(z), read)
+
+
+def _state(z: ZeroRun) -> dict:
+    groups = as_dict(z.osd[0].get("base_optimizer_state") or z.osd[0].get("optimizer_state_dict"),
+                     "base optimizer state").get("param_groups", [])
+    return {"format": "deepspeed",
+            "deepspeed": {k: plain(v, values=z.at.states) for k, v in z.at.ms.items() if k not in BULKY},
+            "optimizer": {"zero_stage": z.stage, "param_groups": [
+                {**{k: plain(v) for k, v in g.items() if k != "params"},
+                 "names": z.groups[i] if i < len(z.groups) else []} for i, g in enumerate(groups)],
+                "loss_scaler": plain(z.osd[0].get("loss_scaler"))}}
+
+
+def _zero12(z: ZeroRun, spec: list[str], extents: list[dict[str, Extent]]) -> None:
+    """ZeRO-1/2: the weights from the module, each group one flat buffer padded to 2 * dp."""
+    f = z.at
+    kinds = (["fp32"] if z.weights != "float32" else []) + ["exp_avg", "exp_avg_sq"]
+    by_dtype: dict[str, list[str]] = {}
+    for n in list(z.shapes) + z.untrained:
+        by_dtype.setdefault(as_tensor(z.module.get(n), n).dtype, []).append(n)
+    for dtype, names_d in by_dtype.items():  # the training dtype for all, others named
+        spec.append(f"state param : dtype {dtype}" if dtype == z.weights
+                    else state_line(["param"], names_d, f"dtype {dtype}"))
+    for g, names_g in enumerate(z.groups):
+        spec.append(state_line(kinds, names_g, f"flat over dp pad to multiple_of({ALIGN} * dp)"))
+        zero12_group(g, names_g, z.shapes, f.dp, list(z.optims), list(z.osd), kinds, extents,
+                     os.path.dirname(f.rel(z.optim[0])))
+    for r in range(f.dp):
+        for n in list(z.shapes) + z.untrained:
+            extents[r][f"param/{n}"] = extent(f.states, z.module.get(n), f.rel(f.states_name), n, z.shape(n))
+
+
+def _zero3(z: ZeroRun, spec: list[str], extents: list[dict[str, Extent]]) -> None:
+    """ZeRO-3: each parameter split on its own (the fp32 master is ``param``); frozen fragments and
+    buffers from every rank's model states."""
+    f = z.at
+    spec.append(state_line(["param", "exp_avg", "exp_avg_sq"], list(z.shapes), "flat over dp per_param"))
+    per_rank = [read_torch_file(os.path.join(f.folder, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"), inside=f.path)
+                for r in range(f.dp)]
+    for g, names_g in enumerate(z.groups):
+        zero3_group(g, names_g, z.shapes, f.dp, list(z.optims), list(z.osd), extents, [f.rel(n) for n in z.optim])
+    if z.frozen_shapes:
+        spec.append(state_line(["param"], list(z.frozen_shapes), f"dtype {z.weights}; flat over dp per_param"))
+    for r in range(f.dp):
+        where = f.rel(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        frags = as_dict(per_rank[r].obj, "model states").get("frozen_param_fragments") or {}
+        for n, shape in z.frozen_shapes.items():
+            part = -(-math.prod(shape) // f.dp)
+            extents[r][f"param/{n}"] = extent(per_rank[r], frags.get(n), where, f"frozen fragment of {n}", (part,),
+                                              allow_longer=True)
+        for n in z.buffers:
+            t = as_tensor(as_dict(per_rank[r].obj, "model states").get("module", {}).get(n), n)
+            extents[r][f"param/{n}"] = extent(per_rank[r], t, where, n, tuple(t.shape))
+            if t.dtype != "float32":
+                raise ForeignFormatError(f"buffer {n!r} is {t.dtype}; ucl reads ZeRO-3 buffers in float32 only")
 
 
 def _no_user(user: UserSpec | None, folder: str, what: str) -> None:
