@@ -5,7 +5,8 @@ A config is a dict, a ``transformers.PretrainedConfig``, a ``config.json`` path 
 one. Fields a spec reads are filled in the way the model class fills them: with transformers
 installed, ``AutoConfig.for_model(model_type, **fields)`` supplies class defaults and aliases
 (gpt2's ``n_embd``); in every case a missing or null ``head_dim`` becomes
-``hidden_size // num_attention_heads`` (Llama-2 has none, Mixtral writes ``null``).
+``hidden_size // num_attention_heads`` (Llama-2 has none, Mixtral writes ``null``) and a missing
+``num_hidden_layers`` the length of ``layers_block_type`` / ``layer_types`` (Nemotron-H has none).
 """
 from __future__ import annotations
 
@@ -87,6 +88,10 @@ def load_config(config: Any) -> dict:
                     warnings.warn(f"transformers could not fill in the defaults of a {raw['model_type']!r} config "
                                   f"({type(e).__name__}: {str(e)[:200]}); using the fields as written", stacklevel=2)
                 out = dict(raw)
+    if out.get("num_hidden_layers") is None:  # hybrids (Nemotron-H) count their layers by their types
+        types = next((out[k] for k in ("layers_block_type", "layer_types") if isinstance(out.get(k), list)), None)
+        if types is not None:
+            out["num_hidden_layers"] = len(types)
     if out.get("head_dim") is None and _positive(out.get("hidden_size")) and _positive(out.get("num_attention_heads")):
         out["head_dim"] = int(out["hidden_size"]) // int(out["num_attention_heads"])
     return out

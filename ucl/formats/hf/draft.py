@@ -8,21 +8,11 @@ from typing import Mapping
 
 from ...errors import StoreError, did_you_mean
 from ...model_config import read_raw_config
-from .names import Shapes
+from .draft_dims import ShapeWriter, layer_count_key, recognised_dims
+from .draft_tp import derive
 
 
 # ---- drafting a spec from a transformers model ---------------------------------------------------
-# config field (canonical transformers name) -> dim name used in drafts
-_KNOWN_DIMS = [
-    ("vocab_size", "vocab"), ("hidden_size", "hidden"), ("num_attention_heads", "heads"),
-    ("num_key_value_heads", "kv_heads"), ("head_dim", "head_dim"), ("intermediate_size", "ffn"),
-    ("moe_intermediate_size", "moe_ffn"), ("shared_expert_intermediate_size", "shared_ffn"),
-    ("num_local_experts", "experts"), ("num_experts", "experts"), ("n_routed_experts", "experts"),
-    ("n_shared_experts", "shared_experts"), ("q_lora_rank", "q_lora_rank"),
-    ("kv_lora_rank", "kv_lora_rank"), ("qk_nope_head_dim", "qk_nope"), ("qk_rope_head_dim", "qk_rope"),
-    ("v_head_dim", "v_head"), ("max_position_embeddings", "positions"), ("n_inner", "ffn"),
-    ("num_hidden_layers", "layers"),
-]
 # TP styles of transformers (distributed/tensor_parallel.py) -> what happens to a parameter
 _COLWISE = {"colwise", "colwise_gather_output", "local_colwise", "embedding_rowwise", "vocab_parallel"}
 _ROWWISE = {"rowwise", "rowwise_split_input", "local_rowwise"}
@@ -44,61 +34,8 @@ def _style(name: str, plan: Mapping[str, str]) -> str | None:
     return plan.get(parent) if parent else None
 
 
-class _Exprs:
-    """Finds a short expression of config dims for a number. With a second, perturbed instance of
-    the model (every recognised dim changed by its own factor) an expression must give the right
-    value in both, which tells apart dims that happen to be equal in the given config."""
-
-    def __init__(self, dims: dict[str, int], dims2: dict[str, int] | None = None):
-        names = [n for n, v in dims.items() if v > 0 and n not in ("layers", "tied")]
-        d2 = dims2 if dims2 is not None else dims
-        cand: list[tuple[str, int, int]] = []
-
-        def add(text, f):
-            cand.append((text, f(dims), f(d2)))
-
-        for n in names:
-            add(n, lambda d, n=n: d[n])
-        for k in (2, 3, 4):
-            for n in names:
-                add(f"{k} * {n}", lambda d, k=k, n=n: k * d[n])
-        for x, a in enumerate(names):
-            for b in names[x:]:
-                add(f"{a} * {b}", lambda d, a=a, b=b: d[a] * d[b])
-        for x, a in enumerate(names):
-            for b in names[x + 1:]:
-                add(f"{a} + {b}", lambda d, a=a, b=b: d[a] + d[b])
-        for x, a in enumerate(names):
-            for b in names[x + 1:]:
-                for c in names:
-                    add(f"{c} * ({a} + {b})", lambda d, a=a, b=b, c=c: d[c] * (d[a] + d[b]))
-        for a in names:
-            for b in names:
-                for c in names:
-                    if a != b:
-                        add(f"({a} + 2 * {b}) * {c}", lambda d, a=a, b=b, c=c: (d[a] + 2 * d[b]) * d[c])
-        self.by_pair: dict[tuple[int, int], str] = {}
-        for text, v1, v2 in cand:
-            self.by_pair.setdefault((v1, v2), text)
-
-    def __call__(self, v: int, v2: int | None = None) -> str:
-        return self.by_pair.get((v, v if v2 is None else v2), str(v))
-
-
-# perturbation factors of the second instance (config field -> new value), chosen to keep the
-# usual divisibility constraints (kv_heads | heads, heads | hidden: heads grow x6 with hidden,
-# kv_heads x2; n_group | experts; even rope dims)
-_PERTURB = {"vocab_size": lambda v: v + 1, "hidden_size": lambda v: 6 * v, "head_dim": lambda v: 5 * v,
-            "intermediate_size": lambda v: 7 * v, "n_inner": lambda v: 7 * v,
-            "moe_intermediate_size": lambda v: 11 * v, "shared_expert_intermediate_size": lambda v: 13 * v,
-            "num_local_experts": lambda v: 19 * v, "num_experts": lambda v: 19 * v,
-            "n_routed_experts": lambda v: 19 * v, "q_lora_rank": lambda v: 23 * v,
-            "kv_lora_rank": lambda v: 29 * v, "qk_nope_head_dim": lambda v: 31 * v,
-            "qk_rope_head_dim": lambda v: 37 * v, "v_head_dim": lambda v: 41 * v,
-            "max_position_embeddings": lambda v: 43 * v, "n_shared_experts": lambda v: 2 * v + 1}
-
-
-def _meta_model(config):
+def meta_model(config):
+    """(config, model on the meta device) from a PretrainedConfig, a config dict or a path."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -111,34 +48,6 @@ def _meta_model(config):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return config, model
-
-
-def _perturbed_shapes(config, keys: dict[str, str]) -> tuple[dict[str, int], Shapes] | None:
-    """Dims and parameter shapes of a second meta instance whose recognised dims are perturbed
-    (``keys``: canonical field -> key in ``config.to_dict()``); None if no variant instantiates."""
-    import warnings
-    cfg = config.to_dict()
-    # heads x6 and kv_heads x2 (kv_heads | heads and heads | hidden (x6) stay true), else unchanged
-    for scale_heads, scale_kv in ((6, 2), (1, 1)):
-        fields = dict(cfg)
-        for field, key in keys.items():
-            if field in _PERTURB:
-                fields[key] = _PERTURB[field](int(cfg[key]))
-        for f, k in (("num_attention_heads", scale_heads), ("num_key_value_heads", scale_kv)):
-            if f in keys:
-                fields[keys[f]] = int(cfg[keys[f]]) * k
-        fields.pop("model_type", None)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _, model = _meta_model({"model_type": config.model_type, **fields})
-        except Exception:
-            continue
-        sd = set(model.state_dict().keys())
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        shapes.update({n: tuple(b.shape) for n, b in model.named_buffers() if n in sd})
-        return {f: int(fields[k]) for f, k in keys.items()}, shapes
-    return None
 
 
 def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
@@ -155,16 +64,17 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
     states follow their parameter. Review the result: see docs/stdlib.md for what cannot be inferred.
     """
     raw, config, model = _build_model(config_or_dir)
-    dims, fields, field_of = _recognised_dims(config)
+    dims = recognised_dims(config)
     facts = _model_facts(config, model)
-    shapes = _ShapeWriter.for_model(config, dims, fields, field_of)
+    shapes = ShapeWriter(config, dims)
     entries = _entries_by_pattern(facts, shapes.second_shapes)
     lines, uses_ep = [], False
     for pat, e in entries.items():
         line, ep = _rule_line(pat, e, facts, shapes)
         lines.append(line)
         uses_ep |= ep
-    decl, lets = _declarations(dict(dims), shapes, raw, facts)
+    decl, lets = _declarations(dict(shapes.dims), shapes, raw, facts, config)
+    lines += _saved_dtypes(config_or_dir)
     return _assemble(name or getattr(config, "model_type", "model"), type(model).__name__, facts, decl, lets,
                      ["pp", "dp"] + (["ep"] if uses_ep else []) + ["tp"], lines)
 
@@ -178,13 +88,33 @@ def _build_model(config_or_dir):
         raw = read_raw_config(config_or_dir)  # a missing or unreadable config is a StoreError
         _check_model_type(raw, config_or_dir)
     try:
-        config, model = _meta_model(raw if raw is not None else config_or_dir)
+        config, model = meta_model(raw if raw is not None else config_or_dir)
     except Exception as e:  # transformers' own errors (bad fields, missing packages), on one short line
         text = " ".join(str(e).split()) or type(e).__name__
         text = text if len(text) <= 300 else text[:300] + "..."
         raise StoreError(f"transformers cannot build a model from {_where(config_or_dir)}: {text}",
                          code="UCL423") from None
     return raw, config, model
+
+
+def _saved_dtypes(config_or_dir) -> list[str]:
+    """``state param : dtype T`` for a folder whose saved tensors all have one dtype other than float32
+    (a config alone says nothing reliable about the stored dtype); a comment when they are mixed."""
+    if isinstance(config_or_dir, Mapping) or hasattr(config_or_dir, "to_dict"):
+        return []
+    from pathlib import Path
+    from .names import read_saved_tensors
+    folder = Path(config_or_dir)
+    folder = folder.parent if folder.is_file() else folder
+    try:
+        dtypes = {e.dtype for _, e in read_saved_tensors(folder).values()}
+    except StoreError:  # a config without weights next to it
+        return []
+    if len(dtypes) == 1 and dtypes != {"float32"}:
+        return ["", f"state param : dtype {dtypes.pop()}  # as saved in {folder.name}"]
+    if len(dtypes) > 1:
+        return ["", f"# the saved tensors mix dtypes {sorted(dtypes)}: give each its `state param for ... : dtype`"]
+    return []
 
 
 def _where(config_or_dir) -> str:
@@ -218,24 +148,6 @@ def _known_model_types() -> list[str] | None:
         return None
 
 
-def _recognised_dims(config):
-    """Dims from the config fields we recognise (canonical name, or its alias key in ``to_dict()``):
-    (dim -> (key, value), canonical field -> key, dim -> canonical field)."""
-    cfg = config.to_dict()
-    attr_map = dict(getattr(config, "attribute_map", {}) or {})
-    dims: dict[str, tuple[str, int]] = {}
-    fields: dict[str, str] = {}
-    for field, dim in _KNOWN_DIMS:
-        key = field if cfg.get(field) is not None else attr_map.get(field)
-        if key is None or isinstance(cfg.get(key), bool) or not isinstance(cfg.get(key), int):
-            continue
-        if dim not in dims:
-            dims[dim] = (key, int(cfg[key]))
-            fields[field] = key
-    field_of = {dim: field for field, dim in _KNOWN_DIMS if fields.get(field) == dims.get(dim, ("",))[0]}
-    return dims, fields, field_of
-
-
 @dataclass
 class _Facts:
     """What the meta-device model says about its tensors and parallel plans."""
@@ -247,6 +159,7 @@ class _Facts:
     embed_name: str | None
     layer_prefix: str | None  # ``model.layers.``: the first numbered module list
     tied: bool
+    model: object  # the meta-device model (its modules say how to split what the TP plan leaves out)
 
 
 def _model_facts(config, model) -> _Facts:
@@ -269,56 +182,7 @@ def _model_facts(config, model) -> _Facts:
             layer_prefix = m.group(1)
             break
     return _Facts(params, buffers, plan, ep_keys, embed_name, layer_prefix,
-                  bool(getattr(config, "tie_word_embeddings", False)))
-
-
-class _ShapeWriter:
-    """Writes shapes as expressions of the recognised dims (checked on a perturbed second instance
-    when one builds) and records which dims the draft uses."""
-
-    def __init__(self, dims, values, dims2, second_shapes, derived_head_dim):
-        self.dims = dims  # dim -> (config key, value)
-        self.values = values  # dim -> value, with a derived head_dim
-        self.dims2 = dims2  # the same dims in the perturbed instance, or None
-        self.second_shapes = second_shapes  # parameter -> shape in the perturbed instance
-        self.derived_head_dim = derived_head_dim  # written as `let head_dim = hidden / heads`
-        self.ex = _Exprs(values, dims2)
-        self.used: set[str] = set()
-
-    @classmethod
-    def for_model(cls, config, dims, fields, field_of) -> "_ShapeWriter":
-        second = _perturbed_shapes(config, fields)
-        dims2 = {d: second[0][field_of[d]] for d in dims} if second else None
-        values = {d: v for d, (_, v) in dims.items()}
-        derived_head_dim = bool("head_dim" not in values and values.get("hidden") and values.get("heads")
-                                and values["hidden"] % values["heads"] == 0)
-        if derived_head_dim:
-            values["head_dim"] = values["hidden"] // values["heads"]
-            if dims2 is not None:
-                dims2["head_dim"] = dims2["hidden"] // dims2["heads"]
-        return cls(dims, values, dims2, second[1] if second else {}, derived_head_dim)
-
-    def use(self, text: str) -> str:
-        self.used.update(re.findall(r"[A-Za-z_]\w*", text))
-        return text
-
-    def shape(self, shapes: set, shapes2: set) -> str | None:
-        if len(shapes) != 1:
-            return None
-        (shape,) = shapes
-        shape2 = next(iter(shapes2)) if len(shapes2) == 1 and self.dims2 else None
-        if shape2 is None or len(shape2) != len(shape):
-            parts = [self.ex(v) for v in shape] if self.dims2 is None else [str(v) for v in shape]
-        else:
-            parts = [self.ex(v, w) for v, w in zip(shape, shape2)]
-        return "[" + ", ".join(self.use(p) for p in parts) + "]"
-
-    def half(self, sizes: set, sizes2: set) -> str:
-        """Half of a packed [gate|up] dim."""
-        v = next(iter(sizes)) // 2
-        if len(sizes) == 1 and len(sizes2) == 1 and self.dims2:
-            return self.use(self.ex(v, next(iter(sizes2)) // 2))
-        return self.use(str(v) if self.dims2 else self.ex(v))
+                  bool(getattr(config, "tie_word_embeddings", False)), model)
 
 
 def _pattern(name: str) -> str:
@@ -345,7 +209,7 @@ def _entries_by_pattern(facts: _Facts, second_shapes) -> dict[str, dict]:
     return entries
 
 
-def _rule_line(pat: str, e: dict, facts: _Facts, shapes: _ShapeWriter) -> tuple[str, bool]:
+def _rule_line(pat: str, e: dict, facts: _Facts, shapes: ShapeWriter) -> tuple[str, bool]:
     """The layout rule of one pattern, and whether it splits over ep."""
     first = e["names"][0]
     ndim = len(next(iter(e["shapes"])))
@@ -358,10 +222,16 @@ def _rule_line(pat: str, e: dict, facts: _Facts, shapes: _ShapeWriter) -> tuple[
         t.append("replicate")
         note = "persistent buffer: not sharded by FSDP2; pass it to bind(frozen=...)"
     else:
-        if _generic(first) in facts.ep_keys and ndim >= 1:
+        view, splits, packed_dim, note = _tp_transforms(style, leaf, ndim, e, shapes)
+        ep = False
+        if style is None or note.startswith("unknown TP style"):
+            view, splits, packed_dim, note, ep = derive(first, next(iter(e["shapes"])), facts.model,
+                                                        shapes.second_model, shapes.value)
+            if note and style is not None:
+                note = f"not a style this drafter knows; derived: {note}"
+        if (_generic(first) in facts.ep_keys or ep) and ndim >= 1:
             t.append("split 0 over ep")
             uses_ep = True
-        view, splits, packed_dim, note = _tp_transforms(style, leaf, ndim, e, shapes)
         t = view + t + splits
         if ndim >= 1:
             if packed_dim == 0:
@@ -379,7 +249,7 @@ def _rule_line(pat: str, e: dict, facts: _Facts, shapes: _ShapeWriter) -> tuple[
     return line, uses_ep
 
 
-def _tp_transforms(style, leaf: str, ndim: int, e: dict, shapes: _ShapeWriter):
+def _tp_transforms(style, leaf: str, ndim: int, e: dict, shapes: ShapeWriter):
     """Tensor parallelism of one parameter from its TP style: (a view to put first, the tp split,
     the dim of a packed [gate|up] split or None, a note for the comment)."""
     if style in _COLWISE and ndim >= 1:
@@ -395,7 +265,7 @@ def _tp_transforms(style, leaf: str, ndim: int, e: dict, shapes: _ShapeWriter):
     return [], [], None, ""
 
 
-def _placement(e: dict, first: str, facts: _Facts, shapes: _ShapeWriter) -> list[str]:
+def _placement(e: dict, first: str, facts: _Facts, shapes: ShapeWriter) -> list[str]:
     """Pipeline stage of a parameter outside the layers: the embedding also on the last stage when tied."""
     if e["stage"] == "first":
         if first == facts.embed_name:
@@ -407,18 +277,28 @@ def _placement(e: dict, first: str, facts: _Facts, shapes: _ShapeWriter) -> list
     return []
 
 
-def _declarations(dims: dict, shapes: _ShapeWriter, raw: dict | None, facts: _Facts) -> tuple[list[str], list[str]]:
+def _declarations(dims: dict, shapes: ShapeWriter, raw: dict | None, facts: _Facts, config) \
+        -> tuple[list[str], list[str]]:
     """The ``dims`` declarations and ``let`` lines. A dim the config file leaves to the class default
     cannot be read from it: it is derived (head_dim) or fixed by a ``let``."""
     used, values = shapes.used, shapes.values
+    lets = []
     if facts.layer_prefix is not None:
         used.add("layers")
-    lets = []
+        count = len({n[len(facts.layer_prefix):].split(".", 1)[0] for n, _ in facts.params + facts.buffers
+                     if n.startswith(facts.layer_prefix)})
+        key = layer_count_key(config, count)
+        fields = raw if raw is not None else config.to_dict()
+        if key is None or (fields.get(key) is None and key != "num_hidden_layers"):
+            lets.append(f"let layers = {count}  # no config field holds the number of layers")
+        else:
+            dims["layers"] = (key, count)
     if shapes.derived_head_dim and "head_dim" in used:
         used |= {"hidden", "heads"}
         lets.append("let head_dim = hidden / heads")
-    missing = {d for d, (key, _) in dims.items() if d in used and raw is not None and raw.get(key) is None}
-    if "tied" in used and raw is not None and raw.get("tie_word_embeddings") is None:
+    missing = {d for d, (key, _) in dims.items() if d in used and raw is not None and raw.get(key) is None
+               and d != "layers"}  # the config reader fills num_hidden_layers from the layer types
+    if "tied" in used and (raw if raw is not None else config.to_dict()).get("tie_word_embeddings") is None:
         missing.add("tied")
     if "head_dim" in missing and values.get("hidden") and values.get("heads") \
             and values["hidden"] == values["heads"] * values["head_dim"]:
@@ -428,6 +308,8 @@ def _declarations(dims: dict, shapes: _ShapeWriter, raw: dict | None, facts: _Fa
         lets.append("let head_dim = hidden / heads  # config.json has no head_dim")
     for d in sorted(missing):
         value = int(facts.tied) if d == "tied" else dims.pop(d)[1]
+        if d in ("tied", "layers") and any(x.startswith(f"let {d} =") for x in lets):
+            continue
         lets.append(f"let {d} = {value}  # the class default: config.json does not set it")
     decl = [d if d == key else f"{d} from {key}" for d, (key, _) in dims.items() if d in used and d not in missing]
     if "tied" in used and "tied" not in missing:

@@ -1,0 +1,209 @@
+"""Megatron-style tensor parallelism for the parameters a transformers TP plan leaves out (or gives a
+style the drafter does not know), derived from the module structure: vocab-parallel embedding and
+head, attention and MLP column/row splits, fused tensors split part by part as the model's forward
+reads them, MLA's low-rank ``*_a_proj`` replicated and ``*_b_proj`` split by heads, Mamba mixers split
+by heads and channels, experts over ``ep``.
+
+Each answer is (views, tp splits, the dim of a packed ``[2, n]`` view or None, a note for the comment)."""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+# module names (the last segment of a parameter's module path) and how a TP runtime splits them
+_ROW = {"o_proj", "out_proj", "c_proj", "down_proj", "w2", "fc2", "dense_4h_to_h", "wo", "output_linear",
+        "fc_out", "proj_out", "dense", "linear_out", "o_b_proj", "out_dense", "output_proj"}
+_COL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc", "dense_h_to_4h",
+        "fc_in", "q_b_proj", "kv_b_proj", "query", "key", "value", "wq", "wk", "wv", "q_attn", "kv_proj",
+        "linear_1", "fc_gate", "q_gate_proj", "k_b_proj", "v_b_proj"}
+_PACKED = {"gate_up_proj", "input_linear", "w13", "fc1_glu"}  # [gate; up] rows, chunk(2) in the forward
+# fused q/k/v: [Q; K; V] as consecutive blocks (GQA sizes), or per head [q_h, k_h, v_h] (bloom,
+# gpt_neox, persimmon, minimax's linear attention: `.view(..., heads, 3 * head_dim)`), or per KV group
+# (falcon's new decoder: `.view(..., kv_heads, heads / kv_heads + 2, head_dim)`)
+_FUSED_QKV = {"qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv", "W_pack"}
+_PER_HEAD = {"bloom", "gpt_neox", "gpt_neox_japanese", "persimmon", "minimax"}
+_REPLICATED = re.compile(r"(^|_)a_proj|^gate$|router|^x_proj$|indexer|weights_proj|norm|^conv")
+
+Value = Callable[[object], int]  # a size read off a module (the model's or the perturbed one's)
+
+
+def derive(name: str, shape: tuple[int, ...], model, model2, size) -> tuple[list, list, int | None, str, bool]:
+    """Layout of one parameter the TP plan does not cover: (views, splits, packed dim, note, ep).
+    ``size(v, v2)`` writes a size as an expression of the dims."""
+    path, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+    module = _submodule(model, path)
+    module2 = _submodule(model2, path)
+    mname = path.rsplit(".", 1)[-1]
+    ndim = len(shape)
+    if module is None or ndim == 0:
+        return [], [], None, "", False
+    if module is model.get_input_embeddings() or module is model.get_output_embeddings():
+        return [], ["split 0 over tp uneven"], None, "vocab-parallel", False
+    kind = type(module).__name__
+    if "experts" in path.split(".") or mname == "experts":
+        return _experts(leaf, shape, module, module2, size)
+    parent = path.rsplit(".", 1)[0] if "." in path else ""
+    for mixer_path, rest in ((path, leaf), (parent, f"{mname}.{leaf}")):
+        mixer = _submodule(model, mixer_path)
+        found = None if mixer is None else mixer_layout(rest, shape, mixer, _submodule(model2, mixer_path), size)
+        if found is not None:
+            return (*found, False)
+    if kind == "Embedding" or ndim > 2:
+        return [], [], None, "", False
+    out_dim = 1 if kind == "Conv1D" else 0  # GPT-2's Conv1D stores [in, out]
+    in_dim = 1 - out_dim
+    is_bias = ndim == 1
+    if mname in _FUSED_QKV:
+        return _fused_qkv(model, model2, _submodule(model, parent), _submodule(model2, parent), module,
+                          0 if is_bias else out_dim, size)
+    if mname in _PACKED:
+        d = 0 if is_bias else out_dim
+        return _packed(shape, d, name, model2, size)
+    if _REPLICATED.search(mname):
+        return [], [], None, "", False
+    if mname in _ROW or (mname not in _COL and _out_features(module, kind) == _hidden(model)
+                         and _in_features(module, kind) != _hidden(model)):
+        return [], ([] if is_bias else [f"split {in_dim} over tp uneven"]), None, "row-parallel", False
+    if mname in _COL or _in_features(module, kind) == _hidden(model):
+        if re.search(r"qkv|in_proj", mname):  # a fused input projection of unknown order: left whole
+            return [], [], None, "fused projection of unknown order: replicated over tp", False
+        return [], [f"split {0 if is_bias else out_dim} over tp uneven"], None, "column-parallel", False
+    return [], [], None, "", False
+
+
+def _submodule(model, path: str):
+    if model is None:
+        return None
+    try:
+        return model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+
+
+def _hidden(model) -> int | None:
+    return getattr(model.config, "hidden_size", None)
+
+
+def _in_features(module, kind: str):
+    return getattr(module, "nx", None) if kind == "Conv1D" else getattr(module, "in_features", None)
+
+
+def _out_features(module, kind: str):
+    return getattr(module, "nf", None) if kind == "Conv1D" else getattr(module, "out_features", None)
+
+
+def _two(module, module2, get: Value) -> tuple[int, int | None]:
+    v = int(get(module))
+    try:
+        return v, (int(get(module2)) if module2 is not None else None)
+    except (AttributeError, TypeError):
+        return v, None
+
+
+def _fused_qkv(model, model2, attn, attn2, module, d: int, size):
+    """A fused q/k/v projection, split by heads the way its forward splits it (``attn``: the module
+    holding it, in the model and in the perturbed one)."""
+    cfg = model.config
+
+    def heads_of(a, c):
+        h = getattr(a, "num_heads", None) or getattr(a, "n_heads", None) or getattr(c, "num_attention_heads", None)
+        hd = getattr(a, "head_dim", None) or getattr(a, "head_size", None)
+        kv = getattr(a, "num_key_value_heads", None) or getattr(a, "num_kv_heads", None) \
+            or getattr(a, "kv_n_heads", None)
+        if kv is None:
+            kv = 1 if getattr(c, "multi_query", False) else getattr(c, "num_key_value_heads", None) or h
+        return h, kv, hd
+
+    heads, kv, head_dim = heads_of(attn, cfg)
+    if not heads or not head_dim:
+        return [], [], None, "fused q/k/v without a known head count: replicated over tp", False
+    other = heads_of(attn2, model2.config) if attn2 is not None else (None, None, None)
+    h_, kv_, hd_ = (size(a, b or None) for a, b in zip((heads, kv, head_dim), other))
+    model_type = getattr(cfg, "model_type", "")
+    out = _out_features(module, type(module).__name__)
+    per_head = model_type in _PER_HEAD or (model_type == "falcon" and not getattr(cfg, "new_decoder_architecture", False)
+                                           and not getattr(cfg, "multi_query", False))
+    if per_head and out == 3 * heads * head_dim:
+        return [f"view {d} as [{h_}, 3 * {hd_}]"], [f"split {d}.0 over tp"], None, "fused per head [q_h; k_h; v_h]", False
+    if model_type == "falcon" and getattr(cfg, "new_decoder_architecture", False):
+        return [f"view {d} as [{kv_}, ({h_} / {kv_} + 2) * {hd_}]"], [f"split {d}.0 over tp"], None, \
+            "fused per KV group [q..q k v]", False
+    if out == (heads + 2 * kv) * head_dim:
+        if kv == 1:  # multi-query: one K and one V head, on every rank
+            return [f"concat {d} as [q = {h_} * {hd_}, kv = 2 * {hd_}]"], [f"split {d}.q over tp"], None, \
+                "fused [Q; K; V], one KV head replicated", False
+        return ([f"concat {d} as [q = {h_} * {hd_}, k = {kv_} * {hd_}, v = {kv_} * {hd_}]"],
+                [f"split {d} over tp"], None, "fused [Q; K; V] split part by part", False)
+    return [], [], None, "fused q/k/v of an unknown layout: replicated over tp", False
+
+
+def _packed(shape, d: int, name: str, model2, size):
+    v = shape[d] // 2
+    v2 = None
+    if model2 is not None:
+        p = dict(model2.named_parameters()).get(name)
+        v2 = None if p is None else int(p.shape[d]) // 2
+    return [f"view {d} as [2, {size(v, v2)}]"], [f"split {d}.1 over tp uneven"], d, "packed [gate; up]", False
+
+
+def _experts(leaf: str, shape, module, module2, size):
+    """Experts stacked as [E, ...]: over ep on dim 0; gate_up column-parallel (packed), down row-parallel."""
+    if len(shape) != 3:
+        return [], [], None, "", False
+    if re.search(r"gate_up|w13|input|w1|fc1", leaf):
+        v = shape[1] // 2
+        p2 = getattr(module2, leaf, None) if module2 is not None else None
+        v2 = int(p2.shape[1]) // 2 if p2 is not None and getattr(p2, "ndim", 0) == 3 else None
+        if shape[1] % 2 == 0:
+            return [f"view 1 as [2, {size(v, v2)}]"], ["split 1.1 over tp uneven"], 1, "experts: packed [gate; up]", True
+        return [], ["split 1 over tp uneven"], None, "experts: column-parallel", True
+    if re.search(r"down|w2|output|fc2", leaf):
+        return [], ["split 2 over tp uneven"], None, "experts: row-parallel", True
+    return [], [], None, "experts", True
+
+
+def mixer_layout(path_leaf: str, shape, mixer, mixer2, size):
+    """A Mamba mixer's tensors, split the way Megatron's Mamba layer splits them: by heads (Mamba-2:
+    ``in_proj`` = [z; x; B; C; dt] part by part, ``conv1d`` = [x; B; C], B and C by groups, shared
+    when there are fewer groups than ranks) or by channels (Mamba-1: ``in_proj`` = [x; z]).
+    Layout of ``mixer``'s own parameter ``path_leaf`` (``in_proj.weight``, ``A_log``, ...) or None."""
+    if not (hasattr(mixer, "ssm_state_size") and hasattr(mixer, "intermediate_size")):
+        return None
+
+    def sz(get):
+        return size(*_two(mixer, mixer2, get))
+
+    inter = sz(lambda m: m.intermediate_size)
+    groups = getattr(mixer, "n_groups", None)
+    heads = getattr(mixer, "num_heads", None)
+    head, leaf = path_leaf.rsplit(".", 1) if "." in path_leaf else ("", path_leaf)
+    if groups is not None and heads is not None:  # Mamba-2
+        gs = sz(lambda m: m.n_groups * m.ssm_state_size)
+        nh = sz(lambda m: m.num_heads)
+        state = sz(lambda m: m.ssm_state_size)
+        ng = sz(lambda m: m.n_groups)
+        bc = [f"view 0.b as [{ng}, {state}]", f"view 0.c as [{ng}, {state}]"]
+        bc_split = ["split 0.b.0 over tp shared", "split 0.c.0 over tp shared"]
+        if head == "in_proj" and shape[0] == 2 * mixer.intermediate_size + 2 * groups * mixer.ssm_state_size + heads:
+            return ([f"concat 0 as [z = {inter}, x = {inter}, b = {gs}, c = {gs}, dt = {nh}]"] + bc,
+                    ["split 0.z over tp", "split 0.x over tp"] + bc_split + ["split 0.dt over tp"],
+                    None, "Mamba-2 in_proj [z; x; B; C; dt] by heads and groups")
+        if head == "conv1d" and shape[0] == mixer.intermediate_size + 2 * groups * mixer.ssm_state_size:
+            return ([f"concat 0 as [x = {inter}, b = {gs}, c = {gs}]"] + bc,
+                    ["split 0.x over tp"] + bc_split, None, "Mamba-2 conv1d [x; B; C]")
+        if head == "" and leaf in ("A_log", "D", "dt_bias") and shape == (heads,):
+            return [], ["split 0 over tp"], None, "by heads"
+        if head == "norm" and shape == (mixer.intermediate_size,):
+            return [], ["split 0 over tp"], None, "gated norm by heads"
+        if head == "out_proj" and leaf == "weight":
+            return [], ["split 1 over tp"], None, "row-parallel"
+        return None
+    # Mamba-1: in_proj = [x; z] (chunk 2), everything else by channel
+    if head == "in_proj" and shape[0] == 2 * mixer.intermediate_size:
+        return [f"view 0 as [2, {inter}]"], ["split 0.1 over tp"], None, "Mamba in_proj [x; z] by channels"
+    if head in ("conv1d", "dt_proj") or (head == "" and leaf in ("A_log", "D")):
+        if shape and shape[0] == mixer.intermediate_size:
+            return [], ["split 0 over tp"], None, "by channels"
+    if head in ("x_proj", "out_proj") and leaf == "weight":
+        return [], ["split 1 over tp"], None, "row-parallel"
+    return None
