@@ -356,8 +356,8 @@ def test_unknown_mesh_axis_in_a_mesh_passed_to_compile():
 
 
 @pytest.mark.parametrize("text, code", [
-    ("pp=2,dp=x", "UCL301"), ("pp=2,,tp=2", "UCL301"), ("tp=-1", "UCL301"), ("pp=2,pp=2", "UCL301"),
-    ("pp=0", "UCL302"), ("2=pp", "UCL301"), ("pp:2", "UCL301"),
+    ("pp=2,dp=x", "UCL301"), ("pp=2,,tp=2", "UCL301"), ("pp=2,pp=2", "UCL301"),
+    ("pp=0", "UCL302"), ("tp=-1", "UCL302"), ("dp=2.5", "UCL302"), ("2=pp", "UCL301"), ("pp:2", "UCL301"),
 ])
 def test_mesh_parse_errors(text, code):
     with pytest.raises(ucl.MeshError) as info:
@@ -366,6 +366,22 @@ def test_mesh_parse_errors(text, code):
     assert isinstance(info.value, ucl.UclError)
     if code == "UCL301" and "pp=2,pp" not in text:
         assert text in str(info.value) and "pp=2,dp=2,tp=2" in str(info.value)
+
+
+@pytest.mark.parametrize("text, axis", [("tp=0", "tp=0"), ("tp=-1", "tp=-1"), ("pp=2,dp=2.5", "dp=2.5")])
+def test_a_bad_mesh_size_gets_one_message_whatever_the_number(text, axis):
+    """tp=-1 and dp=2.5 are read as sizes and refused as tp=0 is, not as unreadable text."""
+    with pytest.raises(ucl.MeshError) as info:
+        Mesh.parse(text)
+    assert str(info.value) == f"mesh axis {axis}: a size must be a positive integer"
+
+
+def test_an_axis_in_the_wrong_case_is_named_with_its_spelling():
+    model = ucl.load_spec(SPEC).bind(dims={"h": 4}, params={"layers.0.w": (4,), "embed.weight": (4, 4)})
+    with pytest.raises(ucl.MeshError) as info:
+        ucl.compile(model, UNIVERSAL, Mesh.parse("TP=4"))
+    assert info.value.code == "UCL304"
+    assert "'TP'" in str(info.value) and "did you mean tp? (axis names are case-sensitive)" in str(info.value)
 
 
 def test_mesh_parse_ok():
@@ -601,3 +617,32 @@ def test_a_manual_checkpointer_spec_warns_about_a_state_pattern_that_matches_not
     text = "mesh tp\nw [4, 4] : split 0 over tp\nstate exp_avg : follow\nstate exp_avg for ww : flat over tp\n"
     with pytest.warns(UserWarning, match=r"<spec>:4:19: warning: `state exp_avg for ww` matches no parameter"):
         bind_manual(text, {"tp": 2})
+
+
+# =================================================================================================
+# Naming a spec
+# =================================================================================================
+@pytest.mark.parametrize("word, hint", [
+    ("llama", "did you mean stdlib:llama?"), ("lama", "did you mean stdlib:llama?"),
+    ("mixtral", "did you mean stdlib:mixtral?"), ("nothing_like_it", "a spec is a .ucl file, stdlib:NAME or spec text"),
+])
+def test_a_spec_named_by_a_bare_word_is_no_file_not_a_parse_error(tmp_path, monkeypatch, word, hint):
+    monkeypatch.chdir(tmp_path)  # no file of that name here
+    with pytest.raises(ucl.UclError) as info:
+        ucl.load_spec(word)
+    assert info.value.code == "UCL000"
+    assert str(info.value) == f"no file {word!r}; {hint}"
+
+
+def test_ucl_check_of_a_bare_stdlib_name_says_one_line(tmp_path, monkeypatch, capsys):
+    import ucl.cli
+    monkeypatch.chdir(tmp_path)
+    assert ucl.cli.main(["check", "llama"]) == 1
+    err = capsys.readouterr().err
+    assert err == "ucl: no file 'llama'; did you mean stdlib:llama?\n", err
+
+
+def test_a_bare_word_that_is_a_file_is_still_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama").write_text("dims h\nw [h] : replicate\n")
+    assert ucl.load_spec("llama").dims == ["h"]

@@ -314,3 +314,59 @@ def test_bytes_of_an_allowed_tensor_match_python_ints():
     assert plan.bytes_read == shape[0] * 8
     assert sum(int(x) for x in plan.bytes_read_per_rank()) == shape[0] * 8
     assert np.all(np.asarray([int(x) for x in plan.bytes_read_per_rank()]) > 0)
+
+
+def _min_time(f, repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def test_a_spec_beyond_the_token_cap_is_refused_before_parsing_for_less_than_parsing_llama_5_times():
+    """A 200,000-term expression (a manifest embeds its spec) parsed for > 12 s; now it is refused
+    (UCL004, naming where the cap is crossed) in less time than parsing stdlib:llama five times."""
+    from ucl.lang.parse import MAX_SPEC_TOKENS
+    hostile = "dims a\nlet x = " + " + ".join(["a"] * 200_000) + "\n"
+
+    def refuse():
+        with pytest.raises(ucl.SpecError) as info:
+            ucl.Spec.from_text(hostile, "hostile.ucl")
+        return info.value
+
+    err = refuse()
+    assert err.code == "UCL004" and f"more than {MAX_SPEC_TOKENS:,} tokens" in str(err)
+    # the (MAX_SPEC_TOKENS + 1)-th token: 5 before the expression, 2 columns a token after column 9
+    k = MAX_SPEC_TOKENS - 5
+    assert str(err).startswith(f"hostile.ucl:2:{9 + 2 * k}: error[UCL004]"), str(err)[:200]
+    assert len(str(err)) < 400  # the 600 KB line is not echoed
+    llama = _min_time(lambda: ucl.Spec.from_file(ucl.lang.stdlib.stdlib_path("stdlib:llama")))
+    assert _min_time(refuse) < 5 * llama
+
+
+def test_every_standard_spec_is_far_below_the_token_cap():
+    from ucl.lang.parse import MAX_SPEC_TOKENS, count_tokens
+    for name in ucl.lang.stdlib.stdlib_names():
+        n = count_tokens(ucl.lang.stdlib.stdlib_path(f"stdlib:{name}").read_text())
+        assert 200 < n < MAX_SPEC_TOKENS / 200, (name, n)
+
+
+def test_a_spec_at_the_token_cap_passes_and_one_token_more_is_refused():
+    from ucl.lang.parse import MAX_SPEC_TOKENS, check_size, count_tokens
+    head = "dims a\nlet x = a"  # 6 tokens, then 2 a term
+    at_cap = head + " + a" * ((MAX_SPEC_TOKENS - 6) // 2) + "\n  # a comment counts nothing\n"
+    check_size(at_cap)
+    with pytest.raises(ucl.SpecError) as info:
+        check_size(at_cap + "  +\n", "x.ucl")
+    assert info.value.code == "UCL004"
+    lines = at_cap.count("\n")
+    assert str(info.value).startswith(f"x.ucl:{lines + 1}:3: error[UCL004]"), str(info.value)
+    assert count_tokens(at_cap) == MAX_SPEC_TOKENS
+
+
+def test_a_spec_text_beyond_16_mib_is_refused_unparsed():
+    with pytest.raises(ucl.SpecError) as info:
+        ucl.Spec.from_text("#" * ((16 << 20) + 1))
+    assert info.value.code == "UCL004" and "characters" in str(info.value)

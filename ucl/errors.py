@@ -159,7 +159,8 @@ ERROR_CODES: dict[str, tuple[type[UclError], ...]] = {
     "UCL430": (UclError,), "UCL431": (UclError,), "UCL432": (StoreError,),
     "UCL433": (StoreError,), "UCL434": (StoreError,), "UCL435": (StoreError,), "UCL436": (StoreError,),
     # reading and checking a spec
-    "UCL001": (SpecError,), "UCL002": (SpecError,), "UCL003": (SpecError,), "UCL010": (SpecError,),
+    "UCL001": (SpecError,), "UCL002": (SpecError,), "UCL003": (SpecError,), "UCL004": (SpecError,),
+    "UCL010": (SpecError,),
     "UCL100": (SpecError,),
     "UCL101": _SPEC_AND_BIND, "UCL102": (SpecError,), "UCL103": (SpecError,), "UCL104": _SPEC_AND_BIND,
     "UCL105": _SPEC_AND_BIND, "UCL106": (SpecError,), "UCL107": (SpecError,), "UCL108": _SPEC_AND_BIND,

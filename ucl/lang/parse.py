@@ -390,11 +390,53 @@ def _parse_recovering(source: str):
         return (None if diagnostics else tree), diagnostics
 
 
+# Lark takes ~20 us a token, and a manifest embeds its spec: without a cap, one hostile checkpoint
+# stalls every reader (a 200,000-term expression parsed for > 12 s). The largest standard spec has
+# ~700 tokens as counted here, a spec generated for a DCP folder ~13 a parameter, and 20,000 rules
+# must bind (tests/test_hostile_lang.py): the cap is far above all of them and bounds a parse to
+# a few seconds.
+MAX_SPEC_CHARS = 16 << 20  # as a spec file (ucl.lang.spec.MAX_SPEC_BYTES)
+MAX_SPEC_TOKENS = 150_000
+# Counted before Lark runs, comments removed, in one regex match that stops at the cap (a refusal
+# costs ~50 ns a token): a run of word characters, dots and braces (a name, a number, a pattern
+# like layers.{i}.w) or any other visible character is one token. Never fewer than lark's, but
+# where braces make text that lark refuses at the first brace anyway. (Patterns of nested or
+# possessive repeats cost microseconds a line on blank or comment lines: measure before changing.)
+SPEC_TOKEN = re.compile(r"(?>\s*(?:[\w.{}]+|\S))")  # one atomic group: 200,000 blank lines were slow
+_COMMENT = re.compile(r"#[^\n]*")
+_CAPPED = re.compile(f"(?:{SPEC_TOKEN.pattern}){{{MAX_SPEC_TOKENS + 1}}}")
+
+
+def count_tokens(text: str) -> int:
+    """The tokens of ``text`` as the cap counts them (comments count nothing)."""
+    return len(SPEC_TOKEN.findall(_COMMENT.sub("", text)))
+
+
+def check_size(text: str, filename: str = "<spec>") -> None:
+    """UCL004 for spec text beyond :data:`MAX_SPEC_CHARS` or :data:`MAX_SPEC_TOKENS` (at the token
+    that crosses the cap), found in time bounded by the cap, before the parser sees it."""
+    def refuse(message: str, span: Span | None) -> SpecError:
+        hint = "specs this large are refused so that a hostile file or manifest cannot stall its readers"
+        return SpecError([Diagnostic("UCL004", message, span, hint)], None, filename)  # no source: lines may be huge
+
+    if len(text) > MAX_SPEC_CHARS:
+        raise refuse(f"the spec is {len(text):,} characters, more than the {MAX_SPEC_CHARS:,} a spec may have", None)
+    code = _COMMENT.sub("", text)  # a comment ends its line: the columns before it do not move
+    m = _CAPPED.match(code)
+    if m is not None:
+        end = m.end()
+        line, col = code.count("\n", 0, end) + 1, end - code.rfind("\n", 0, end - 1) - 1
+        raise refuse(f"the spec has more than {MAX_SPEC_TOKENS:,} tokens, the most a spec may have (the "
+                     "largest standard spec has about 700)", Span(line, col, line, col + 1))
+
+
 def parse(text: str, filename: str = "<spec>") -> ast.Module:
     """Parse spec text into an AST. Raises SpecError with every syntax error found: each statement
-    with an error is reported once (at its first bad token), and parsing goes on with the next one."""
+    with an error is reported once (at its first bad token), and parsing goes on with the next one.
+    Text beyond the size caps is refused first (:func:`check_size`)."""
     if not isinstance(text, str):
         raise SpecError([Diagnostic("UCL001", "a spec must be text")], None, filename)
+    check_size(text, filename)
     source = text if text.endswith("\n") else text + "\n"
     tree, diagnostics = _parse_recovering(source)
     if diagnostics:

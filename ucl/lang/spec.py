@@ -6,10 +6,10 @@ from typing import Iterable, Mapping
 
 from . import ast
 from .check import Checked, check
-from ..errors import BindError, Diagnostic, SpecError
+from ..errors import BindError, Diagnostic, SpecError, UclError, closest
 from ..files import read_bounded
 from .parse import parse
-from .stdlib import PREFIX, stdlib_path
+from .stdlib import PREFIX, stdlib_names, stdlib_path
 
 
 MAX_SPEC_BYTES = 16 << 20  # the largest specs are a few KB; anything near this is not a spec
@@ -145,4 +145,16 @@ def load_spec(source: "str | Path | Spec") -> Spec:
         return spec
     if _looks_like_path(source):
         return Spec.from_file(source)  # a folder or a missing .ucl path gets a clear error, not a parse error
+    if source and not any(c.isspace() or c == ":" for c in source):
+        raise _no_such_file(source)  # one word is never a spec (a rule has a ':'): a name that is no file
     return Spec.from_text(source)
+
+
+def _no_such_file(word: str) -> UclError:
+    """``llama`` (no file of that name): one line that points at ``stdlib:llama`` when it is near one."""
+    names = stdlib_names()
+    stem = Path(word).stem if len(word) < 256 else word
+    match = stem if stem in names else closest(stem, names)
+    shown = word if len(word) <= 80 else word[:80] + "..."
+    hint = f"did you mean {PREFIX}{match}?" if match else "a spec is a .ucl file, stdlib:NAME or spec text"
+    return UclError(f"no file {shown!r}; {hint}", code="UCL000")

@@ -54,6 +54,10 @@ class Mesh:
         for part in text.split(","):
             m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*", part)
             if not m:
+                number = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*", part)
+                if number and len(number.group(2)) <= 40:  # tp=-1, dp=2.5: the message of tp=0
+                    raise MeshError(f"mesh axis {number.group(1)}={number.group(2)}: a size must be a positive "
+                                    "integer", code="UCL302")
                 shown = text if len(text) <= 200 else text[:200] + "..."
                 raise MeshError(f"cannot read mesh {shown!r}: write it like pp=2,dp=2,tp=2", code="UCL301")
             if len(m.group(2).lstrip("0")) > 18:  # beyond any mesh, and int() refuses 4,300+ digits
@@ -117,7 +121,8 @@ class Mesh:
         declared = list(declared)
         for name in self.names:
             if name not in declared:
-                hint = did_you_mean(name, declared)
+                same = [d for d in declared if d.lower() == name.lower()]  # TP for tp
+                hint = f"did you mean {same[0]}? (axis names are case-sensitive)" if same else did_you_mean(name, declared)
                 raise MeshError(f"mesh axis {name!r} is not declared by the spec (it declares: "
                                 f"{', '.join(declared) or 'none'})" + (f"; {hint}" if hint else ""), code="UCL304")
 
