@@ -329,3 +329,97 @@ def test_a_spec_naming_state_the_optimizer_lacks_says_so_once(tmp_path):
     text = str(err.value)
     assert err.value.code == "UCL421" and "the optimizer holds no exp_avg, exp_avg_sq, step state (it holds none" in text, text
     assert "missing exp_avg" not in text, text
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_both(tmp_path):
+    """Saved with SGD (momentum), loaded with AdamW: UCL434 names SGD and AdamW and their state, not
+    a plan's "source has no exp_avg" (UCL316); the AdamW and the weights are left as they were."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        _step(net, opt, 0)
+        ck.save(1)
+    fresh = _net(seed=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    adamw = torch.optim.AdamW(fresh.parameters())
+    with ucl.Checkpointer(tmp_path, fresh, adamw) as ck:
+        with pytest.raises(ucl.StoreError) as info:
+            ck.load()
+    msg = str(info.value)
+    assert info.value.code == "UCL434", msg
+    assert "saved with SGD (state: momentum_buffer)" in msg and "optimizer is AdamW (state: exp_avg" in msg, msg
+    assert "nothing was changed" in msg and "without an optimizer" in msg
+    assert adamw.state_dict()["state"] == {}
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+    with ucl.Checkpointer(tmp_path, fresh) as ck:  # what the message suggests: the weights alone
+        assert ck.load() == (1, None)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in net.state_dict().items())
+
+
+def test_adam_state_loads_into_adamw(tmp_path):
+    """Another class with the same state is not refused (a switch from Adam to AdamW is common)."""
+    net = _net()
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        _step(net, opt, 0)
+        ck.save(1)
+    fresh = _net(seed=1)
+    adamw = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    with ucl.Checkpointer(tmp_path, fresh, adamw) as ck:
+        assert ck.load() == (1, None)
+    _same_state(opt.state_dict(), adamw.state_dict())
+
+
+def test_loading_a_step_that_is_not_there_lists_the_steps_that_are(tmp_path):
+    net = _net()
+    opt = torch.optim.Adam(net.parameters())
+    with ucl.Checkpointer(tmp_path, net, opt, keep=5) as ck:
+        for s in (2, 4, 6):
+            _step(net, opt, s)
+            ck.save(s)
+        ck.wait()
+        with pytest.raises(ucl.StoreError) as info:
+            ck.load(step=7)
+    assert info.value.code == "UCL404"
+    assert str(info.value) == f"no checkpoint of step 7 in {tmp_path}; the steps there: 2, 4, 6"
+
+
+def _saved_by_two_processes(root, step) -> None:
+    """The checkpoint as if two processes had saved it: its RNG states, one per process."""
+    path = os.path.join(root, f"step_{step:08d}", "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["state"]["rng"]["1"] = manifest["state"]["rng"]["0"]
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def test_the_rng_warning_of_another_world_size_is_raised_once_at_the_callers_load_line(tmp_path):
+    import inspect
+    import warnings
+    net = _net()
+    opt = torch.optim.Adam(net.parameters())
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        _step(net, opt, 0)
+        ck.save(1)
+    _saved_by_two_processes(tmp_path, 1)
+    with ucl.Checkpointer(tmp_path, _net(), None) as ck:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_lineno + 1
+            ck.load()
+    rng = [w for w in caught if "RNG states" in str(w.message)]
+    assert len(rng) == 1, [str(w.message) for w in caught]
+    assert "of 2 processes, this job has 1" in str(rng[0].message)
+    assert (rng[0].filename, rng[0].lineno) == (__file__, line)
+
+
+def test_only_process_rank_0_warns_that_rng_states_are_not_restored():
+    import warnings
+    from ucl.train import rng
+    saved = {"0": rng.capture(), "1": rng.capture()}
+    for rank, expected in ((0, 1), (1, 0), (2, 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rng.restore(saved, rank, 4)
+        assert len(caught) == expected, rank

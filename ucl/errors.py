@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Sequence
 
@@ -263,3 +265,16 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     match = closest(word, choices)
     return f"did you mean {match}?" if match else None
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` in the function calling this one that names the
+    first frame outside ucl: a warning points at the user's line (``ck.load()``), however deep in
+    ucl it is raised and however the call chain changes."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

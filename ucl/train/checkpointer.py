@@ -205,6 +205,11 @@ class Checkpointer:
             path = self.root.latest() if step is None else self.root.path_for(step)
             if path is None:
                 raise StoreError(f"no checkpoint in {self.root.root}", code="UCL404")
+            if step is not None and not os.path.isdir(path):
+                steps = self.root.steps()
+                shown = ", ".join(map(str, steps[-20:])) if steps else "none"
+                raise StoreError(f"no checkpoint of step {step} in {self.root.root}; the steps there: "
+                                 f"{'... ' if len(steps) > 20 else ''}{shown}", code="UCL404")
             restored = restore.from_checkpoint(target, path)
         self._newest = restored[0]  # the run goes on from here: newer steps are abandoned
         return restored

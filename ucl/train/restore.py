@@ -16,7 +16,7 @@ from ..ops.load import load_rank
 from ..ops.prepare import expected_datasets, open_checkpoint
 from ..store.root import CheckpointRoot
 from . import rng
-from .derive import TrainLayout, clean_name, unwrap
+from .derive import PARAM, TrainLayout, clean_name, unwrap
 from .layouts import Layouts
 from .optim import init_state, match_state, restore_hyperparameters
 from .snapshot import Snapshots
@@ -100,6 +100,7 @@ def from_checkpoint(target: Target, path: str) -> tuple[int, Any]:
     layout = target.layouts.current(target.module, optimizer, reading=True)
     _check_model(path, manifest, layout.params if target.layouts.bound is None else
                  target.layouts.model_of(layout).params)
+    kept = dict(optimizer.state) if optimizer is not None else {}  # references: put back on refusal
     if optimizer is not None and target.layouts.bound is None:
         params = {clean_name(n): p for n, p in unwrap(target.module).named_parameters()}
         frozen = set(manifest.frozen or ())
@@ -110,6 +111,12 @@ def from_checkpoint(target: Target, path: str) -> tuple[int, Any]:
         # a manual layout: its spec says which parameters have state; a fresh optimizer gets it all
         init_state(optimizer, [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad])
         layout = target.layouts.current(target.module, optimizer, reading=True)
+    try:
+        _check_optimizer(path, manifest, saved.get("optimizer"), optimizer, layout)
+    except StoreError:
+        optimizer.state.clear()  # the state created for it above goes: the optimizer is as it was
+        optimizer.state.update(kept)
+        raise
     arrays = _read(target.layouts, path, layout)
     import torch
     with torch.no_grad():
@@ -141,6 +148,22 @@ def _check_model(path: str, manifest, params) -> None:
                  + (f" and {len(differ) - 5} more" if len(differ) > 5 else "") if differ else ""]
         raise StoreError(f"{path} holds another model ({'; '.join(p for p in parts if p)}); nothing was changed",
                          code="UCL434")
+
+
+def _check_optimizer(path: str, manifest, saved: dict | None, optimizer, layout: TrainLayout) -> None:
+    """UCL434 before anything changes when the job's optimizer keeps state the checkpoint lacks
+    (saved with SGD, loaded with AdamW), naming both optimizers; a plan would say only which
+    dataset the source lacks."""
+    live = sorted({e.key.split("/", 1)[0] for e in layout.entries} - {PARAM})
+    held = {k.split("/", 1)[0] for ds in manifest.datasets for k in ds} - {PARAM}
+    if optimizer is None or set(live) <= held:
+        return
+    was = (saved or {}).get("type") or ("no optimizer" if not held else "another optimizer")
+    now = type(optimizer).__name__
+    raise StoreError(f"{path} was saved with {was} (state: {', '.join(sorted(held)) or 'none'}), this job's "
+                     f"optimizer is {now} (state: {', '.join(live)}); nothing was changed: load it with "
+                     f"the optimizer it was saved with, or load the model alone (a Checkpointer without "
+                     f"an optimizer) and start {now} afresh", code="UCL434")
 
 
 def _few(names: list[str]) -> str:

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import caller_stacklevel
+
 
 def capture() -> dict:
     import torch
@@ -21,14 +23,20 @@ def capture() -> dict:
 
 
 def restore(saved: Any, process_rank: int, world: int) -> None:
-    """Restore this process's generators when the checkpoint has them (same world size); warn when it
-    was written by another number of processes (the generators keep their current state)."""
+    """Restore this process's generators when the checkpoint has them (same world size). When it was
+    written by another number of processes the generators keep their current state, and process
+    rank 0 alone warns, once, at the user's ``load()`` line (not every rank, not inside ucl)."""
     if not saved:
         return
     mine = saved.get(str(process_rank))
-    if mine is None or len(saved) != world:
-        warnings.warn(f"the checkpoint holds RNG states of {len(saved)} processes, this job has {world}: "
-                      "random generators are not restored", stacklevel=3)
+    if len(saved) != world:
+        if process_rank == 0:
+            warnings.warn(f"the checkpoint holds RNG states of {len(saved)} processes, this job has {world}: "
+                          "random generators are not restored on any process", stacklevel=caller_stacklevel())
+        return
+    if mine is None:  # as many states as processes, but not this one's: a damaged manifest
+        warnings.warn(f"the checkpoint holds no RNG state of process {process_rank}: its random generators "
+                      "are not restored", stacklevel=caller_stacklevel())
         return
     restore_own(mine)
 
