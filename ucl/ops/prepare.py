@@ -20,7 +20,7 @@ from ..layout.mesh import Mesh
 from ..plan.compile import compile, compile_between
 from ..plan.ir import Plan
 from ..formats.registry import open_foreign
-from ..store.extents import ExtentCheckpoint
+from ..store.like import CheckpointLike
 from ..store.manifest import MANIFEST_NAME
 from ..store.reader import Checkpoint
 
@@ -29,7 +29,7 @@ _MAX_MODELS = 8
 _MAX_PLANS = 256  # per model: one-rank plans of a load loop, whole plans of reshards
 
 
-def open_checkpoint(path: str | os.PathLike, format: str | None = None) -> Checkpoint | ExtentCheckpoint:
+def open_checkpoint(path: str | os.PathLike, format: str | None = None) -> CheckpointLike:
     """Open a committed checkpoint for reading (lazy: rank files open on first use). A folder
     another framework wrote (DeepSpeed, DCP, Megatron, Hugging Face; ``format`` detected when
     None) opens read in place (docs/interop.md): the same reads, from the framework's own files."""
@@ -38,7 +38,7 @@ def open_checkpoint(path: str | os.PathLike, format: str | None = None) -> Check
     return open_foreign(path, format)
 
 
-def model_of(ckpt: Checkpoint) -> Model:
+def model_of(ckpt: CheckpointLike) -> Model:
     """The bound model a checkpoint was written with (spec text, dims, parameter shapes, frozen);
     checkpoints with the same spec, dims and parameters share one cached model."""
     m = ckpt.manifest
@@ -61,7 +61,7 @@ def forget() -> None:
     _MODELS.clear()
 
 
-def mesh_of(ckpt: Checkpoint) -> Mesh:
+def mesh_of(ckpt: CheckpointLike) -> Mesh:
     """The layout a checkpoint is stored in."""
     return Mesh([(str(a), int(s)) for a, s in ckpt.manifest.mesh])
 
@@ -112,7 +112,7 @@ def expected_datasets(model: Model, mesh: Mesh, rank: int, stored: bool = False)
         raise detach(e) from None
 
 
-def check_stored(ckpt: Checkpoint, model: Model, ranks: Iterable[int] | None = None) -> None:
+def check_stored(ckpt: CheckpointLike, model: Model, ranks: Iterable[int] | None = None) -> None:
     """Before a byte of ``ranks`` (default: all) is read or anything is allocated for them: the
     datasets the manifest lists are exactly those the checkpoint's own spec and parameters put on
     each rank, with the same shapes and dtypes (an embedded spec edited to contradict the stored
@@ -162,7 +162,7 @@ def check_stored(ckpt: Checkpoint, model: Model, ranks: Iterable[int] | None = N
     ckpt.check_files(ranks)
 
 
-def stores_replicas_once(ckpt: Checkpoint | ExtentCheckpoint) -> bool:
+def stores_replicas_once(ckpt: CheckpointLike) -> bool:
     """Whether ``ckpt`` stores each replicated dataset on its first replica only (format version 2),
     rather than on every rank that holds it (version 1, and other frameworks' checkpoints read in place)."""
     return ckpt.manifest.version >= 2

@@ -22,6 +22,7 @@ from ..errors import StoreError, UclError, code_agrees
 from ..layout.bind import Model
 from ..layout.lower import lower
 from ..layout.mesh import Mesh
+from ..store.like import CheckpointLike
 from .dist import allgather_json, gloo_group, initialized_dist
 
 READ_ONCE_TIMEOUT_S = 300.0  # how long the group made by load_rank waits for a process that stopped answering
@@ -108,7 +109,7 @@ def _coords(fixed: Mapping[str, int]) -> tuple:
     return tuple(sorted(fixed.items()))
 
 
-def identity(ckpt: Any, target: Model, mesh: Mesh) -> str:
+def identity(ckpt: CheckpointLike, target: Model, mesh: Mesh) -> str:
     """A digest of what a process loads (checkpoint, target model, mesh): all must agree."""
     m = ckpt.manifest
     return xxhash.xxh3_64_hexdigest(json.dumps(

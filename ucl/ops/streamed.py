@@ -12,6 +12,7 @@ from ..dtypes import storage_dtype
 from ..plan.buffers import Arena, ArenaRing
 from ..plan.ir import Plan
 from ..plan.stream import StridedCopy, fill_block, strided_copies
+from ..store.like import CheckpointLike
 from ..store.reader import Checkpoint
 from ..store.writer import STREAM_DEPTH, CheckpointWriter
 
@@ -34,7 +35,7 @@ def block_ring() -> ArenaRing:
 
 
 def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: str, targets: Mapping[int, int | None],
-                   ckpt, writer: CheckpointWriter, blocks: ArenaRing, *, verify: bool, durable: bool) -> Streamed | None:
+                   ckpt: CheckpointLike, writer: CheckpointWriter, blocks: ArenaRing, *, verify: bool, durable: bool) -> Streamed | None:
     """Write dataset ``key`` (filled by plan ``rows``) into the files of ``targets`` (as
     ``write_stream``) block by block: each part of a block is read with ``Checkpoint.read_runs``
     (straight into the block where it lands contiguously), every checksum chunk or tile it touches

@@ -14,13 +14,16 @@ from .ir import Plan
 
 
 class Source(Protocol):
-    """Where a plan's source boxes come from. A source may also have ``read_into(rank, slot,
-    start, size, out) -> bool``: read the box straight into the destination view ``out`` when it
-    can (no bounce buffer), returning False to fall back to ``read``."""
+    """Where a plan's source boxes come from (in-memory shards here, a checkpoint in
+    ``ucl.store.source``)."""
 
     def read(self, rank: int, slot: Slot, start, size) -> np.ndarray:
         """Box ``start:start+size`` of the tensor in ``slot`` on source rank ``rank`` (storage dtype;
         may be a view valid until the next read)."""
+
+    def read_into(self, rank: int, slot: Slot, start, size, out: np.ndarray) -> bool:
+        """Read the same box straight into the destination view ``out`` (no bounce buffer) and
+        return True; or return False, doing nothing, where it cannot (then ``read`` is used)."""
 
 
 class MemorySource:
@@ -36,6 +39,10 @@ class MemorySource:
             raise PlanError(f"source rank {rank} has no dataset {slot.key!r}", code="UCL315") from None
         return box_view(array, slot, start, size)
 
+    def read_into(self, rank: int, slot: Slot, start, size, out: np.ndarray) -> bool:
+        out[...] = self.read(rank, slot, start, size)
+        return True
+
 
 def rank_rows(plan: Plan, rank: int) -> np.ndarray:
     """Indices of the (expanded) copy rows that fill target rank ``rank``; on a plan of many
@@ -48,17 +55,15 @@ def run_copies(plan: Plan, rows, source: Source, targets: Mapping[str, np.ndarra
     (target dataset key -> array; rows whose key is absent are skipped). Returns bytes copied."""
     c = plan.copies
     moved = 0
-    read_into = getattr(source, "read_into", None)
-    if read_into is not None:
-        done = set()
-        for key, mirror in _mirrors(plan, rows, targets).items():
-            whole = Slot(mirror.src_key, 0, mirror.shape, mirror.shape)
-            zeros = (0,) * len(mirror.shape)
-            if read_into(mirror.src_rank, whole, zeros, mirror.shape, targets[key]):
-                _zero_gaps(targets[key].reshape(-1), mirror.ranges)
-                done.update(mirror.rows)
-                moved += _volume(c, mirror.rows) * targets[key].itemsize
-        rows = [i for i in rows if int(i) not in done] if done else rows
+    done = set()
+    for key, mirror in _mirrors(plan, rows, targets).items():
+        whole = Slot(mirror.src_key, 0, mirror.shape, mirror.shape)
+        zeros = (0,) * len(mirror.shape)
+        if source.read_into(mirror.src_rank, whole, zeros, mirror.shape, targets[key]):
+            _zero_gaps(targets[key].reshape(-1), mirror.ranges)
+            done.update(mirror.rows)
+            moved += _volume(c, mirror.rows) * targets[key].itemsize
+    rows = [i for i in rows if int(i) not in done] if done else rows
     for i in rows:
         dslot = plan.slots[c["dst_slot"][i]]
         out = targets.get(dslot.key)
@@ -66,7 +71,7 @@ def run_copies(plan: Plan, rows, source: Source, targets: Mapping[str, np.ndarra
             continue
         dst = box_view(out, dslot, c["dst_start"][i], c["size"][i])
         src = (int(c["src_rank"][i]), plan.slots[c["src_slot"][i]], c["src_start"][i], c["size"][i])
-        if read_into is None or not read_into(*src, dst):
+        if not source.read_into(*src, dst):
             dst[...] = source.read(*src)
         moved += dst.nbytes
     return moved

@@ -3,6 +3,7 @@
 See docs/format.md for the normative on-disk format. Only ``h5`` imports h5py.
 """
 from .atomic import Leftover, cleanup_stale, collect_garbage
+from .like import CheckpointLike
 from .manifest import FORMAT_VERSION, DatasetInfo, Manifest, file_name
 from .reader import Checkpoint
 from .root import CheckpointRoot
@@ -10,6 +11,6 @@ from .source import StoreSource
 from .writer import CheckpointWriter
 
 __all__ = [
-    "Checkpoint", "CheckpointWriter", "CheckpointRoot", "DatasetInfo", "Manifest", "FORMAT_VERSION", "StoreSource",
+    "Checkpoint", "CheckpointLike", "CheckpointWriter", "CheckpointRoot", "DatasetInfo", "Manifest", "FORMAT_VERSION", "StoreSource",
     "file_name", "cleanup_stale", "collect_garbage", "Leftover",
 ]

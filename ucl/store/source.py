@@ -6,17 +6,17 @@ import numpy as np
 
 from ..layout.boxes import Slot, flat_runs, slot_box
 from ..plan.buffers import Arena
-from .reader import Checkpoint
+from .like import CheckpointLike
 
 
 class StoreSource:
-    """Reads plan boxes from a checkpoint. A box that is a whole dataset is read whole (with
+    """Reads plan boxes from a checkpoint (a ucl one or a foreign folder read in place). A box that is a whole dataset is read whole (with
     ``verify``, its checksum checked); with ``verify``, a partial box is read together with the whole checksum
     chunks around it, or the tiles around it when that reads less (a column block of a 2-D dataset;
     docs/format.md), each verified, so corrupt bytes are never passed on. With an arena, results are
     views valid until the next read."""
 
-    def __init__(self, ckpt: Checkpoint, arena: Arena | None = None, verify: bool = True):
+    def __init__(self, ckpt: CheckpointLike, arena: Arena | None = None, verify: bool = True):
         self.ckpt = ckpt
         self.arena = arena
         self.verify = verify
