@@ -370,3 +370,19 @@ def test_a_spec_text_beyond_16_mib_is_refused_unparsed():
     with pytest.raises(ucl.SpecError) as info:
         ucl.Spec.from_text("#" * ((16 << 20) + 1))
     assert info.value.code == "UCL004" and "characters" in str(info.value)
+
+
+def test_a_spec_with_its_parameter_list_may_be_longer_in_proportion():
+    """A manifest or a generated DCP description lists its parameters: its spec may have
+    ``TOKENS_PER_PARAM`` tokens a parameter (a 90,000-tensor MoE folder), a bare spec only the cap."""
+    from ucl.lang.parse import MAX_SPEC_TOKENS, TOKENS_PER_PARAM, count_tokens
+    n = MAX_SPEC_TOKENS // 8 + 100  # rules of 8 tokens: just over the bare cap
+    text = "mesh tp\n" + "".join(f"w{i} [4] : replicate over tp\n" for i in range(n))
+    assert count_tokens(text) > MAX_SPEC_TOKENS
+    with pytest.raises(ucl.SpecError) as e:
+        ucl.Spec.from_text(text)
+    assert e.value.code == "UCL004"
+    spec = ucl.Spec.from_text(text, params=n)  # n * TOKENS_PER_PARAM is far above its tokens
+    assert len(spec.module.statements) >= n
+    with pytest.raises(ucl.SpecError):  # but not beyond the budget its parameters give
+        ucl.Spec.from_text(text, params=count_tokens(text) // TOKENS_PER_PARAM - 10)

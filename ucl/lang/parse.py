@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from lark import Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -397,6 +398,10 @@ def _parse_recovering(source: str):
 # a few seconds.
 MAX_SPEC_CHARS = 16 << 20  # as a spec file (ucl.lang.spec.MAX_SPEC_BYTES)
 MAX_SPEC_TOKENS = 150_000
+# A spec that comes with its parameter list (a manifest, a generated description of a foreign folder)
+# may be longer in proportion: a DCP folder of 90,000 per-expert tensors has a 1.2M-token spec, and its
+# parse is then bounded by the same list its bind walks anyway.
+TOKENS_PER_PARAM = 64
 # Counted before Lark runs, comments removed, in one regex match that stops at the cap (a refusal
 # costs ~50 ns a token): a run of word characters, dots and braces (a name, a number, a pattern
 # like layers.{i}.w) or any other visible character is one token. Never fewer than lark's, but
@@ -404,7 +409,16 @@ MAX_SPEC_TOKENS = 150_000
 # possessive repeats cost microseconds a line on blank or comment lines: measure before changing.)
 SPEC_TOKEN = re.compile(r"(?>\s*(?:[\w.{}]+|\S))")  # one atomic group: 200,000 blank lines were slow
 _COMMENT = re.compile(r"#[^\n]*")
-_CAPPED = re.compile(f"(?:{SPEC_TOKEN.pattern}){{{MAX_SPEC_TOKENS + 1}}}")
+
+
+@lru_cache(maxsize=8)
+def _capped(max_tokens: int) -> re.Pattern:
+    return re.compile(f"(?:{SPEC_TOKEN.pattern}){{{max_tokens + 1}}}")
+
+
+def token_budget(params: int) -> int:
+    """The token cap of a spec that describes ``params`` parameters (never below :data:`MAX_SPEC_TOKENS`)."""
+    return max(MAX_SPEC_TOKENS, TOKENS_PER_PARAM * max(0, int(params)))
 
 
 def count_tokens(text: str) -> int:
@@ -412,9 +426,9 @@ def count_tokens(text: str) -> int:
     return len(SPEC_TOKEN.findall(_COMMENT.sub("", text)))
 
 
-def check_size(text: str, filename: str = "<spec>") -> None:
-    """UCL004 for spec text beyond :data:`MAX_SPEC_CHARS` or :data:`MAX_SPEC_TOKENS` (at the token
-    that crosses the cap), found in time bounded by the cap, before the parser sees it."""
+def check_size(text: str, filename: str = "<spec>", max_tokens: int = MAX_SPEC_TOKENS) -> None:
+    """UCL004 for spec text beyond :data:`MAX_SPEC_CHARS` or ``max_tokens`` (at the token that
+    crosses the cap), found in time bounded by the cap, before the parser sees it."""
     def refuse(message: str, span: Span | None) -> SpecError:
         hint = "specs this large are refused so that a hostile file or manifest cannot stall its readers"
         return SpecError([Diagnostic("UCL004", message, span, hint)], None, filename)  # no source: lines may be huge
@@ -422,21 +436,21 @@ def check_size(text: str, filename: str = "<spec>") -> None:
     if len(text) > MAX_SPEC_CHARS:
         raise refuse(f"the spec is {len(text):,} characters, more than the {MAX_SPEC_CHARS:,} a spec may have", None)
     code = _COMMENT.sub("", text)  # a comment ends its line: the columns before it do not move
-    m = _CAPPED.match(code)
+    m = _capped(max_tokens).match(code)
     if m is not None:
         end = m.end()
         line, col = code.count("\n", 0, end) + 1, end - code.rfind("\n", 0, end - 1) - 1
-        raise refuse(f"the spec has more than {MAX_SPEC_TOKENS:,} tokens, the most a spec may have (the "
+        raise refuse(f"the spec has more than {max_tokens:,} tokens, the most this spec may have (the "
                      "largest standard spec has about 700)", Span(line, col, line, col + 1))
 
 
-def parse(text: str, filename: str = "<spec>") -> ast.Module:
+def parse(text: str, filename: str = "<spec>", max_tokens: int = MAX_SPEC_TOKENS) -> ast.Module:
     """Parse spec text into an AST. Raises SpecError with every syntax error found: each statement
     with an error is reported once (at its first bad token), and parsing goes on with the next one.
     Text beyond the size caps is refused first (:func:`check_size`)."""
     if not isinstance(text, str):
         raise SpecError([Diagnostic("UCL001", "a spec must be text")], None, filename)
-    check_size(text, filename)
+    check_size(text, filename, max_tokens)
     source = text if text.endswith("\n") else text + "\n"
     tree, diagnostics = _parse_recovering(source)
     if diagnostics:

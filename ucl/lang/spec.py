@@ -8,7 +8,7 @@ from . import ast
 from .check import Checked, check
 from ..errors import BindError, Diagnostic, SpecError, UclError, closest
 from ..files import read_bounded
-from .parse import parse
+from .parse import parse, token_budget
 from .stdlib import PREFIX, stdlib_names, stdlib_path
 
 
@@ -25,8 +25,11 @@ class Spec:
 
     # -- constructors ----------------------------------------------------------------------
     @classmethod
-    def from_text(cls, text: str, filename: str = "<spec>", name: str | None = None) -> "Spec":
-        return cls(parse(text, filename), name)
+    def from_text(cls, text: str, filename: str = "<spec>", name: str | None = None,
+                  params: int = 0) -> "Spec":
+        """``params``: how many parameters the text describes, where a parameter list comes with it
+        (a manifest): such a spec may be longer in proportion (``lang.parse.token_budget``)."""
+        return cls(parse(text, filename, token_budget(params)), name)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Spec":

@@ -48,7 +48,8 @@ def model_of(ckpt: CheckpointLike) -> Model:
                                                sort_keys=True).encode())
     model = _MODELS.get(key)
     if model is None:
-        spec = Spec.from_text(m.spec, filename=f"{ckpt.path}/manifest.json[spec]", name=m.spec_name)
+        spec = Spec.from_text(m.spec, filename=f"{ckpt.path}/manifest.json[spec]", name=m.spec_name,
+                              params=len(m.params))
         model = _MODELS[key] = spec.bind(m.dims, m.params, m.frozen)
         while len(_MODELS) > _MAX_MODELS:
             _MODELS.popitem(last=False)

@@ -101,8 +101,8 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
     chosen, axes = _choose_mesh(params, layouts)
     spec = _spec(os.path.basename(os.path.normpath(path)), params, states, kinds, frozen, chosen, axes)
     shapes = {n: t.shape for n, t in params.items()}
-    model = Spec.from_text(spec, filename=f"{os.path.join(path, METADATA)}[generated spec]",
-                           name="dcp").bind({}, shapes, frozen)
+    model = Spec.from_text(spec, filename=f"{os.path.join(path, METADATA)}[generated spec]", name="dcp",
+                           params=len(shapes)).bind({}, shapes, frozen)
     mesh = Mesh([(name, size) for name, size in axes])
     entries = math.prod(s for _, s in axes) * (len(params) + len(states))
     if entries > _MAX_ENTRIES:
