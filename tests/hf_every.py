@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import math
 import os
 import shutil
 import sys
@@ -35,37 +33,8 @@ import torch
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-# encoders and encoder-decoders that also offer a causal-LM head (``is_decoder=True``), and
-# models whose causal LM is a multimodal or audio stack: not decoder-only language models
-NOT_DECODER_ONLY = {
-    "bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot", "blenderbot-small",
-    "camembert", "data2vec-text", "electra", "ernie", "marian", "mbart", "megatron-bert", "mvp", "pegasus",
-    "plbart", "prophetnet", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "trocr",
-    "whisper", "xlm", "xlm-roberta", "xlm-roberta-xl", "xmod", "musicgen", "musicgen_melody", "moshi",
-    "reformer", "xlnet", "git", "fuyu", "got_ocr2", "mllama", "emu3", "phi4_multimodal", "blt",
-    "moss_transcribe_diarize", "cpmant", "ctrl",
-}
-H, NH, KV, HD, FFN, MI, V, L, E = 64, 4, 2, 16, 128, 32, 99, 2, 4
 MOE_LAYERS = 3  # a MoE model gets a dense first layer where its config can say so
-
-# config field -> tiny value (only fields the class has are set)
-_SIZES = {
-    "hidden_size": H, "n_embd": H, "d_model": H, "num_attention_heads": NH, "n_head": NH, "num_heads": NH,
-    "num_key_value_heads": KV, "head_dim": HD, "intermediate_size": FFN, "ffn_hidden_size": FFN, "n_inner": FFN,
-    "moe_intermediate_size": MI, "expert_intermediate_size": MI, "shared_expert_intermediate_size": 48,
-    "vocab_size": V, "num_hidden_layers": L, "n_layer": L, "num_layers": L, "max_position_embeddings": 128,
-    "n_positions": 128, "n_ctx": 128, "num_local_experts": E, "num_experts": E, "n_routed_experts": E,
-    "moe_num_experts": E, "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_shared_experts": 1,
-    "q_lora_rank": 24, "kv_lora_rank": 20, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10,
-    "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "pad_token_id": 0, "bos_token_id": 1,
-    "eos_token_id": 2, "sliding_window": 64, "attention_chunk_size": 64, "num_key_value_groups": 1,
-    "rotary_dim": 8, "partial_rotary_factor": 0.5, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "ssm_state_size": 16, "mamba_d_state": 16,
-    "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_expand": 2, "state_size": 16,
-    "n_groups": 1, "mamba_n_groups": 1, "time_step_rank": 8, "conv_kernel": 4, "mamba_d_conv": 4,
-    "num_experts_per_token": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": V,
-    "laurel_rank": 8, "altup_num_inputs": 2, "intermediate_size_mlp": FFN, "num_nextn_predict_layers": 0,
-}
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def _version() -> str:
@@ -81,52 +50,42 @@ def cache_dir() -> Path:
 
 def decoder_types() -> list[tuple[str, str | None]]:
     """Every causal-LM model type of the installed transformers, with the reason it is skipped (None:
-    a decoder-only language model, swept)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as M
-    return [(t, "not a decoder-only language model" if t in NOT_DECODER_ONLY else None) for t in sorted(M)]
-
-
-def _shrink(d: dict, moe: bool) -> dict:
-    out = dict(d)
-    for k, v in _SIZES.items():
-        if k in out and (out[k] is not None or k in ("head_dim",)):
-            out[k] = v
-    layers = MOE_LAYERS if moe else L
-    for k in ("num_hidden_layers", "n_layer", "num_layers"):
-        if k in out and isinstance(out[k], int):
-            out[k] = layers
-    if out.get("qk_rope_head_dim") is not None and "head_dim" in out:
-        out["head_dim"] = out["qk_rope_head_dim"]  # MLA: the rotary part is the head_dim rope sees
-    if out.get("kv_lora_rank") is not None and "num_key_value_heads" in out:
-        out["num_key_value_heads"] = out.get("num_attention_heads", NH)  # MLA has no GQA
-    for k, v in list(out.items()):  # per-layer lists follow the layer count
-        if isinstance(v, list) and v and len(v) > layers and k in (
-                "layer_types", "layers_block_type", "hybrid_override_pattern", "block_types", "mlp_layer_types",
-                "attn_layer_indices", "full_attn_idxs", "moe_layer_freq_list", "no_rope_layers", "sliding_window_pattern"):
-            out[k] = v[:layers] if k not in ("attn_layer_indices", "full_attn_idxs") else [i for i in v if i < layers]
-    for k in ("mlp_only_layers",):
-        if k in out and moe:
-            out[k] = [0]
-    return out
+    a decoder-only language model, swept); the list and the reasons are tests/hf_zoo.py's."""
+    import hf_zoo
+    swept = hf_zoo.zoo_types()
+    return sorted([(t, None) for t in swept] + list(hf_zoo.SKIPPED.items()))
 
 
 def tiny_config(model_type: str):
-    from transformers import CONFIG_MAPPING
-    cls = CONFIG_MAPPING[model_type]
-    base = cls().to_dict()
-    moe = any(base.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
-    fields = _shrink(base, moe)
-    for k in ("architectures", "transformers_version", "model_type", "_name_or_path", "dtype", "torch_dtype"):
+    """hf_zoo's tiny config (size 0), with MoE models given a dense first layer where the config can
+    say so (``first_k_dense_replace``, ``mlp_only_layers``) and MLA models no GQA (else their forward fails)."""
+    import hf_zoo
+    config = hf_zoo.tiny_config(model_type)
+    fields = config.to_dict()
+    if not any(fields.get(k) for k in _EXPERTS):
+        return config
+    changed = {}
+    if isinstance(fields.get("first_k_dense_replace"), int):
+        changed.update(first_k_dense_replace=1, num_hidden_layers=MOE_LAYERS)
+    elif "mlp_only_layers" in fields:
+        changed.update(mlp_only_layers=[0], num_hidden_layers=MOE_LAYERS)
+    if fields.get("kv_lora_rank") is not None and "num_key_value_heads" in fields:
+        changed["num_key_value_heads"] = fields.get("num_attention_heads")
+    if isinstance(fields.get("n_group"), int):
+        changed.update(n_group=2, topk_group=1)  # expert groups that divide the tiny expert count
+    if fields.get("qk_rope_head_dim") is not None and "head_dim" in fields:
+        changed["head_dim"] = fields["qk_rope_head_dim"]  # MLA: the rotary part is the head_dim rope sees
+    if not changed or any(isinstance(v, list) and k.endswith(("layer_types", "block_type")) for k, v in fields.items()):
+        return config
+    fields.update(changed)
+    for k in ("architectures", "transformers_version", "model_type", "dtype", "torch_dtype"):
         fields.pop(k, None)
-    sub = {k: v for k, v in fields.items() if isinstance(v, dict) and k.endswith("_config")}
-    for k, v in sub.items():  # a text model nested in a composite config
-        fields[k] = _shrink(v, moe)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = cls(**fields)
-    if getattr(config, "tie_word_embeddings", None) is None:
-        config.tie_word_embeddings = False
-    return config
+        try:
+            return type(config)(**fields)
+        except Exception:  # noqa: BLE001 - the class refuses the change: hf_zoo's config as it is
+            return config
 
 
 def build(model_type: str):
