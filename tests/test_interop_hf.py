@@ -253,10 +253,15 @@ def test_missing_tensors_are_refused(tmp_path, drop):
 def test_unknown_model_type(tmp_path):
     folder = _save("llama", tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
-    config["model_type"] = "bert"
+    config["model_type"] = "no_such_model"  # no stdlib spec, and transformers cannot derive one
     (folder / "config.json").write_text(json.dumps(config))
-    msg = _refused(lambda: ucl.load_rank(folder, mesh="universal", rank=0), "UCL501")
-    assert "'bert'" in msg and "llama" in msg and "qwen2" in msg and "megatron" not in msg
+    msg = _refused(lambda: ucl.load_rank(folder, mesh="universal", rank=0), "UCL423")
+    assert "'no_such_model'" in msg
+    config["model_type"] = "bert"  # derived from BertLMHeadModel: Llama's tensors do not fit it
+    (folder / "config.json").write_text(json.dumps(config))
+    foreign.forget()
+    msg = _refused(lambda: ucl.load_rank(folder, mesh="universal", rank=0), "UCL502")
+    assert "derived:bert" in msg
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])  # qwen2_moe: layer 0 dense (mlp_only_layers)

@@ -178,8 +178,17 @@ def cmd_reshard(args) -> int:
     from .ops.dist import torchrun_world
     from .ops.reshard import reshard
     from .layout.mesh import Mesh
+    from .ops.convert import placements
     to = Mesh.parse(args.to)
     src = _checkpoint(args.src)
+    spec, dims = _user_spec(args, src)
+    with placements(src, spec, dims):
+        return _reshard(args, src, to)
+
+
+def _reshard(args, src, to) -> int:
+    from .ops.dist import torchrun_world
+    from .ops.reshard import reshard
     if torchrun_world() > 1:  # under torchrun: every process writes its share (docs/distributed.md)
         return _reshard_distributed(args, src, to, _console())
     if args.quiet:  # plain output: --quiet does not import rich (a tenth of a small reshard's start-up)
@@ -200,7 +209,7 @@ def cmd_reshard(args) -> int:
 def _reshard_summary(dst, to, stats) -> str:
     return (f"{dst} ({to}): {stats.datasets_written} datasets, {stats.bytes_written:,} B written, "
             f"{stats.bytes_read:,} B read ({stats.bytes_needed:,} B needed) in {stats.seconds:.2f} s "
-            f"(plan {stats.compile_seconds:.2f} s)")
+            f"(open {stats.open_seconds:.2f} s, plan {stats.compile_seconds:.2f} s)")
 
 
 def _reshard_distributed(args, src: str, to, con) -> int:
@@ -234,17 +243,25 @@ def _reshard_bytes(src: str, to) -> int:
     return int(sum(per[int(i)] for i in plan.first_holders["dataset"]))
 
 
+def _user_spec(args, src: str):
+    """``--spec`` and ``--dims`` of import/reshard: (spec, dims) or (None, None). A Hugging Face
+    folder's dims default to its config.json (read by the spec's `dims ... from` declarations)."""
+    if args.spec is None:
+        if args.dims is not None:
+            raise UclError("--dims is read with --spec only", code="UCL009")
+        return None, None
+    from .lang.spec import load_spec
+    spec = load_spec(args.spec)
+    if args.dims is None and os.path.isfile(os.path.join(src, "config.json")):
+        return spec, {}
+    return spec, _dims(spec, args.dims) if args.dims is not None or spec.dims else {}
+
+
 def cmd_import(args) -> int:
     from .ops.convert import placements
     con = _console()
     src = _checkpoint(args.src)
-    spec = dims = None
-    if args.spec is not None:
-        from .lang.spec import load_spec
-        spec = load_spec(args.spec)
-        dims = _dims(spec, args.dims) if args.dims is not None or spec.dims else {}
-    elif args.dims is not None:
-        raise UclError("--dims is read with --spec only", code="UCL009")
+    spec, dims = _user_spec(args, src)
     with placements(src, spec, dims):
         return _import(args, con, src, spec, dims)
 
@@ -289,6 +306,13 @@ def _itemsize(dtype: str) -> int:
     return itemsize(dtype)
 
 
+def _spec_source(state) -> str:
+    """`` (derived)``: where a Hugging Face folder's spec came from (user, stdlib, alias, derived)."""
+    source = state.get("hf", {}).get("spec_source") if isinstance(state, dict) and isinstance(state.get("hf"), dict) \
+        else None
+    return f" ({source})" if isinstance(source, str) else ""
+
+
 def cmd_inspect(args) -> int:
     from rich.table import Table
     from .ops.prepare import mesh_of, model_of, open_checkpoint
@@ -299,7 +323,7 @@ def cmd_inspect(args) -> int:
         total = sum(int(_prod(e["shape"])) * itemsize(e["dtype"]) for ds in m.datasets for e in ds.values())
         fmt = f"{ck.format} checkpoint (read in place)" if hasattr(ck, "format") else f"ucl format v{m.version}"
         con.print(_e(f"{args.ckpt}: {fmt}, layout {mesh_of(ck)} ({ck.nranks} rank files), "
-                      f"{total:,} bytes, spec {m.spec_name or '(embedded)'}"))
+                      f"{total:,} bytes, spec {m.spec_name or '(embedded)'}{_spec_source(m.state)}"))
         if m.dims:
             con.print(_e("dims: " + ", ".join(f"{k}={v}" for k, v in m.dims.items())))
         if m.state:
@@ -501,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST", help="must not exist; appears atomically when complete")
     p.add_argument("--to", metavar="MESH", required=True)
+    p.add_argument("--spec", metavar="SPEC", help="a foreign folder read with this spec (a Hugging Face folder: "
+                   "instead of the stdlib or derived one; see ucl import --help)")
+    p.add_argument("--dims", metavar="DIMS", help="the dims of --spec (default for Hugging Face: its config.json)")
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="processes, at least 1 (default: min(2, cores); under torchrun: forked processes per "
                    "torchrun process, default 1)")
@@ -521,10 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="format", choices=["deepspeed", "dcp", "megatron", "megatron-legacy", "hf"], default=None,
                    help="the source's format (default: detected)")
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N", help="processes (default: min(2, cores))")
-    p.add_argument("--spec", metavar="SPEC", help="DeepSpeed tensor-parallel checkpoints whose files do not say "
-                   "where each shard lies: a spec with `mesh tp, dp` and a rule with a shape per parameter "
-                   "(the optimizer state's layout stays generated)")
-    p.add_argument("--dims", metavar="DIMS", help="the dims of --spec (name=value,... or a config.json)")
+    p.add_argument("--spec", metavar="SPEC", help="the parameters' spec where the files do not give it: DeepSpeed "
+                   "tensor-parallel checkpoints (`mesh tp, dp` and a rule with a shape per parameter; the optimizer "
+                   "state's layout stays generated), or a Hugging Face folder (instead of the stdlib or derived spec)")
+    p.add_argument("--dims", metavar="DIMS", help="the dims of --spec (name=value,... or a config.json; default for "
+                   "Hugging Face: its config.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files")
     p.set_defaults(func=cmd_import)

@@ -68,6 +68,18 @@ def _special_floats(value: Any) -> Any:
     return value
 
 
+def json_config(value: Any) -> Any:
+    """A config read by :func:`read_raw_config` as plain JSON again: non-finite floats written back as
+    transformers writes them (``{"__float__": "Infinity"}``), so a manifest can hold it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")}
+    if isinstance(value, dict):
+        return {k: json_config(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_config(v) for v in value]
+    return value
+
+
 def load_config(config: Any) -> dict:
     """The config as a dict with the fields a spec reads filled in (see the module docstring)."""
     raw = read_raw_config(config)

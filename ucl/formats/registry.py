@@ -81,9 +81,9 @@ def describe(path: str | os.PathLike, format: str | None = None, user: UserSpec 
         raise StoreError(f"unknown checkpoint format {format!r}; formats: ucl, {', '.join(FORMATS)}", code="UCL501")
     elif not describers[format][0](path):
         raise StoreError(f"{path} is not a {format} checkpoint folder", code="UCL501")
-    if user is not None and format != "deepspeed":
+    if user is not None and format not in ("deepspeed", "hf"):
         raise ForeignFormatError(f"{path}: a spec for the parameter placements is read for DeepSpeed tensor-parallel "
-                         f"checkpoints only, not {format}", code="UCL502")
+                         f"checkpoints and Hugging Face folders only, not {format}", code="UCL502")
     key = (path, format, user)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] == _identity(path, hit[1].read):

@@ -88,6 +88,7 @@ class Prepared:
     state: object
     compile_seconds: float
     source_id: str = ""  # a digest of the source manifest (distributed: every process opened the same)
+    open_seconds: float = 0.0  # opening (describing) the source, apart from the plan
 
 
 _JOB: ReshardJob | None = None  # set for the duration of one reshard, inherited by forked workers
@@ -128,7 +129,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     prep = _prepare(src, to, format)
     workers = max(1, workers or min(2, os.cpu_count() or 1))
     groups = replica_groups(prep.plan)
-    stats = IOStats(compile_seconds=prep.compile_seconds)
+    stats = IOStats(compile_seconds=prep.compile_seconds, open_seconds=prep.open_seconds)
     writer = CheckpointWriter(dst, to.size, durable=durable, **manifest_fields(prep.model, to, prep.state))
     try:
         job = ReshardJob(os.fspath(src), writer.tmp_path, to.size, prep.plan, tuple(groups), durable, verify,
@@ -146,6 +147,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
 def _prepare(src: str | os.PathLike, to: Mesh, format: str | None = None, identify: bool = False) -> Prepared:
     t0 = time.perf_counter()
     with open_checkpoint(src, format) as ckpt:
+        t1 = time.perf_counter()
         model = model_of(ckpt)
         plan = plan_for(model, mesh_of(ckpt), to)
         check_stored(ckpt, model)  # every source rank: a reshard reads them all
@@ -153,7 +155,7 @@ def _prepare(src: str | os.PathLike, to: Mesh, format: str | None = None, identi
         source_id = xxhash.xxh3_64_hexdigest(json.dumps(  # datasets carry their checksums: the content
             [m.created, m.mesh, m.files, m.datasets, m.spec, m.dims, m.params, m.state], sort_keys=True,
             default=str).encode()) if identify else ""
-    return Prepared(model, plan, m.state, time.perf_counter() - t0, source_id)
+    return Prepared(model, plan, m.state, time.perf_counter() - t1, source_id, t1 - t0)
 
 
 def _write_files(job: ReshardJob, files: Sequence[int], workers: int, progress: Callable[[int], None] | None,

@@ -16,10 +16,11 @@ class IOStats:
     bytes_written: int = 0
     datasets_written: int = 0
     seconds: float = 0.0
-    compile_seconds: float = 0.0
+    compile_seconds: float = 0.0  # binding the spec and compiling the plan
     details: dict = field(default_factory=dict)
     bytes_received: int = 0
     bytes_sent: int = 0
+    open_seconds: float = 0.0  # opening the source: a foreign folder's description (a derived spec imports transformers)
 
     def merge(self, other: "IOStats") -> None:
         self.bytes_read += other.bytes_read

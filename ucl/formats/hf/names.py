@@ -239,6 +239,12 @@ _EXPERT = re.compile(r"^(?P<pre>.*)\.(?P<blk>mlp|block_sparse_moe|feed_forward)\
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
+def _block(m: re.Match) -> str:
+    """The MoE block's in-memory name, where the fused tensors live: Mixtral's ``block_sparse_moe``
+    is ``mlp`` now, Jamba's ``feed_forward`` keeps its name (one rule for both helpers below)."""
+    return f"{m.group('pre')}.{'feed_forward' if m.group('blk') == 'feed_forward' else 'mlp'}"
+
+
 def fuse_saved_experts(tensors: Mapping[str, Iterable[int]]) -> tuple[Shapes, list[str]]:
     """Map saved per-expert names onto the fused in-memory tensors; returns (tensors, problems).
 
@@ -259,8 +265,7 @@ def fuse_saved_experts(tensors: Mapping[str, Iterable[int]]) -> tuple[Shapes, li
                 name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
             out[name] = shape
             continue
-        # the fused tensors live in the block's in-memory name: Mixtral's block_sparse_moe is mlp now
-        pre = f"{m.group('pre')}.{'feed_forward' if m.group('blk') == 'feed_forward' else 'mlp'}"
+        pre = _block(m)
         if pre not in groups:
             groups[pre] = {}
             out[f"{pre}.experts.gate_up_proj"] = ()  # placeholder keeps model order
@@ -308,10 +313,10 @@ def fused_expert_parts(names: Iterable[str]) -> dict[str, list[str]]:
     for name in names:
         m = _EXPERT.match(name)
         if m is not None:
-            roles.setdefault(m.group("pre"), {}).setdefault(int(m.group("e")), {})[_ROLE[m.group("w")]] = name
+            roles.setdefault(_block(m), {}).setdefault(int(m.group("e")), {})[_ROLE[m.group("w")]] = name
     out: dict[str, list[str]] = {}
     for pre, experts in roles.items():
         order = sorted(experts)
-        out[f"{pre}.mlp.experts.gate_up_proj"] = [experts[e][r] for e in order for r in ("gate", "up")]
-        out[f"{pre}.mlp.experts.down_proj"] = [experts[e]["down"] for e in order]
+        out[f"{pre}.experts.gate_up_proj"] = [experts[e][r] for e in order for r in ("gate", "up")]
+        out[f"{pre}.experts.down_proj"] = [experts[e]["down"] for e in order]
     return out

@@ -33,19 +33,19 @@ import os
 import re
 from collections import Counter
 
-from ...errors import ForeignFormatError, StoreError, UclError
+from ...errors import BindError, ForeignFormatError, StoreError
 from ...files import check_inside
-from ...lang.spec import Spec, load_spec
-from ...lang.stdlib import stdlib_names
-from ...model_config import CONFIG_NAME, read_raw_config
+from ...lang.spec import Spec
+from ...model_config import CONFIG_NAME, json_config, load_config, read_raw_config
 from ...store.extents import Extent, Piece
-from ..base import Description
+from ..base import Description, UserSpec
+from . import specs
 from .check import check_against
+from .layers import completeness, layer_kinds, needs_defaults
 from .names import INDEX_NAME, SINGLE_NAME, fuse_saved_experts, fused_expert_parts, read_saved_tensors
 
 _NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
-_NOT_HF = ("megatron",)  # stdlib specs that describe another framework's names, not a model_type
-
+known_model_types = specs.known_model_types
 
 
 def _has(path: str, name: str) -> bool:
@@ -59,22 +59,28 @@ def detect(path: str) -> bool:
             and (_has(path, SINGLE_NAME) or _has(path, INDEX_NAME)))
 
 
-def known_model_types() -> list[str]:
-    """The ``model_type``\\ s with a standard spec of the same name (Hugging Face names)."""
-    return [n for n in stdlib_names() if not n.startswith(_NOT_HF)]
+def choose_spec(config_file: str, raw: dict, user: UserSpec | None = None) -> specs.Choice:
+    """The spec a folder with this config is read with: the user's, the stdlib's (by model_type or
+    alias), else derived from the model class (``ucl.formats.hf.specs``)."""
+    if user is not None:
+        return specs.Choice(user.text, user.filename, "user")
+    return specs.standard(raw.get("model_type")) or specs.derived(config_file, raw)
 
 
-def spec_for(model_type: object) -> str:
-    """``stdlib:NAME`` for a config's ``model_type``; UCL501 naming the known ones when none fits."""
-    known = known_model_types()
-    if not isinstance(model_type, str) or model_type not in known:
-        what = "has no model_type" if model_type is None else f"has model_type {str(model_type)[:100]!r}"
-        raise StoreError(f"config.json {what}; ucl reads Hugging Face folders of the model types it has a "
-                         f"standard spec for: {', '.join(known)}", code="UCL501")
-    return f"stdlib:{model_type}"
+def config_dims(spec: Spec, config_file: str, raw: dict) -> dict[str, int]:
+    """The spec's dims from config.json: from the fields as written when they have every dim the spec
+    reads (no transformers import), else with the model class's defaults filled in."""
+    fields = {k: v for k, v in raw.items() if k != "model_type"}  # no model_type: no class defaults
+    if fields.get("head_dim") is None and isinstance(fields.get("hidden_size"), int) \
+            and isinstance(fields.get("num_attention_heads"), int) and fields["num_attention_heads"] > 0:
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    try:
+        return spec.dims_from_config(fields)
+    except BindError:
+        return spec.dims_from_config(config_file)
 
 
-def describe(path: str) -> Description:
+def describe(path: str, user: UserSpec | None = None) -> Description:
     path = os.path.abspath(path)
     if not detect(path):
         raise StoreError(f"{path} is not a Hugging Face save_pretrained folder (config.json with model.safetensors "
@@ -82,43 +88,70 @@ def describe(path: str) -> Description:
     config_file = os.path.join(path, CONFIG_NAME)
     check_inside(config_file, path, "config", lambda m: StoreError(m, code="UCL401"))
     raw = read_raw_config(config_file)
-    spec_name = spec_for(raw.get("model_type"))
-    base = load_spec(spec_name)
-    dims = base.dims_from_config(config_file)
+    choice = choose_spec(config_file, raw, user)
+    try:
+        return _describe(path, config_file, raw, choice, user)
+    except ForeignFormatError:
+        if choice.source != "alias":
+            raise
+    # this config of an aliased type has tensors the shared spec does not describe (a flag): derive one
+    return _describe(path, config_file, raw, specs.derived(config_file, raw), None)
+
+
+def _describe(path: str, config_file: str, raw: dict, choice: specs.Choice, user: UserSpec | None) -> Description:
+    spec_name = choice.name
+    base = Spec.from_text(choice.text, filename=choice.name, name=choice.name)
+    dims = dict(user.dims) if user is not None and user.dims else config_dims(base, config_file, raw)
 
     saved = read_saved_tensors(path)  # every header entry checked against its file here
+    held = dict(choice.saved_renames)  # the names transformers gives these tensors in memory
+    renamed = {n: held[n] for n in saved if n in held}
+    saved = {held.get(n, n): v for n, v in saved.items()}
     shapes = {n: e.shape for n, (_, e) in saved.items()}
     fused, problems = fuse_saved_experts(shapes)
     if problems:
         raise ForeignFormatError(f"{path}: the per-expert tensors cannot be fused into the tensors {spec_name} describes:\n  "
                      + "\n  ".join(problems[:8]))
     saved = _fused(saved, fused, fused_expert_parts(shapes), path)
-    names = _in_memory_names(base, list(saved))
+    names = _in_memory_names(base, list(saved)) if not held else {n: n for n in saved}
     for n in names.values():
         if not _NAME.match(n):
             raise ForeignFormatError(f"{path}: tensor name {n[:200]!r} cannot be written in a spec")
 
     dtypes = {names[n]: e.dtype for n, e in saved.items()}
-    spec_text = base.text.rstrip("\n") + "\n" + _dtype_lines(dtypes)
+    spec_text = choice.text.rstrip("\n") + "\n" + _dtype_lines(dtypes)
     spec = Spec.from_text(spec_text, filename=f"{path} [{spec_name} + dtypes]", name=spec_name)
     params = {names[n]: e.shape for n, e in sorted(saved.items(), key=lambda kv: _natural(names[kv[0]]))}
     frozen = tuple(params)
     bad = check_against(spec, dims, params, frozen=frozen)
     if bad:
-        raise ForeignFormatError(f"{path}: the tensors do not fit {spec_name} with the dims of config.json "
-                     f"({len(bad)} problem{'s' * (len(bad) != 1)}):\n  " + "\n  ".join(bad[:8]))
-    missing = [n for n in _expected(spec, dims) if n not in params]
-    if missing:
-        raise ForeignFormatError(f"{path} lacks {len(missing)} tensor(s) that {spec_name} with the dims of config.json expects "
-                     f"(e.g. {missing[:3]}); an incomplete save_pretrained folder is not read")
+        raise ForeignFormatError(f"{path}: the tensors do not fit {spec_name} ({choice.source}) with the dims of "
+                                 f"config.json ({len(bad)} problem{'s' * (len(bad) != 1)}):\n  " + "\n  ".join(bad[:8]))
+    incomplete = _incomplete(choice, spec, dims, params, raw, config_file)
+    if incomplete:
+        raise ForeignFormatError(f"{path} {'; '.join(incomplete)}; an incomplete save_pretrained folder is not read")
     extents = {f"param/{names[n]}": e for n, e in saved.items()}
     files = sorted({p.file for e in saved.values() for p in e.parts()})
     sharded = _has(path, INDEX_NAME)
     read = (CONFIG_NAME,) + ((INDEX_NAME,) if sharded else ()) + tuple(files)
-    state = {"format": "hf", "hf": {"model_type": raw["model_type"], "config": raw,
-                                    "renamed": {n: m for n, m in names.items() if n != m}}}
+    state = {"format": "hf", "hf": {"spec_source": choice.source, "spec": spec_name, "model_type": raw.get("model_type"),
+                                    "renamed": {**renamed, **{n: m for n, m in names.items() if n != m}},
+                                    "config": json_config(raw)}}
     return Description("hf", spec_text, spec_name, dims, (), params, frozen, ({k: extents[k] for k in
                        sorted(extents)},), (INDEX_NAME if sharded else SINGLE_NAME,), state, read)
+
+
+def _incomplete(choice: specs.Choice, spec: Spec, dims: dict, params: dict, raw: dict, config_file: str) -> list[str]:
+    """What the folder lacks (or holds of the wrong kind) against what the model has: a derived spec
+    knows the model class's own names; the others' rules say it, layer by layer as the config makes
+    each layer (dense or MoE)."""
+    if choice.model_names is not None:
+        missing = [n for n in choice.model_names if n not in params]
+        return [f"lacks {len(missing)} tensor(s) the {raw.get('model_type')} model holds (e.g. {missing[:3]})"] \
+            if missing else []
+    fields = load_config(config_file) if needs_defaults(raw) else raw
+    layers = int(dims.get("layers", 0) or 0)
+    return completeness(spec, dims, params, layer_kinds(fields, layers) if layers else None)
 
 
 def _fused(saved: dict, fused: dict, parts: dict[str, list[str]], path: str) -> dict[str, Extent]:
@@ -150,15 +183,6 @@ def _in_memory_names(spec: Spec, saved: list[str]) -> dict[str, str]:
     if any(n.startswith(prefix) for n in saved):
         return {n: n for n in saved}
     return {n: n if n.startswith("lm_head.") else prefix + n for n in saved}
-
-
-def _expected(spec: Spec, dims: dict) -> list[str]:
-    """The tensors the spec says every model with these dims has (none known when the spec cannot
-    synthesize them: rules without a declared shape, such as gpt2's MLP)."""
-    try:
-        return list(spec.synthesize_params(dims))
-    except UclError:
-        return []
 
 
 def _dtype_lines(dtypes: dict[str, str]) -> str:

@@ -1,0 +1,142 @@
+"""Any transformers decoder folder opens in place (issue #29): the spec comes from the user, the
+stdlib, the alias table or the drafter (cached); dense and MoE layers mixed bind exactly what the
+config says; names save_pretrained changes are mapped back; a stdlib-type folder is read without
+importing transformers. The sweep over every type (tests/hf_every.py) runs in the slow pass."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import hf_every as E  # noqa: E402
+import hf_models as H  # noqa: E402
+import ucl  # noqa: E402
+from ucl.errors import UclError  # noqa: E402
+from ucl.formats import registry  # noqa: E402
+from ucl.formats.hf import specs  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("UCL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(specs, "_MEMO", {})
+    registry.forget()
+
+
+def _save(model, folder):
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+# a stdlib type, an alias, mixed dense/MoE layers (both conventions), a derived spec with a renamed head
+FAST = ["llama", "granite", "deepseek_v3", "qwen3_moe", "gpt_neox"]
+
+
+@pytest.mark.parametrize("model_type", FAST)
+def test_opens_in_place_round_trip_and_export(model_type, tmp_path):
+    row = E.check(model_type, tmp_path / "work")
+    assert (row.in_place, row.round_trip, row.export) == ("ok", "ok", "ok"), row.reason
+    assert row.spec_source == {"llama": "stdlib", "granite": "alias", "deepseek_v3": "stdlib",
+                               "qwen3_moe": "stdlib", "gpt_neox": "derived"}[model_type]
+
+
+def test_deepseek_dense_first_layers(tmp_path):
+    """first_k_dense_replace=1: layer 0 dense, layers 1-2 MoE (refused before: every rule in every layer)."""
+    folder = _save(H.build("deepseek_v3"), tmp_path / "m")
+    desc = registry.describe(folder)
+    assert "model.layers.0.mlp.gate_proj.weight" in desc.params
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in desc.params
+    assert "model.layers.1.mlp.experts.gate_up_proj" in desc.params
+
+
+def test_qwen3_moe_mlp_only_layers(tmp_path):
+    config = H.config("qwen3_moe")
+    config.mlp_only_layers = [0]
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+    folder = _save(AutoModelForCausalLM.from_config(config), tmp_path / "m")
+    got = ucl.load_rank(folder, mesh="universal", rank=0)
+    assert "param/model.layers.0.mlp.gate_proj.weight" in got and "param/model.layers.1.mlp.experts.down_proj" in got
+
+
+def test_a_layer_of_the_wrong_kind_is_refused(tmp_path):
+    """The config says layer 0 is MoE, the folder's layer 0 is dense: refused, not read."""
+    folder = tmp_path / "m"
+    _save(H.build("deepseek_v3"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["first_k_dense_replace"] = 0
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UclError) as e:
+        registry.describe(str(folder))
+    assert "lacks" in str(e.value) and "model.layers.0.mlp" in str(e.value)
+
+
+def test_stdlib_folder_is_read_without_transformers(tmp_path):
+    folder = _save(H.build("llama"), tmp_path / "m")
+    code = ("import sys, ucl; s = ucl.reshard(sys.argv[1], sys.argv[2], to='tp=2', workers=1); "
+            "assert s.open_seconds > 0; print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, folder, str(tmp_path / "tp2")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_derived_spec_is_cached_and_printable(tmp_path):
+    folder = _save(E.build("gpt_neox"), tmp_path / "m")
+    desc = registry.describe(folder)
+    assert desc.state["hf"]["spec_source"] == "derived" and desc.spec_name == "derived:gpt_neox"
+    assert desc.state["hf"]["renamed"] == {"embed_out.weight": "gpt_neox.embed_out.weight"} or \
+        "embed_out.weight" in desc.state["hf"]["renamed"]
+    from ucl.formats.hf import draft_spec_from_hf
+    assert desc.spec.startswith(draft_spec_from_hf(os.path.join(folder, "config.json"), name="gpt_neox").rstrip("\n"))
+    assert len(list(specs.cache_dir().glob("*.json"))) == 1
+    # a fresh process reads the cached spec: no transformers import at all
+    code = "import sys, ucl; ucl.load_rank(sys.argv[1], mesh='tp=2', rank=1); print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_user_spec_for_a_hf_folder(tmp_path):
+    """`ucl import --spec` / `import_checkpoint(spec=...)` on an HF folder (refused before)."""
+    folder = _save(H.build("llama"), tmp_path / "m")
+    text = ucl.load_spec("stdlib:llama").text
+    ucl.import_checkpoint(folder, tmp_path / "imp", spec=text)
+    ck = ucl.open(tmp_path / "imp")
+    assert ck.manifest.state["hf"]["spec_source"] == "user"
+    out = subprocess.run([sys.executable, "-m", "ucl", "reshard", folder, str(tmp_path / "tp2"), "--to", "tp=2",
+                          "--spec", "stdlib:llama", "--quiet"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    inspect = subprocess.run([sys.executable, "-m", "ucl", "inspect", folder], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": ROOT})
+    assert "spec stdlib:llama (stdlib)" in " ".join(inspect.stdout.split())
+
+
+def test_aliases_bind_their_stdlib_spec(tmp_path):
+    """Every alias binds the stdlib spec unchanged (else it would silently fall back to a derived spec)."""
+    from transformers import CONFIG_MAPPING
+    for model_type in sorted(specs.ALIASES):
+        if model_type not in CONFIG_MAPPING:
+            continue
+        folder = _save(E.build(model_type), tmp_path / model_type)
+        assert registry.describe(folder).state["hf"]["spec_source"] == "alias", model_type
+
+
+SWEEP = [t for t, skip in E.decoder_types() if skip is None]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", SWEEP)
+def test_every_decoder_type(model_type, tmp_path):
+    row = E.check(model_type, tmp_path / "work")
+    if row.reason.startswith("cannot build"):
+        pytest.skip(row.reason)
+    assert (row.in_place, row.round_trip, row.export) == ("ok", "ok", "ok"), row.reason
