@@ -21,7 +21,7 @@ LAYERS = [
     (("ucl.store",), 4),
     (("ucl.formats",), 5),
     (("ucl.ops",), 6),
-    (("ucl.train", "ucl.export"), 7),
+    (("ucl.train",), 7),
     (("ucl.cli", "ucl.demo", "ucl.picture", "ucl.__main__"), 8),
 ]
 # The public face of binding: ``Spec.bind`` / ``Spec.synthesize_params`` (lang) call the layout

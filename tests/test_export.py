@@ -1,4 +1,4 @@
-"""Exports (ucl.export) checked by the frameworks that read them: PyTorch DCP through
+"""Exports (ucl.ops.export and the writers in ucl.formats) checked by the frameworks that read them: PyTorch DCP through
 ``dcp.load`` + ``set_state_dict`` (one process, and slow: FSDP2 over 2 gloo processes), DeepSpeed's
 universal layout against what DeepSpeed's own ``ds_to_universal`` wrote for the fixtures, and
 (needs deepspeed) by a DeepSpeed engine resuming with ``load_universal`` at another DP size and
@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 import ucl  # noqa: E402
 from ucl.errors import StoreError  # noqa: E402
-from ucl.export import export_dcp, export_deepspeed_universal, survey  # noqa: E402
+from ucl.ops.export import export_dcp, export_deepspeed_universal, survey  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 sys.path.insert(0, str(FIXTURES))
@@ -370,7 +370,7 @@ def _ds_worker(export: str, dump: str, stage: int, bf16: bool) -> None:
     steps = sorted({float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s})
     wd = [g["weight_decay"] for g in optimizer.optimizer.param_groups]
     if stage == 3:
-        wd = [WD, 0.0]  # ZeRO-3 keeps the job's own hyperparameters (see ucl.export.deepspeed)
+        wd = [WD, 0.0]  # ZeRO-3 keeps the job's own hyperparameters (see ucl.formats.deepspeed.write)
     batches = make_batches(5, 4, 1234)
     mb = 4 // world
     b = batches[3, rank * mb:(rank + 1) * mb]

@@ -1,4 +1,4 @@
-"""Export to a Hugging Face ``save_pretrained`` folder (ucl/export/hf.py).
+"""Export to a Hugging Face ``save_pretrained`` folder (ucl/formats/hf/write.py, fed by ucl.ops.export).
 
 Oracles, none of them ucl's: safetensors' own reader (``load_file``) and writer (``save_file``: every
 exported file must be byte-identical to what it writes for the same tensors), torch's ``.to()`` for
@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import hf_models as H  # noqa: E402
 import ucl  # noqa: E402
 from ucl.errors import UclError  # noqa: E402
-from ucl.export.hf import export_hf, parse_shard_size  # noqa: E402
+from ucl.formats.hf.write import parse_shard_size  # noqa: E402
+from ucl.ops.export import export_hf  # noqa: E402
 from bits import same_bits as _same  # noqa: E402
 
 DS = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")

@@ -1,4 +1,4 @@
-"""Megatron checkpoints exported as Hugging Face Llama folders (ucl/export/renames.py): names mapped,
+"""Megatron checkpoints exported as Hugging Face Llama folders (ucl/formats/hf/renames.py): names mapped,
 ``linear_qkv`` and ``linear_fc1`` unfused, the padded vocabulary cut to the config's.
 
 Oracles, none of them ucl's: Megatron's own forward pass (the fixture's ``logits.safetensors``, made by
@@ -20,8 +20,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 import ucl  # noqa: E402
 from ucl.errors import UclError  # noqa: E402
-from ucl.export.hf import export_hf  # noqa: E402
-from ucl.export.renames import Part  # noqa: E402
+from ucl.ops.export import export_hf  # noqa: E402
+from ucl.formats.hf.renames import Part  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 FIX = os.path.join(HERE, "fixtures", "megatron_llama")

@@ -270,14 +270,14 @@ def cmd_export(args) -> int:
     con = _console()
     src = _checkpoint(args.ckpt)
     if args.format == "hf":
-        from .export import export_hf
+        from .ops.export import export_hf
         stats = export_hf(src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, config=args.config,
                           durable=not args.no_fsync)
     elif args.format == "dcp":
-        from .export import export_dcp
+        from .ops.export import export_dcp
         stats = export_dcp(src, args.out, style=args.style)
     else:
-        from .export import export_deepspeed_universal
+        from .ops.export import export_deepspeed_universal
         stats = export_deepspeed_universal(src, args.out, tag=args.tag, durable=not args.no_fsync)
     con.print("[green]exported[/] " + _e(f"{src} -> {args.out} ({args.format}): {stats.bytes_written:,} B written, "
               f"{stats.bytes_read:,} B read in {stats.seconds:.2f} s"))
