@@ -54,7 +54,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ...dtypes import to_float32
+from ...dtypes import FLOAT_DTYPES, to_float32
 from ...errors import ForeignFormatError
 from ...store.atomic import fsync_dir, staged_dir
 from ..base import ExportSource, Written
@@ -141,7 +141,7 @@ def _write_tensors(src: ExportSource, zero: str, w: _Writer, tensors: Iterable[t
             module[name] = torchsave.Tensor(array.copy(), dtype)  # kept to the end: out of the reused buffer
             put(name, "fp32", {"param": _float(array, dtype)})
         elif kind == "step":  # DeepSpeed's own type: a 0-d float32 tensor
-            value = float(to_float32(array, dtype)) if dtype in _FLOATS else float(array)
+            value = float(to_float32(array, dtype)) if dtype in FLOAT_DTYPES else float(array)
             step = torchsave.Tensor(np.array(value, dtype=np.float32), "float32")
             first_step = step if first_step is None else first_step
             put(name, "step", step)
@@ -150,12 +150,9 @@ def _write_tensors(src: ExportSource, zero: str, w: _Writer, tensors: Iterable[t
     return {n: module[n] for n in src.frozen if n in module}, first_step
 
 
-_FLOATS = ("float32", "float64", "float16", "bfloat16")
-
-
 def _float(array: np.ndarray, dtype: str) -> torchsave.Tensor:
     """As torch's ``.float()`` on a floating tensor; other dtypes as they are."""
-    return torchsave.Tensor(to_float32(array, dtype), "float32") if dtype in _FLOATS else torchsave.Tensor(array, dtype)
+    return torchsave.Tensor(to_float32(array, dtype), "float32") if dtype in FLOAT_DTYPES else torchsave.Tensor(array, dtype)
 
 
 def _client_value(value: Any, path: str, dropped: list[str]) -> Any:

@@ -53,22 +53,19 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ...dtypes import DTYPES, to_numpy, torch_dtype
+from ...dtypes import DTYPES, FLOAT_DTYPES, to_numpy, torch_dtype
 from ...errors import ForeignFormatError, UclError
 from ...lang.spec import load_spec
-from ...model_config import load_config, read_raw_config
+from ...model_config import CONFIG_NAME, load_config, read_raw_config
 from ...store.atomic import fsync_dir, staged_dir
 from ..base import ExportSource, Written
 from .check import check_against
+from .names import INDEX_NAME, SINGLE_NAME
 from .read import known_model_types
 from .renames import Renamed, config_from_megatron, mapping_for, rename
 
-SINGLE_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what a config's dtype can name and a cast makes sense to
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-_FLOATS = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 # safetensors' writer orders a file's tensors by dtype, widest alignment first (its Dtype enum,
 # descending; observed with safetensors 0.8), then by name: the same order keeps files byte-identical
 # to save_file's and every tensor aligned to its itemsize.
@@ -225,11 +222,11 @@ def _entries(datasets: dict[str, tuple[tuple[int, ...], str]], target: str | Non
     for name, part in zip(sources, parts):
         shape, stored = params[name]
         key = f"param/{name}"
-        if target is not None and stored in _FLOATS:
+        if target is not None and stored in FLOAT_DTYPES:
             master = datasets.get(f"fp32/{name}")
             if master is not None and tuple(master[0]) == shape:
                 key, stored = f"fp32/{name}", master[1]
-        written = stored if target is None or stored not in _FLOATS else target
+        written = stored if target is None or stored not in FLOAT_DTYPES else target
         out.append(_Entry(part.target if part else name, key, part.shape if part else shape, stored, written, part))
     return out
 
@@ -289,7 +286,7 @@ def _main_dtype(entries: list[_Entry]) -> str:
     """The floating dtype most elements have (what transformers records as the model's dtype)."""
     counts: dict[str, int] = {}
     for e in entries:
-        if e.dtype in _FLOATS:
+        if e.dtype in FLOAT_DTYPES:
             counts[e.dtype] = counts.get(e.dtype, 0) + e.numel
     return max(counts, key=lambda d: counts[d]) if counts else "float32"
 
