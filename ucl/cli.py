@@ -235,7 +235,7 @@ def _reshard_bytes(src: str, to) -> int:
 
 
 def cmd_import(args) -> int:
-    from .ops.convert import placements
+    from .ops.convert import user_spec
     con = _console()
     src = _checkpoint(args.src)
     spec = dims = None
@@ -245,15 +245,14 @@ def cmd_import(args) -> int:
         dims = _dims(spec, args.dims) if args.dims is not None or spec.dims else {}
     elif args.dims is not None:
         raise UclError("--dims is read with --spec only", code="UCL009")
-    with placements(src, spec, dims):
-        return _import(args, con, src, spec, dims)
+    return _import(args, con, src, spec, dims, user_spec(spec, dims))
 
 
-def _import(args, con, src, spec, dims) -> int:
+def _import(args, con, src, spec, dims, user) -> int:
     from .ops.convert import import_checkpoint
     from .ops.prepare import mesh_of, open_checkpoint
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-    with open_checkpoint(src, args.format) as ck:
+    with open_checkpoint(src, args.format, user) as ck:
         fmt, mesh = getattr(ck, "format", "ucl"), mesh_of(ck)
         total = sum(int(_prod(e["shape"])) * _itemsize(e["dtype"]) for ds in ck.manifest.datasets for e in ds.values())
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
