@@ -60,6 +60,7 @@ from ...model_config import CONFIG_NAME, load_config, read_raw_config
 from ...store.atomic import fsync_dir, staged_dir
 from ..base import ExportSource, Written
 from .check import check_against
+from .fit import mismatches
 from .names import INDEX_NAME, SINGLE_NAME
 from .read import known_model_types
 from .renames import Renamed, config_from_megatron, mapping_for, rename
@@ -144,6 +145,7 @@ def plan_hf(src: ExportSource, *, dtype: str | None = None, max_shard_size: int 
     :func:`export_dtype` gives it, ``max_shard_size`` in bytes, ``config`` as ``export_hf`` takes it.
     A config that does not fit the checkpoint is refused here (UCL503)."""
     raw = _config_of(src.state, config, src.path)
+    _check_fit(raw, src.datasets)
     entries = _entries(src.datasets, dtype, raw)
     if not entries:
         raise ForeignFormatError(f"{src.path} holds no param/ tensors to export", code="UCL503")
@@ -229,6 +231,19 @@ def _entries(datasets: dict[str, tuple[tuple[int, ...], str]], target: str | Non
         written = stored if target is None or stored not in FLOAT_DTYPES else target
         out.append(_Entry(part.target if part else name, key, part.shape if part else shape, stored, written, part))
     return out
+
+
+def _check_fit(raw: dict, datasets: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """The config's dims against the checkpoint's tensors, first: a wrong ``--config`` is named as
+    such (each dim with both values), not as tensors with no place in the model type. Hugging Face
+    names are checked for the model types ucl has a spec for; Megatron's always (they are renamed)."""
+    shapes = {k.split("/", 1)[1]: tuple(s) for k, (s, _) in datasets.items() if k.startswith("param/")}
+    if mapping_for(shapes, raw) is None and raw.get("model_type") not in known_model_types():
+        return
+    bad = mismatches(raw, shapes)
+    if bad:
+        raise ForeignFormatError(f"the config does not match the checkpoint ({len(bad)} dim{'s' * (len(bad) != 1)}); "
+                                 "is it the model's own config.json?\n  " + "\n  ".join(bad), code="UCL503")
 
 
 def _check_config(raw: dict, entries: list[_Entry]) -> None:
