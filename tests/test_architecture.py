@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -210,3 +211,24 @@ def test_public_names_resolve(name):
 def test_python_dash_m_ucl_works():
     out = subprocess.run([sys.executable, "-m", "ucl", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("ucl "), out.stderr
+
+
+def _doc_names(module: str) -> list[str]:
+    """How docs/architecture.md may name a module: dotted from ``ucl`` or from inside its package
+    (``ucl.formats.hf.write``, ``formats.hf.write``, ``hf.write``), or by its last name alone when it
+    sits right under a layer's package (``ops.export`` -> ``export``)."""
+    parts = module.split(".")[1:]
+    names = [".".join(parts[i:]) for i in range(len(parts) - 1)] + [module]
+    return names + [parts[-1]] if len(parts) <= 2 else names
+
+
+def test_the_architecture_doc_names_every_module():
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+
+    def named(n: str) -> bool:  # a dotted name anywhere; a bare one in backticks; or as a path
+        return bool(re.search(r"(?<![\w.])" + re.escape(n) + r"(?!\w)", text) if "." in n
+                    else re.search(r"`" + re.escape(n) + r"[`.(/]", text)) \
+            or bool(re.search(r"`" + re.escape(n.replace(".", "/")) + r"[/`]", text))
+
+    missing = [m for m in MODULES if m != "ucl" and not any(named(n) for n in _doc_names(m))]
+    assert not missing, f"docs/architecture.md does not name: {missing}"
