@@ -186,7 +186,7 @@ def check(model_type: str, work: Path, export: bool = True) -> Row:
         return row
     if export:
         try:
-            from ucl.export import export_hf
+            from ucl.ops.export import export_hf
             out = work / f"{model_type}-hf"
             export_hf(str(a), str(out))
             row.export = "ok" if _same_logits(model, out) else "FAIL"

@@ -1,4 +1,4 @@
-"""Exports (ucl.export) checked by the frameworks that read them: PyTorch DCP through
+"""Exports (ucl.ops.export and the writers in ucl.formats) checked by the frameworks that read them: PyTorch DCP through
 ``dcp.load`` + ``set_state_dict`` (one process, and slow: FSDP2 over 2 gloo processes), DeepSpeed's
 universal layout against what DeepSpeed's own ``ds_to_universal`` wrote for the fixtures, and
 (needs deepspeed) by a DeepSpeed engine resuming with ``load_universal`` at another DP size and
@@ -15,13 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import ucl  # noqa: E402
 from ucl.errors import StoreError  # noqa: E402
-from ucl.export import export_dcp, export_deepspeed_universal, survey  # noqa: E402
+from ucl.ops.export import export_dcp, export_deepspeed_universal, survey  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 sys.path.insert(0, str(FIXTURES))
@@ -370,7 +371,7 @@ def _ds_worker(export: str, dump: str, stage: int, bf16: bool) -> None:
     steps = sorted({float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s})
     wd = [g["weight_decay"] for g in optimizer.optimizer.param_groups]
     if stage == 3:
-        wd = [WD, 0.0]  # ZeRO-3 keeps the job's own hyperparameters (see ucl.export.deepspeed)
+        wd = [WD, 0.0]  # ZeRO-3 keeps the job's own hyperparameters (see ucl.formats.deepspeed.write)
     batches = make_batches(5, 4, 1234)
     mb = 4 // world
     b = batches[3, rank * mb:(rank + 1) * mb]
@@ -390,3 +391,32 @@ def _ds_worker(export: str, dump: str, stage: int, bf16: bool) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "--ds-worker":
     _ds_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), bool(int(sys.argv[5])))
+
+
+FP8_SPEC = """\
+dims n
+mesh dp
+w [n, n] : replicate over dp
+scale [n] : replicate over dp
+state param : dtype float32
+state param for scale : dtype float8_e4m3fn
+state exp_avg : dtype float32
+state step : dtype int64; scalar
+"""
+
+
+def test_ds_universal_writes_fp8_as_torch_does(tmp_path):
+    """A frozen fp8 tensor: ``fp32.pt`` holds torch's ``.float()`` of it (fp8 is floating, as for the
+    Hugging Face cast) and the model states keep it in fp8, both loadable by ``torch.load``."""
+    model = ucl.Spec.from_text(FP8_SPEC, "fp8.ucl").bind(dict(n=4), {"w": (4, 4), "scale": (4,)}, ["scale"])
+    bits = np.array([0x38, 0xB8, 0x7F, 0x01], dtype=np.uint8)  # 1.0, -1.0, NaN, the smallest subnormal
+    shards = {0: {"param/w": np.eye(4, dtype=np.float32), "exp_avg/w": np.zeros((4, 4), np.float32),
+                  "step/w": np.array(3, np.int64), "param/scale": torch.from_numpy(bits).view(torch.float8_e4m3fn)}}
+    ucl.save(tmp_path / "c", shards, model=model, mesh=ucl.Mesh.parse("dp=1"))
+    export_deepspeed_universal(tmp_path / "c", tmp_path / "ds")
+    tag = tmp_path / "ds" / "global_step0"
+    fp32 = torch.load(tag / "zero" / "scale" / "fp32.pt", weights_only=True)["param"]
+    want = torch.from_numpy(bits).view(torch.float8_e4m3fn).float()
+    assert fp32.dtype == torch.float32 and _bits(fp32, want)
+    kept = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)["module"]["scale"]
+    assert kept.dtype == torch.float8_e4m3fn and kept.view(torch.uint8).tolist() == bits.tolist()

@@ -1,4 +1,4 @@
-"""Export to a Hugging Face ``save_pretrained`` folder (ucl/export/hf.py).
+"""Export to a Hugging Face ``save_pretrained`` folder (ucl/formats/hf/write.py, fed by ucl.ops.export).
 
 Oracles, none of them ucl's: safetensors' own reader (``load_file``) and writer (``save_file``: every
 exported file must be byte-identical to what it writes for the same tensors), torch's ``.to()`` for
@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import hf_models as H  # noqa: E402
 import ucl  # noqa: E402
 from ucl.errors import UclError  # noqa: E402
-from ucl.export.hf import export_hf, parse_shard_size  # noqa: E402
+from ucl.formats.hf.write import parse_shard_size  # noqa: E402
+from ucl.ops.export import export_hf  # noqa: E402
 from bits import same_bits as _same  # noqa: E402
 
 DS = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
@@ -285,10 +286,23 @@ def test_wrong_config_is_refused(tmp_path):
     _refused(lambda: export_hf(src, tmp_path / "out", config=tmp_path / "nope.json"))
     cfg = json.loads((src / "config.json").read_text())
     msg = _refused(lambda: export_hf(src, tmp_path / "out", config=dict(cfg, hidden_size=128)))
-    assert "stdlib:llama" in msg
+    assert "the config does not match the checkpoint" in msg and "hidden_size is 128 in the config, but 64" in msg
     msg = _refused(lambda: export_hf(src, tmp_path / "out", config=H.config("gpt2")))  # another model's config
     assert "stdlib:gpt2" in msg
     assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+@pytest.mark.parametrize("edit,words", [
+    ({"num_hidden_layers": 1}, "num_hidden_layers is 1 in the config, but 2 in the checkpoint"),  # was exported
+    ({"num_attention_heads": 2}, "num_attention_heads x head_dim is 2 x 16 = 32 in the config, but 64"),
+    ({"num_key_value_heads": 1}, "num_key_value_heads x head_dim is 1 x 16 = 16 in the config, but 32"),
+    ({"intermediate_size": 7}, "intermediate_size is 7 in the config, but 128 in the checkpoint"),
+])
+def test_a_config_whose_dims_disagree_is_named_dim_by_dim(tmp_path, edit, words):
+    src = _save("llama", tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    msg = _refused(lambda: export_hf(src, tmp_path / "out", config=dict(cfg, **edit)))
+    assert msg.startswith("the config does not match the checkpoint") and words in msg, msg
 
 
 def test_shard_sizes_parse_like_transformers():

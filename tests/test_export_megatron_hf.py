@@ -1,4 +1,4 @@
-"""Megatron checkpoints exported as Hugging Face Llama folders (ucl/export/renames.py): names mapped,
+"""Megatron checkpoints exported as Hugging Face Llama folders (ucl/formats/hf/renames.py): names mapped,
 ``linear_qkv`` and ``linear_fc1`` unfused, the padded vocabulary cut to the config's.
 
 Oracles, none of them ucl's: Megatron's own forward pass (the fixture's ``logits.safetensors``, made by
@@ -20,8 +20,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 import ucl  # noqa: E402
 from ucl.errors import UclError  # noqa: E402
-from ucl.export.hf import export_hf  # noqa: E402
-from ucl.export.renames import Part  # noqa: E402
+from ucl.ops.export import export_hf  # noqa: E402
+from ucl.formats.hf.renames import Part  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 FIX = os.path.join(HERE, "fixtures", "megatron_llama")
@@ -201,13 +201,32 @@ def test_tensors_llama_has_no_place_for_are_refused_by_name(tmp_path):
 def test_a_config_that_does_not_fit_names_the_tensor_and_the_dims(tmp_path):
     with pytest.raises(UclError) as e:
         export_hf(SRC, str(tmp_path / "hf"), config=_config(num_key_value_heads=4))  # Megatron has 2 groups
-    assert e.value.code == "UCL503" and "linear_qkv" in str(e.value) and "kv_heads 4" in str(e.value)
+    assert e.value.code == "UCL503" and "linear_qkv" in str(e.value)
+    assert "num_key_value_heads x head_dim is 4 x 8 = 32 in the config, but 16 in the checkpoint" in str(e.value)
     with pytest.raises(UclError) as e:
         export_hf(SRC, str(tmp_path / "hf"), config=_config(model_type="gpt2"))
     assert "gpt2" in str(e.value)
     with pytest.raises(UclError) as e:
         export_hf(SRC, str(tmp_path / "hf"))  # a Megatron folder carries no Hugging Face config
     assert "config" in str(e.value)
+
+
+@pytest.mark.parametrize("edit,words", [
+    ({"hidden_size": 64}, ["hidden_size is 64 in the config, but 32 in the checkpoint",
+                           "embedding.word_embeddings.weight [96, 32]"]),
+    ({"num_hidden_layers": 1}, ["num_hidden_layers is 1 in the config, but 2 in the checkpoint"]),
+    ({"num_attention_heads": 8}, ["num_key_value_heads x head_dim is 2 x 4 = 8 in the config, but 16"]),  # was exported
+    ({"intermediate_size": 40}, ["intermediate_size is 40 in the config, but 48 in the checkpoint"]),
+    ({"vocab_size": 200}, ["vocab_size is 200 in the config, but at most 96 in the checkpoint"]),
+])
+def test_cli_says_a_config_does_not_match_the_checkpoint(tmp_path, capsys, edit, words):
+    """Not "llama models have no such tensor" or rows outside a block: the config is wrong, dim by dim."""
+    from ucl.cli import main
+    (tmp_path / "c.json").write_text(json.dumps(_config(**edit)))
+    assert main(["export", "hf", SRC, str(tmp_path / "hf"), "--config", str(tmp_path / "c.json")]) != 0
+    err = capsys.readouterr().err
+    assert "the config does not match the checkpoint" in err and all(w in err for w in words), err
+    assert "no such tensor" not in err and "Traceback" not in err and not os.path.exists(tmp_path / "hf")
 
 
 @settings(max_examples=60, deadline=None)

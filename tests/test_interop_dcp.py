@@ -277,7 +277,7 @@ def test_torchtitan_layout_is_read_and_its_train_state_kept(tmp_path):
     array, dtype = kept_tensor(objects["train_state"]["step"])
     assert dtype == "int32" and array.shape == () and int(array) == 7
     assert objects["lr_scheduler"]["last_epoch"] == 7
-    from ucl.export import export_dcp
+    from ucl.ops.export import export_dcp
     export_dcp(tmp_path / "titan", tmp_path / "again", style="torchtitan")
     _same_as_torch(tmp_path / "again", model, opt)
 

@@ -314,3 +314,21 @@ def test_a_user_spec_is_not_taken_where_the_files_place_the_shards(tmp_path):
     with pytest.raises(StoreError, match="takes no spec") as e:
         ucl.import_checkpoint(FIXTURE, tmp_path / "out", spec=USER_SPEC, dims=DIMS)
     assert e.value.code == "UCL502"
+
+
+def test_user_placements_travel_in_the_call_and_the_workers_job(tmp_path, loaded):
+    """No process-wide registry of placements: ``open_checkpoint`` and ``reshard`` take them, and the
+    forked workers of the reshard get them in their job."""
+    from ucl.formats import registry
+    from ucl.ops.convert import user_spec
+    from ucl.ops.prepare import open_checkpoint
+    ck = _with_info(tmp_path, lambda info: None)
+    user = user_spec(USER_SPEC, DIMS)
+    with open_checkpoint(ck, user=user) as c:
+        assert dict(c.manifest.mesh) == {"tp": 2, "dp": 2}
+    ucl.reshard(ck, tmp_path / "u", "universal", workers=2, user=user)
+    got, want = ucl.load_rank(tmp_path / "u", mesh="universal", rank=0), loaded[NAMES[0]]
+    assert got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
+    with pytest.raises(StoreError, match="--spec"):
+        registry.forget()
+        ucl.reshard(ck, tmp_path / "v", "universal")  # nothing left behind by the calls above

@@ -94,3 +94,29 @@ def test_plain_keeps_json_valid_and_shallow():
         node = node[0]
     assert "nested too deep" in str(plain(deep))
     assert plain([math.inf, -math.inf, complex(1, 2)]) == [None, None, [1.0, 2.0]]
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_torchs_own_fp8_tensors_are_read_in_place(tmp_path, dtype):
+    """torch.save pickles fp8 tensors as ``_rebuild_tensor_v3`` over an UntypedStorage (there is no
+    ``Float8_*Storage`` class): ucl reads them, bytes where they are."""
+    torch = pytest.importorskip("torch")
+    t = torch.arange(256, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(16, 16)[2:4]
+    torch.save({"t": t}, tmp_path / "x.pt")
+    f = read_torch_file(str(tmp_path / "x.pt"))
+    ref = f.obj["t"]
+    assert ref.dtype == dtype and ref.shape == (2, 16) and ref.contiguous
+    with open(tmp_path / "x.pt", "rb") as fh:
+        fh.seek(f.byte_offset(ref))
+        assert fh.read(32) == t.view(torch.uint8).numpy().tobytes()
+
+
+def test_an_untyped_storage_must_hold_whole_elements(tmp_path):
+    torch = pytest.importorskip("torch")
+    buf = io.BytesIO()
+    torch.save({"t": torch.zeros(3, dtype=torch.float8_e4m3fn)}, buf)
+    with zipfile.ZipFile(buf) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    odd = pkl.replace(b"torch\nfloat8_e4m3fn\n", b"torch\nfloat16\n")  # 3 bytes as float16
+    assert odd != pkl
+    _refused(_pt(tmp_path / "odd.pt", odd, {"0": b"abc"}), match="whole float16")

@@ -15,7 +15,8 @@ from ucl.formats.torchzip.read import TensorRef, read_torch_file
 torch = pytest.importorskip("torch")
 
 _DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": np.uint16,
-           "int64": np.int64, "int32": np.int32, "uint8": np.uint8, "bool": np.bool_}
+           "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
+           "bool": np.bool_, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
 plain = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
                      | st.text(max_size=8),
                      lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3)
@@ -49,3 +50,27 @@ def test_unknown_objects_are_refused(tmp_path):
         save({"x": {1, 2}}, tmp_path / "x.pt")
     with pytest.raises(StoreError, match="cannot write a float32 array as a torch bfloat16"):
         Tensor(np.zeros(2, np.float32), "bfloat16")
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+def test_storage_classes_and_floats_come_from_the_one_dtype_table():
+    """The .pt reader and writer share ``DType.torch_storage`` (torch's own class for each dtype), and
+    ``FLOAT_DTYPES`` is torch's ``is_floating_point`` (fp8 included)."""
+    torch = pytest.importorskip("torch")
+    from ucl.dtypes import DTYPES, FLOAT_DTYPES, torch_dtype
+    assert FLOAT_DTYPES == {n for n in DTYPES if torch_dtype(n).is_floating_point}
+    for name, d in DTYPES.items():
+        if d.torch_storage is None:  # torch has no typed storage class for fp8: it pickles an UntypedStorage
+            assert not hasattr(torch, f"{name.capitalize()}Storage") and name.startswith("float8_"), name
+        else:
+            assert getattr(torch, d.torch_storage).dtype == torch_dtype(name), name
+
+
+def test_fp8_to_float32_is_torchs_float():
+    """Every fp8 code (NaNs too) becomes the float32 bits torch's ``.float()`` gives."""
+    torch = pytest.importorskip("torch")
+    from ucl.dtypes import to_float32
+    codes = np.arange(256, dtype=np.uint8)
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        want = torch.from_numpy(codes).view(getattr(torch, name)).float().view(torch.int32).numpy()
+        assert np.array_equal(to_float32(codes, name).view(np.int32), want), name

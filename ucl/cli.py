@@ -175,24 +175,21 @@ def cmd_plan(args) -> int:
 
 
 def cmd_reshard(args) -> int:
-    from .ops.dist import torchrun_world
-    from .ops.reshard import reshard
     from .layout.mesh import Mesh
-    from .ops.convert import placements
+    from .ops.convert import user_spec
     to = Mesh.parse(args.to)
     src = _checkpoint(args.src)
     spec, dims = _user_spec(args, src)
-    with placements(src, spec, dims):
-        return _reshard(args, src, to)
+    return _reshard(args, src, to, user_spec(spec, dims))
 
 
-def _reshard(args, src, to) -> int:
+def _reshard(args, src, to, user) -> int:
     from .ops.dist import torchrun_world
     from .ops.reshard import reshard
     if torchrun_world() > 1:  # under torchrun: every process writes its share (docs/distributed.md)
-        return _reshard_distributed(args, src, to, _console())
+        return _reshard_distributed(args, src, to, _console(), user)
     if args.quiet:  # plain output: --quiet does not import rich (a tenth of a small reshard's start-up)
-        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync)
+        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, user=user)
         print(f"wrote {_reshard_summary(args.dst, to, stats)}")
         return 0
     con = _console()
@@ -200,7 +197,7 @@ def _reshard(args, src, to) -> int:
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), console=con, transient=True) as bar:
         task = bar.add_task(_e(f"reshard -> {to}"), total=_reshard_bytes(src, to))
-        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync,
+        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, user=user,
                         progress=lambda n: bar.advance(task, n))
     con.print("[green]wrote[/] " + _e(_reshard_summary(args.dst, to, stats)))
     return 0
@@ -212,13 +209,13 @@ def _reshard_summary(dst, to, stats) -> str:
             f"(open {stats.open_seconds:.2f} s, plan {stats.compile_seconds:.2f} s)")
 
 
-def _reshard_distributed(args, src: str, to, con) -> int:
+def _reshard_distributed(args, src: str, to, con, user) -> int:
     """One process of a torchrun job: join the gloo world, write this process's share; rank 0 prints."""
     from .ops.dist import init_from_env
     from .ops.reshard import reshard
     dist = init_from_env(args.timeout)
     try:
-        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, distributed=True,
+        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, distributed=True, user=user,
                         timeout=args.timeout)
         if dist.get_rank() == 0:
             con.print("[green]wrote[/] " + _e(f"{args.dst} ({to}) with {dist.get_world_size()} processes: "
@@ -258,19 +255,18 @@ def _user_spec(args, src: str):
 
 
 def cmd_import(args) -> int:
-    from .ops.convert import placements
+    from .ops.convert import user_spec
     con = _console()
     src = _checkpoint(args.src)
     spec, dims = _user_spec(args, src)
-    with placements(src, spec, dims):
-        return _import(args, con, src, spec, dims)
+    return _import(args, con, src, spec, dims, user_spec(spec, dims))
 
 
-def _import(args, con, src, spec, dims) -> int:
+def _import(args, con, src, spec, dims, user) -> int:
     from .ops.convert import import_checkpoint
     from .ops.prepare import mesh_of, open_checkpoint
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-    with open_checkpoint(src, args.format) as ck:
+    with open_checkpoint(src, args.format, user) as ck:
         fmt, mesh = getattr(ck, "format", "ucl"), mesh_of(ck)
         total = sum(int(_prod(e["shape"])) * _itemsize(e["dtype"]) for ds in ck.manifest.datasets for e in ds.values())
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
@@ -287,14 +283,14 @@ def cmd_export(args) -> int:
     con = _console()
     src = _checkpoint(args.ckpt)
     if args.format == "hf":
-        from .export import export_hf
+        from .ops.export import export_hf
         stats = export_hf(src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, config=args.config,
                           durable=not args.no_fsync)
     elif args.format == "dcp":
-        from .export import export_dcp
+        from .ops.export import export_dcp
         stats = export_dcp(src, args.out, style=args.style)
     else:
-        from .export import export_deepspeed_universal
+        from .ops.export import export_deepspeed_universal
         stats = export_deepspeed_universal(src, args.out, tag=args.tag, durable=not args.no_fsync)
     con.print("[green]exported[/] " + _e(f"{src} -> {args.out} ({args.format}): {stats.bytes_written:,} B written, "
               f"{stats.bytes_read:,} B read in {stats.seconds:.2f} s"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -22,11 +23,15 @@ from .errors import StoreError
 @dataclass(frozen=True)
 class DType:
     """One logical dtype and its names elsewhere: the little-endian numpy type it is stored as,
-    its ``torch`` attribute name and its safetensors header name."""
+    its ``torch`` attribute name, its safetensors header name and the torch storage class a tensor
+    of it is pickled with (``torch.save``; None: torch has no typed storage for it and pickles an
+    ``UntypedStorage`` and the dtype); ``floating`` as torch's ``is_floating_point``."""
 
     name: str
     storage: np.dtype
     safetensors: str
+    torch_storage: str | None
+    floating: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -39,20 +44,22 @@ class DType:
 
 # The one table of dtypes ucl knows (logical name -> storage and foreign names).
 DTYPES: dict[str, DType] = {d.name: d for d in (
-    DType("float32", np.dtype("<f4"), "F32"),
-    DType("float64", np.dtype("<f8"), "F64"),
-    DType("float16", np.dtype("<f2"), "F16"),
-    DType("bfloat16", np.dtype("<u2"), "BF16"),
-    DType("float8_e4m3fn", np.dtype("u1"), "F8_E4M3"),
-    DType("float8_e5m2", np.dtype("u1"), "F8_E5M2"),
-    DType("int8", np.dtype("i1"), "I8"),
-    DType("int16", np.dtype("<i2"), "I16"),
-    DType("int32", np.dtype("<i4"), "I32"),
-    DType("int64", np.dtype("<i8"), "I64"),
-    DType("uint8", np.dtype("u1"), "U8"),
-    DType("bool", np.dtype("?"), "BOOL"),
+    DType("float32", np.dtype("<f4"), "F32", "FloatStorage", True),
+    DType("float64", np.dtype("<f8"), "F64", "DoubleStorage", True),
+    DType("float16", np.dtype("<f2"), "F16", "HalfStorage", True),
+    DType("bfloat16", np.dtype("<u2"), "BF16", "BFloat16Storage", True),
+    DType("float8_e4m3fn", np.dtype("u1"), "F8_E4M3", None, True),
+    DType("float8_e5m2", np.dtype("u1"), "F8_E5M2", None, True),
+    DType("int8", np.dtype("i1"), "I8", "CharStorage"),
+    DType("int16", np.dtype("<i2"), "I16", "ShortStorage"),
+    DType("int32", np.dtype("<i4"), "I32", "IntStorage"),
+    DType("int64", np.dtype("<i8"), "I64", "LongStorage"),
+    DType("uint8", np.dtype("u1"), "U8", "ByteStorage"),
+    DType("bool", np.dtype("?"), "BOOL", "BoolStorage"),
 )}
 LOGICAL_DTYPES: tuple[str, ...] = tuple(DTYPES)
+# the floating dtypes (fp8 included, as torch's is_floating_point): what casts and ``.float()`` apply to
+FLOAT_DTYPES = frozenset(d.name for d in DTYPES.values() if d.floating)
 
 # logical dtypes whose storage type differs from their meaning (raw bits)
 BIT_DTYPES = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
@@ -124,14 +131,33 @@ def torch_dtype(logical: str) -> Any:
 
 def to_float32(array: np.ndarray, logical: str) -> np.ndarray:
     """A storage array of a floating logical dtype as float32, as torch's ``.float()`` gives it
-    (exact for bf16 and fp16, round to nearest even from float64); other dtypes are refused."""
+    (exact for bf16, fp16 and fp8, NaNs as torch makes them; round to nearest even from float64);
+    other dtypes are refused."""
     if logical == "float32":
         return array
     if logical == "bfloat16":  # a bf16 value is the top half of the float32 with the same value
         return (array.astype(np.uint32) << 16).view(np.float32)
     if logical in ("float16", "float64"):
         return array.astype(np.float32)
+    if logical in ("float8_e4m3fn", "float8_e5m2"):
+        return _fp8_to_float32(logical)[array].view(np.float32)
     raise _unsupported(f"converting {logical} to float32")
+
+
+@lru_cache(maxsize=None)
+def _fp8_to_float32(logical: str) -> np.ndarray:
+    """float32 bits of each of the 256 fp8 codes (exact: every fp8 value is a float32 value)."""
+    code = np.arange(256, dtype=np.uint32)
+    sign = (code >> 7) << 31
+    if logical == "float8_e5m2":  # the top byte of a float16; torch quiets signalling NaNs
+        half = (code << 8).astype(np.uint16).view(np.float16)
+        with np.errstate(invalid="ignore"):
+            bits = half.astype(np.float32).view(np.uint32)
+        return np.where(np.isnan(half), bits | 0x00400000, bits).astype(np.uint32)
+    exp, man = (code >> 3) & 15, code & 7  # e4m3fn: bias 7, no infinities, S.1111.111 is NaN
+    value = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp.astype(np.int64) - 7))
+    bits = value.astype(np.float32).view(np.uint32) | sign
+    return np.where((exp == 15) & (man == 7), sign | 0x7FF00000, bits).astype(np.uint32)
 
 
 def contiguous(arr: np.ndarray) -> np.ndarray:

@@ -1,10 +1,14 @@
-"""The records every foreign format shares: what a reader knows about a folder (:class:`Description`)
-and the placements a user supplies where a folder does not record them (:class:`UserSpec`)."""
+"""The records every foreign format shares: what a reader knows about a folder (:class:`Description`),
+the placements a user supplies where a folder does not record them (:class:`UserSpec`), and on the
+writing side what an export writes (:class:`ExportSource`), what a writer wrote (:class:`Written`)
+and the check of an export's target folder (:func:`check_target`)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..errors import ForeignFormatError
 from ..store.extents import NO_CHECKSUM, Extent
 from ..store.manifest import Manifest
 
@@ -44,3 +48,48 @@ class UserSpec:
     text: str
     dims: tuple[tuple[str, int], ...] = ()
     filename: str = "<spec>"
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """What an export needs to know about a checkpoint, from its manifest alone (no tensor read;
+    ``ucl.ops.export.survey`` makes it)."""
+
+    path: str
+    datasets: dict[str, tuple[tuple[int, ...], str]]  # universal key -> (shape, logical dtype)
+    trainable: tuple[str, ...]  # parameters with optimizer state, in the checkpoint's order
+    frozen: tuple[str, ...]  # frozen parameters and persistent buffers
+    master: dict[str, str]  # trainable name -> key of its fp32 master ("fp32/N", else "param/N")
+    moments: dict[str, tuple[str, ...]]  # trainable name -> its optimizer-state keys but step
+    aliases: dict[str, str]  # tied alias -> the parameter it shares storage with
+    hyperparameters: tuple[dict, ...]  # per optimizer param group, without "params"
+    groups: tuple[tuple[str, ...], ...] | None  # trainable names per group, None when unknown
+    state: dict = field(default_factory=dict)  # the manifest's non-tensor state
+
+    def step_key(self, name: str) -> str | None:
+        key = f"step/{name}"
+        return key if key in self.datasets else None
+
+    def training_keys(self) -> list[str]:
+        """What a resumable export reads: masters of the trainable parameters, the frozen ones,
+        then the optimizer state and the steps."""
+        keys = [self.master[n] for n in self.trainable] + [f"param/{n}" for n in self.frozen]
+        keys += [k for n in self.trainable for k in self.moments[n]]
+        return keys + [k for n in self.trainable if (k := self.step_key(n)) is not None]
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a writer wrote: bytes, tensors, and what the export's statistics report about it."""
+    bytes: int
+    tensors: int
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+def check_target(out: str | os.PathLike) -> str:
+    """``out`` as an absolute path, refused (UCL503) when something is there already."""
+    out = os.path.abspath(os.fspath(out))
+    if os.path.lexists(out):
+        raise ForeignFormatError(f"cannot export to {out}: it exists (exports never overwrite; remove it or pick "
+                                 "another name)", code="UCL503")
+    return out

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from contextlib import contextmanager
 from typing import Callable
 
 from ..errors import ForeignFormatError, StoreError
@@ -26,23 +25,6 @@ from .base import Description, UserSpec
 FORMATS = ("deepspeed", "dcp", "megatron", "megatron-legacy", "hf")
 _CACHE: OrderedDict[tuple, tuple[tuple, "Description"]] = OrderedDict()
 _MAX_CACHED = 8
-_USER: dict[str, UserSpec] = {}  # folder -> the placements describing it uses (see user_placements)
-
-
-@contextmanager
-def user_placements(path: str | os.PathLike, user: UserSpec):
-    """Within the block, describing the folder ``path`` uses ``user``: an operation that reopens the
-    folder by path (a reshard and its forked workers) reads it with the user's placements."""
-    key = os.path.abspath(os.fspath(path))
-    before = _USER.get(key)
-    _USER[key] = user
-    try:
-        yield
-    finally:
-        if before is None:
-            _USER.pop(key, None)
-        else:
-            _USER[key] = before
 
 
 def _describers() -> dict[str, tuple[Callable[[str], bool], Callable[[str], Description]]]:
@@ -63,10 +45,9 @@ def detect_format(path: str) -> str | None:
 
 def describe(path: str | os.PathLike, format: str | None = None, user: UserSpec | None = None) -> Description:
     """The :class:`Description` of a foreign checkpoint folder (format detected when None);
-    ``user``: placements the files do not record (default: those of an enclosing
-    :func:`user_placements`; DeepSpeed tensor-parallel checkpoints only)."""
+    ``user``: placements the files do not record (DeepSpeed tensor-parallel checkpoints only; an
+    operation that reopens the folder, a reshard's workers, carries it in its task)."""
     path = os.path.abspath(os.fspath(path))
-    user = user if user is not None else _USER.get(path)
     if not os.path.isdir(path):
         raise StoreError(f"checkpoint {path} {'is not a folder' if os.path.lexists(path) else 'does not exist'}",
                          code="UCL404")

@@ -3,12 +3,11 @@ ordinary ucl checkpoint in the source's own layout (docs/interop.md)."""
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Mapping
 
 from ..errors import UclError
-from ..formats.registry import UserSpec, user_placements
+from ..formats.base import UserSpec
 from ..lang.spec import load_spec, Spec
 from .prepare import mesh_of, open_checkpoint
 from .reshard import reshard
@@ -27,19 +26,18 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, format:
     ``dims``: the parameter placements of a DeepSpeed tensor-parallel checkpoint whose files do not
     record them (mesh ``tp, dp``, a rule with a shape per parameter; the optimizer state's layout
     stays generated from the files)."""
-    with placements(src, spec, dims):
-        with open_checkpoint(src, format) as ckpt:
-            mesh, format = mesh_of(ckpt), getattr(ckpt, "format", "ucl")
-        return reshard(src, dst, mesh, workers=workers, durable=durable, progress=progress, format=format)
+    user = user_spec(spec, dims)
+    with open_checkpoint(src, format, user) as ckpt:
+        mesh, format = mesh_of(ckpt), getattr(ckpt, "format", "ucl")
+    return reshard(src, dst, mesh, workers=workers, durable=durable, progress=progress, format=format, user=user)
 
 
-def placements(src: str | os.PathLike, spec: str | Path | Spec | None, dims: Mapping[str, int] | None = None):
-    """A context in which reading the foreign folder ``src`` takes its parameter placements from
-    ``spec`` (nothing changes when ``spec`` is None)."""
+def user_spec(spec: str | Path | Spec | None, dims: Mapping[str, int] | None = None) -> UserSpec | None:
+    """The parameter placements ``spec`` (with its ``dims``) gives a foreign folder whose files do
+    not record them, as ``open_checkpoint`` and ``reshard`` take them; None when ``spec`` is None."""
     if spec is None:
         if dims:
             raise UclError("dims are given without a spec for the parameter placements", code="UCL009")
-        return nullcontext()
+        return None
     s = load_spec(spec)
-    user = UserSpec(s.text, tuple((str(k), int(v)) for k, v in (dims or {}).items()), s.filename)
-    return user_placements(src, user)
+    return UserSpec(s.text, tuple((str(k), int(v)) for k, v in (dims or {}).items()), s.filename)

@@ -19,6 +19,7 @@ from ..layout.lower import lower
 from ..layout.mesh import Mesh
 from ..plan.compile import compile, compile_between
 from ..plan.ir import Plan
+from ..formats.base import UserSpec
 from ..formats.registry import open_foreign
 from ..store.like import CheckpointLike
 from ..store.manifest import MANIFEST_NAME
@@ -29,13 +30,15 @@ _MAX_MODELS = 8
 _MAX_PLANS = 256  # per model: one-rank plans of a load loop, whole plans of reshards
 
 
-def open_checkpoint(path: str | os.PathLike, format: str | None = None) -> CheckpointLike:
+def open_checkpoint(path: str | os.PathLike, format: str | None = None,
+                    user: UserSpec | None = None) -> CheckpointLike:
     """Open a committed checkpoint for reading (lazy: rank files open on first use). A folder
     another framework wrote (DeepSpeed, DCP, Megatron, Hugging Face; ``format`` detected when
-    None) opens read in place (docs/interop.md): the same reads, from the framework's own files."""
+    None) opens read in place (docs/interop.md): the same reads, from the framework's own files;
+    ``user``: the parameter placements its files do not record (``ops.convert.user_spec``)."""
     if format in (None, "ucl") and (format == "ucl" or os.path.lexists(os.path.join(os.fspath(path), MANIFEST_NAME))):
         return Checkpoint.open(path)
-    return open_foreign(path, format)
+    return open_foreign(path, format, user)
 
 
 def model_of(ckpt: CheckpointLike) -> Model:

@@ -16,6 +16,7 @@ import xxhash
 
 from ..dtypes import storage_dtype
 from ..errors import StoreError, UclError
+from ..formats.base import UserSpec
 from ..layout.mesh import Mesh, as_mesh
 from ..plan.buffers import Arena
 from ..plan.execute import run_copies
@@ -69,6 +70,7 @@ class ReshardJob:
     durable: bool
     verify: bool
     format: str | None = None  # the source's format (None: detected)
+    user: UserSpec | None = None  # the placements a foreign source's files do not record
     laid: dict | None = None  # rank -> {key: byte offset} of the files several workers fill (lay_out)
 
 
@@ -98,7 +100,8 @@ HEARTBEAT_S = 1.0  # how often the processes of a distributed reshard tell each 
 
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, workers: int | None = None,
             durable: bool = True, verify: bool = True, progress: Callable[[int], None] | None = None,
-            distributed: bool = False, timeout: float = DIST_TIMEOUT_S, format: str | None = None) -> IOStats:
+            distributed: bool = False, timeout: float = DIST_TIMEOUT_S, format: str | None = None,
+            user: UserSpec | None = None) -> IOStats:
     """Write checkpoint ``dst`` holding ``src`` in layout ``to`` (a Mesh or a string; ``"universal"``
     = consolidated). The spec, dims and source layout come from ``src``'s manifest. Streams one
     target dataset at a time, builds replicated target datasets once, uses ``workers`` processes;
@@ -107,7 +110,8 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     dataset it reads from, including those it reads only in parts, so corruption is never copied
     into a freshly checksummed file. ``progress`` is called with byte counts as datasets are written.
     ``src`` may be a folder another framework wrote (``format`` detected when None; docs/interop.md):
-    it is read in place, and ``to`` its own layout makes this an import.
+    it is read in place, and ``to`` its own layout makes this an import; ``user``: the parameter
+    placements its files do not record (``ops.convert.user_spec``; the workers get it in their job).
 
     ``distributed=True``: called by every process of an initialised torch.distributed job with the
     same arguments; each writes its share of the target files (``workers`` forked processes each,
@@ -125,15 +129,15 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise UclError(f"timeout must be a positive number of seconds, got {timeout!r}", code="UCL009")
         return _reshard_distributed(os.fspath(src), os.fspath(dst), to, workers or 1, durable, verify, progress,
-                                    float(timeout), t0, format)
-    prep = _prepare(src, to, format)
+                                    float(timeout), t0, format, user)
+    prep = _prepare(src, to, format, user=user)
     workers = max(1, workers or min(2, os.cpu_count() or 1))
     groups = replica_groups(prep.plan)
     stats = IOStats(compile_seconds=prep.compile_seconds, open_seconds=prep.open_seconds)
     writer = CheckpointWriter(dst, to.size, durable=durable, **manifest_fields(prep.model, to, prep.state))
     try:
         job = ReshardJob(os.fspath(src), writer.tmp_path, to.size, prep.plan, tuple(groups), durable, verify,
-                         format)
+                         format, user)
         for rank, entries in _write_files(job, range(to.size), workers, progress, stats).items():
             writer.adopt(int(rank), entries)
         writer.commit()
@@ -144,9 +148,10 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     return stats
 
 
-def _prepare(src: str | os.PathLike, to: Mesh, format: str | None = None, identify: bool = False) -> Prepared:
+def _prepare(src: str | os.PathLike, to: Mesh, format: str | None = None, identify: bool = False,
+             user: UserSpec | None = None) -> Prepared:
     t0 = time.perf_counter()
-    with open_checkpoint(src, format) as ckpt:
+    with open_checkpoint(src, format, user) as ckpt:
         t1 = time.perf_counter()
         model = model_of(ckpt)
         plan = plan_for(model, mesh_of(ckpt), to)
@@ -211,7 +216,7 @@ def _execute(job: ReshardJob, tasks: Sequence[WorkerTask], progress: Callable[[i
 
 def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bool, verify: bool,
                          progress: Callable[[int], None] | None, timeout: float, t0: float,
-                         format: str | None) -> IOStats:
+                         format: str | None, user: UserSpec | None = None) -> IOStats:
     """Every process compiles the plan itself (pure, cached: cheaper than shipping its tables),
     partitions the target files with ``assign`` and writes its share with its own forked workers;
     the commit is ``commit_collectively`` with a heartbeat, so the group's ``timeout`` bounds the
@@ -232,7 +237,7 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
     try:
         prep = None
         try:
-            prep = _prepare(src, to, format, identify=True)
+            prep = _prepare(src, to, format, identify=True, user=user)
         except Exception as e:  # every process learns it below: none is left waiting in a collective
             own.append(e)
         job = _job_identity(src, dst, to, format, prep)
@@ -249,7 +254,7 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
                 if not mine.files:  # e.g. a one-file target on every process but one
                     return {}
                 sub = [replace(groups[t.group], ranks=t.ranks) for t in mine.groups]
-                job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, format)
+                job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, format, user)
                 return _write_files(job, mine.files, workers, progress, stats, cancel)
             except Exception as e:
                 if not cancel.is_set():
@@ -425,7 +430,7 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
         return (int(c["src_rank"][rows[0]]), int(c["src_slot"][rows[0]])) if len(rows) else (-1, -1)
 
     laid = job.laid or {}
-    with open_checkpoint(job.src, job.format) as ckpt:
+    with open_checkpoint(job.src, job.format, job.user) as ckpt:
         source = StoreSource(ckpt, Arena(), verify=job.verify)
         blocks = streamed.block_ring()
         targets = (Arena(), Arena())  # one is filled while the other is still being written (write_behind)

@@ -26,24 +26,18 @@ from typing import Any
 
 import numpy as np
 
-from ...dtypes import itemsize, storage_dtype
+from ...dtypes import DTYPES, itemsize, storage_dtype
 from ...errors import StoreError
 from ...files import check_inside
 
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl holds structure, not tensors; a bigger one is hostile
 
 # torch storage classes (as pickled) -> logical dtype
-_STORAGES = {
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
-    "ByteStorage": "uint8", "BoolStorage": "bool", "Float8_e4m3fnStorage": "float8_e4m3fn",
-    "Float8_e5m2Storage": "float8_e5m2",
-}
-# torch dtypes (as pickled) -> logical dtype
-_DTYPES = {"float32": "float32", "float": "float32", "float64": "float64", "double": "float64",
-           "float16": "float16", "half": "float16", "bfloat16": "bfloat16", "int64": "int64", "long": "int64",
-           "int32": "int32", "int": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8", "bool": "bool",
-           "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
+_STORAGES = {d.torch_storage: d.name for d in DTYPES.values() if d.torch_storage}
+_UNTYPED = "uint8"  # an UntypedStorage holds bytes; the tensor built on it names its dtype
+# torch dtypes (as pickled: their names and torch's aliases) -> logical dtype
+_DTYPES = {d.torch_name: d.name for d in DTYPES.values()} | {
+    "float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32"}
 # framework classes a checkpoint may carry as plain data: recorded, never imported
 RECORD_CLASSES = frozenset({
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
@@ -147,12 +141,23 @@ def _rebuild_tensor(storage, offset, size, stride, *rest):
     return TensorRef(storage, int(offset), shape, stride)
 
 
+def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, *rest):
+    # torch's form for dtypes without a typed storage class (fp8): an UntypedStorage of bytes
+    logical = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+    if not isinstance(storage, StorageRef) or storage.dtype != _UNTYPED or logical not in DTYPES:
+        raise _error(f"a tensor of {str(dtype)[:40]} refers to {type(storage).__name__}, not an untyped storage")
+    size_of = itemsize(logical)
+    if storage.numel % size_of:
+        raise _error(f"an untyped storage of {storage.numel} bytes does not hold whole {logical} elements")
+    return _rebuild_tensor(StorageRef(storage.key, logical, storage.numel // size_of), offset, size, stride)
+
+
 _TENSOR_TYPE = ("tensor-type",)
 
 
 def _rebuild_from_type(func, new_type, args, state=None):
     # a tensor saved with its Python type and attributes: the tensor is what matters
-    if func is not _rebuild_tensor or new_type is not _TENSOR_TYPE:
+    if func not in (_rebuild_tensor, _rebuild_tensor_v3) or new_type is not _TENSOR_TYPE:
         raise _error("a pickle asked to rebuild a tensor subclass ucl does not know")
     return func(*args)
 
@@ -172,6 +177,10 @@ class _Unpickler(pickle.Unpickler):
             return collections.OrderedDict
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return _rebuild_tensor
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_tensor_v3
+        if module == "torch.storage" and name == "UntypedStorage":
+            return ("storage-type", _UNTYPED)
         if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
             return _rebuild_parameter
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":

@@ -17,14 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ...dtypes import storage_dtype
+from ...dtypes import DTYPES, storage_dtype
 from ...errors import ForeignFormatError
 
-# logical dtype -> the torch storage class a tensor of it is pickled with
-_STORAGES = {"float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",
-             "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
-             "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage",
-             "float8_e4m3fn": "Float8_e4m3fnStorage", "float8_e5m2": "Float8_e5m2Storage"}
 _ARCHIVE = "archive"  # the folder inside the zip; torch.load takes whatever the first member names
 
 
@@ -35,7 +30,7 @@ class Tensor:
     dtype: str
 
     def __post_init__(self):
-        if self.dtype not in _STORAGES or self.array.dtype != storage_dtype(self.dtype):
+        if self.dtype not in DTYPES or self.array.dtype != storage_dtype(self.dtype):
             raise ForeignFormatError(f"cannot write a {self.array.dtype} array as a torch {self.dtype} tensor", code="UCL503")
 
 
@@ -114,16 +109,26 @@ class _Pickler:
         for n in reversed(shape):
             strides.append(acc)
             acc *= n
-        self.out += _global("torch._utils", "_rebuild_tensor_v2") + b"("
-        self.out += b"(" + _pack_str("storage") + _global("torch", _STORAGES[t.dtype]) + _pack_str(key) \
-            + _pack_str("cpu")
-        self._put(int(t.array.size))
+        storage_class = DTYPES[t.dtype].torch_storage
+        if storage_class is None:  # as torch.save writes fp8: bytes, and the dtype on the tensor
+            self.out += _global("torch._utils", "_rebuild_tensor_v3") + b"("
+            self.out += b"(" + _pack_str("storage") + _global("torch.storage", "UntypedStorage") + _pack_str(key) \
+                + _pack_str("cpu")
+            self._put(int(t.array.nbytes))
+        else:
+            self.out += _global("torch._utils", "_rebuild_tensor_v2") + b"("
+            self.out += b"(" + _pack_str("storage") + _global("torch", storage_class) + _pack_str(key) \
+                + _pack_str("cpu")
+            self._put(int(t.array.size))
         self.out += b"tQ"  # the persistent id (storage, class, key, location, numel)
         self._put(0)
         self._put(shape)
         self._put(tuple(reversed(strides)))
         self._put(False)
-        self.out += _global("collections", "OrderedDict") + b")R" + b"tR"
+        self.out += _global("collections", "OrderedDict") + b")R"
+        if storage_class is None:
+            self.out += _global("torch", t.dtype)
+        self.out += b"tR"
 
 
 def _pack_str(s: str) -> bytes:

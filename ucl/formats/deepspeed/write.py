@@ -1,5 +1,6 @@
-"""Export to DeepSpeed's universal checkpoint layout, which an engine configured with
-``"checkpoint": {"load_universal": true}`` resumes from at any data-parallel size.
+"""The DeepSpeed universal-checkpoint writer: an export's tensors in the layout an engine configured
+with ``"checkpoint": {"load_universal": true}`` resumes from at any data-parallel size
+(``ucl.ops.export.export_deepspeed_universal`` feeds it).
 
 The layout, as DeepSpeed 0.19.8 writes it (``deepspeed/checkpoint/ds_to_universal.py``) and reads it
 (``DeepSpeedEngine.load_checkpoint``, ``base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir``,
@@ -47,35 +48,30 @@ from __future__ import annotations
 
 import os
 import re
-import time
 import warnings
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
-from ..dtypes import to_float32
-from ..errors import ForeignFormatError
-from ..formats.torchzip.read import MAX_KEPT_TENSOR_BYTES, kept_tensor
-from ..ops.stats import IOStats
-from ..store.atomic import fsync_dir, staged_dir
-from ..formats.torchzip import write as torchsave
-from .source import ExportSource, check_target, survey, universal_tensors
+from ...dtypes import FLOAT_DTYPES, to_float32
+from ...errors import ForeignFormatError
+from ...store.atomic import fsync_dir, staged_dir
+from ..base import ExportSource, Written
+from ..torchzip import write as torchsave
+from ..torchzip.read import MAX_KEPT_TENSOR_BYTES, kept_tensor
 
 UC_VERSION = 0.4  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE in 0.19.8
 DS_VERSION = "0.19.8"  # written when the source does not say; DeepSpeed's loader requires some version
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
-def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
-                               verify: bool = True, durable: bool = True) -> IOStats:
-    """Write checkpoint ``ckpt`` (ucl, or a DeepSpeed/DCP/... folder read in place) as a DeepSpeed
-    universal checkpoint folder ``out`` (see the module doc), ``tag`` defaulting to
-    ``global_step<global_steps>``. Resume with ``engine.load_checkpoint(out)`` and
-    ``"checkpoint": {"load_universal": true}``. ``out`` appears atomically; it must not exist."""
-    t0 = time.perf_counter()
-    out = check_target(out)
-    src = survey(ckpt)
+def write_deepspeed_universal(src: ExportSource, out: str, tensors: Iterable[tuple[str, Any]], *,
+                              tag: str | None = None, durable: bool = True) -> Written:
+    """Write ``tensors`` (storage arrays of ``src.training_keys()``, in that order; each may be
+    reused once the next is asked for) as the DeepSpeed universal checkpoint folder ``out`` (see the
+    module doc), ``tag`` defaulting to ``global_step<global_steps>``. Names are checked before the
+    first tensor is asked for. ``out`` appears atomically."""
     ds = src.state.get("deepspeed") if isinstance(src.state.get("deepspeed"), dict) else {}
     steps = ds.get("global_steps", src.state.get("step", 0))
     tag = tag if tag is not None else f"global_step{steps if isinstance(steps, int) else 0}"
@@ -85,12 +81,11 @@ def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, 
         if "/" in name or os.sep in name or name in (".", ".."):
             raise ForeignFormatError(f"parameter name {name!r} cannot be a folder name under zero/", code="UCL503")
 
-    stats = IOStats()
     with staged_dir(out) as folder:
         zero = os.path.join(folder, tag, "zero")
         os.makedirs(zero)
         written = _Writer(durable)
-        module, first_step = _write_tensors(src, zero, written, verify, stats)
+        module, first_step = _write_tensors(src, zero, written, tensors)
         states = _model_states(src, ds, steps, module)
         for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
             written.save(states, os.path.join(folder, tag, name))
@@ -103,12 +98,9 @@ def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, 
         if durable:
             for d, _, _ in os.walk(folder):
                 fsync_dir(d)
-    stats.bytes_written = written.bytes
-    stats.datasets_written = written.tensors
-    stats.seconds = time.perf_counter() - t0
-    stats.details.update(format="deepspeed-universal", tag=tag, from_deepspeed=bool(ds),
-                         fp32_master=any(k.startswith("fp32/") for k in src.master.values()))
-    return stats
+    return Written(written.bytes, written.tensors,
+                   dict(format="deepspeed-universal", tag=tag, from_deepspeed=bool(ds),
+                        fp32_master=any(k.startswith("fp32/") for k in src.master.values())))
 
 
 class _Writer:
@@ -122,13 +114,10 @@ class _Writer:
         self.tensors += tensors
 
 
-def _write_tensors(src: ExportSource, zero: str, w: _Writer, verify: bool, stats: IOStats):
+def _write_tensors(src: ExportSource, zero: str, w: _Writer, tensors: Iterable[tuple[str, Any]]):
     """Every ``zero/<name>/<kind>.pt``, one tensor at a time; returns (module of frozen tensors in
     training dtype, the first step seen)."""
     master_of = {k: n for n, k in src.master.items()}
-    wanted = [src.master[n] for n in src.trainable] + [f"param/{n}" for n in src.frozen]
-    wanted += [k for n in src.trainable for k in src.moments[n]]
-    wanted += [k for n in src.trainable if (k := src.step_key(n)) is not None]
     aliases_of: dict[str, list[str]] = {}
     for alias, target in src.aliases.items():
         aliases_of.setdefault(target, []).append(alias)
@@ -140,7 +129,7 @@ def _write_tensors(src: ExportSource, zero: str, w: _Writer, verify: bool, stats
         os.makedirs(folder, exist_ok=True)
         w.save(obj, os.path.join(folder, f"{kind}.pt"), tensors=1)
 
-    for key, array in universal_tensors(src, wanted, verify, stats, reuse=True, as_torch=False):  # each written at once
+    for key, array in tensors:  # each written at once: the array may be reused for the next
         kind, name = key.split("/", 1)
         dtype = src.datasets[key][1]
         if key in master_of:
@@ -152,7 +141,7 @@ def _write_tensors(src: ExportSource, zero: str, w: _Writer, verify: bool, stats
             module[name] = torchsave.Tensor(array.copy(), dtype)  # kept to the end: out of the reused buffer
             put(name, "fp32", {"param": _float(array, dtype)})
         elif kind == "step":  # DeepSpeed's own type: a 0-d float32 tensor
-            value = float(to_float32(array, dtype)) if dtype in _FLOATS else float(array)
+            value = float(to_float32(array, dtype)) if dtype in FLOAT_DTYPES else float(array)
             step = torchsave.Tensor(np.array(value, dtype=np.float32), "float32")
             first_step = step if first_step is None else first_step
             put(name, "step", step)
@@ -161,12 +150,9 @@ def _write_tensors(src: ExportSource, zero: str, w: _Writer, verify: bool, stats
     return {n: module[n] for n in src.frozen if n in module}, first_step
 
 
-_FLOATS = ("float32", "float64", "float16", "bfloat16")
-
-
 def _float(array: np.ndarray, dtype: str) -> torchsave.Tensor:
     """As torch's ``.float()`` on a floating tensor; other dtypes as they are."""
-    return torchsave.Tensor(to_float32(array, dtype), "float32") if dtype in _FLOATS else torchsave.Tensor(array, dtype)
+    return torchsave.Tensor(to_float32(array, dtype), "float32") if dtype in FLOAT_DTYPES else torchsave.Tensor(array, dtype)
 
 
 def _client_value(value: Any, path: str, dropped: list[str]) -> Any:

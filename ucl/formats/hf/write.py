@@ -1,5 +1,8 @@
-"""Export to a Hugging Face ``save_pretrained`` folder: ``config.json`` plus safetensors weights,
-which ``transformers.AutoModelForCausalLM.from_pretrained(out)`` (and vLLM, TGI, ...) load.
+"""The Hugging Face writer: an export's tensors as a ``save_pretrained`` folder, ``config.json`` plus
+safetensors weights, which ``transformers.AutoModelForCausalLM.from_pretrained(out)`` (and vLLM,
+TGI, ...) load. :func:`plan_hf` decides everything from the manifest (names, shards, headers,
+config); :func:`write_hf` then takes the tensors one at a time (``ucl.ops.export.export_hf`` feeds
+them).
 
     export_hf("ckpt/step_100", "hf/step_100")                          # param tensors as stored
     export_hf("ds_run/", "hf/", dtype="bfloat16", config="config.json") # fp32 masters rounded to bf16
@@ -30,7 +33,7 @@ What is written, as ``save_pretrained`` (transformers 5.23, huggingface_hub 2.4)
 
 * Megatron's names (megatron-core ``torch_dist``, Megatron-LM legacy, ``stdlib:megatron_gpt``) are
   mapped to the config's model type (llama, mistral, qwen2) with their fusions undone, by the
-  declarative table of :mod:`ucl.export.renames`; the config is ``config``, else the one the run's
+  declarative table of :mod:`ucl.formats.hf.renames`; the config is ``config``, else the one the run's
   saved Megatron-LM arguments describe (llama, or qwen2 with QKV biases; refused if no such model
   type has the run's architecture).
 
@@ -45,29 +48,25 @@ import json
 import os
 import re
 import struct
-import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
-from ..dtypes import DTYPES, to_numpy, torch_dtype
-from ..errors import ForeignFormatError, UclError
-from ..formats.hf.check import check_against
-from ..formats.hf.read import known_model_types
-from ..lang.spec import load_spec
-from ..model_config import load_config, read_raw_config
-from ..ops.stats import IOStats
-from ..store.atomic import fsync_dir, staged_dir
+from ...dtypes import DTYPES, FLOAT_DTYPES, to_numpy, torch_dtype
+from ...errors import ForeignFormatError, UclError
+from ...lang.spec import load_spec
+from ...model_config import CONFIG_NAME, load_config, read_raw_config
+from ...store.atomic import fsync_dir, staged_dir
+from ..base import ExportSource, Written
+from .check import check_against
+from .fit import mismatches
+from .names import INDEX_NAME, SINGLE_NAME
+from .read import known_model_types
 from .renames import Renamed, config_from_megatron, mapping_for, rename
-from .source import ExportSource, check_target, survey, universal_tensors
 
-SINGLE_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what a config's dtype can name and a cast makes sense to
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-_FLOATS = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 # safetensors' writer orders a file's tensors by dtype, widest alignment first (its Dtype enum,
 # descending; observed with safetensors 0.8), then by name: the same order keeps files byte-identical
 # to save_file's and every tensor aligned to its itemsize.
@@ -126,57 +125,69 @@ def export_dtype(dtype: Any) -> str | None:
     return name
 
 
-def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = None,
-              max_shard_size: int | str = "5GB", config: Any = None, verify: bool = True,
-              durable: bool = True) -> IOStats:
-    """Write checkpoint ``ckpt`` (ucl, or a Hugging Face/DeepSpeed/... folder read in place) as a
-    Hugging Face ``save_pretrained`` folder ``out`` (see the module doc). ``out`` appears atomically
-    and must not exist. Returns the statistics; ``details`` names the files and what was left out."""
-    t0 = time.perf_counter()
-    target = export_dtype(dtype)
-    limit = parse_shard_size(max_shard_size)
-    out = check_target(out)
-    src = survey(ckpt)
-    raw = _config_of(src.state, config, ckpt)
-    entries = _entries(src.datasets, target, raw)
+@dataclass(frozen=True)
+class HfExport:
+    """Everything a Hugging Face export writes, decided from the manifest before any tensor is read."""
+
+    entries: tuple[_Entry, ...]  # every tensor to write or check, in order
+    shards: tuple[tuple[_Entry, ...], ...]
+    names: tuple[str, ...]  # the shard files
+    dropped: str | None  # the tied head left out (checked against its twin)
+    config: dict  # config.json as written
+    dtype: str  # what the config records as the model's dtype
+    cast: bool
+    keys: tuple[str, ...]  # the datasets to read, in the checkpoint's order (its files are swept in order)
+
+
+def plan_hf(src: ExportSource, *, dtype: str | None = None, max_shard_size: int = 5 * 10**9,
+            config: Any = None) -> HfExport:
+    """What exporting ``src`` as a Hugging Face folder writes (see the module doc): ``dtype`` as
+    :func:`export_dtype` gives it, ``max_shard_size`` in bytes, ``config`` as ``export_hf`` takes it.
+    A config that does not fit the checkpoint is refused here (UCL503)."""
+    raw = _config_of(src.state, config, src.path)
+    _check_fit(raw, src.datasets)
+    entries = _entries(src.datasets, dtype, raw)
     if not entries:
-        raise ForeignFormatError(f"{ckpt} holds no param/ tensors to export", code="UCL503")
+        raise ForeignFormatError(f"{src.path} holds no param/ tensors to export", code="UCL503")
     _check_config(raw, entries)
     dropped = _tied_head(raw, entries)
     written = [e for e in entries if e.name != dropped]
-    shards = _shards(written, limit)
-    names = _shard_names(len(shards))
+    shards = _shards(written, max_shard_size)
     main = _main_dtype(written)
     raw = dict(raw, dtype=main, torch_dtype=main)  # v5 reads "dtype", older readers "torch_dtype"
+    wanted = {e.key for e in entries}
+    return HfExport(tuple(entries), tuple(tuple(s) for s in shards), tuple(_shard_names(len(shards))), dropped, raw,
+                    main, dtype is not None, tuple(k for k in src.datasets if k in wanted))
 
-    stats = IOStats()
+
+def write_hf(plan: HfExport, out: str, tensors: Iterable[tuple[str, Any]], *, durable: bool = True) -> Written:
+    """Write ``tensors`` (torch tensors of ``plan.keys``, in that order; each may be reused once the
+    next is asked for) as the Hugging Face folder ``out``, which appears atomically."""
+    written = [e for e in plan.entries if e.name != plan.dropped]
     with staged_dir(out) as folder:
-        head_digest, digests = _write_shards(src, folder, shards, names, dropped, entries, verify, durable, stats)
-        if dropped is not None:
-            same = [e.name for e in entries if e.name != dropped and digests.get(e.name) == head_digest]
+        head_digest, digests = _write_shards(plan, folder, tensors, durable)
+        if plan.dropped is not None:
+            same = [e.name for e in written if digests.get(e.name) == head_digest]
             if not same:
                 raise ForeignFormatError(f"the config ties the output embedding to the input one (tie_word_embeddings), but the "
-                             f"checkpoint's {dropped} equals no other tensor of its shape; transformers would replace "
+                             f"checkpoint's {plan.dropped} equals no other tensor of its shape; transformers would replace "
                              f"it with the input embedding. Pass a config with \"tie_word_embeddings\": false", code="UCL503")
-        _write_json(os.path.join(folder, CONFIG_NAME), raw, durable)
-        if len(shards) > 1:
+        _write_json(os.path.join(folder, CONFIG_NAME), plan.config, durable)
+        if len(plan.shards) > 1:
             index = {"metadata": {"total_parameters": sum(e.numel for e in written),
                                   "total_size": sum(e.nbytes for e in written)},
-                     "weight_map": {e.name: names[i] for i, shard in enumerate(shards) for e in shard}}
+                     "weight_map": {e.name: plan.names[i] for i, shard in enumerate(plan.shards) for e in shard}}
             _write_json(os.path.join(folder, INDEX_NAME), index, durable)
         if durable:
             fsync_dir(folder)
         size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
-    stats.bytes_written = size
-    stats.datasets_written = len(written)
-    stats.seconds = time.perf_counter() - t0
-    stats.details.update(format="hf", files=names, dtype=main, total_size=sum(e.nbytes for e in written),
-                         tied_dropped=dropped, cast=target is not None,
-                         fp32_master=any(e.key.startswith("fp32/") for e in written))
-    return stats
+    return Written(size, len(written),
+                   dict(format="hf", files=list(plan.names), dtype=plan.dtype, total_size=sum(e.nbytes for e in written),
+                        tied_dropped=plan.dropped, cast=plan.cast,
+                        fp32_master=any(e.key.startswith("fp32/") for e in written)))
 
 
-def _config_of(state: dict, config: Any, ckpt: Any) -> dict:
+def _config_of(state: dict, config: Any, ckpt: str) -> dict:
     """The config.json to write, as a plain dict (not yet with the exported dtype)."""
     if config is not None:
         try:
@@ -213,13 +224,26 @@ def _entries(datasets: dict[str, tuple[tuple[int, ...], str]], target: str | Non
     for name, part in zip(sources, parts):
         shape, stored = params[name]
         key = f"param/{name}"
-        if target is not None and stored in _FLOATS:
+        if target is not None and stored in FLOAT_DTYPES:
             master = datasets.get(f"fp32/{name}")
             if master is not None and tuple(master[0]) == shape:
                 key, stored = f"fp32/{name}", master[1]
-        written = stored if target is None or stored not in _FLOATS else target
+        written = stored if target is None or stored not in FLOAT_DTYPES else target
         out.append(_Entry(part.target if part else name, key, part.shape if part else shape, stored, written, part))
     return out
+
+
+def _check_fit(raw: dict, datasets: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """The config's dims against the checkpoint's tensors, first: a wrong ``--config`` is named as
+    such (each dim with both values), not as tensors with no place in the model type. Hugging Face
+    names are checked for the model types ucl has a spec for; Megatron's always (they are renamed)."""
+    shapes = {k.split("/", 1)[1]: tuple(s) for k, (s, _) in datasets.items() if k.startswith("param/")}
+    if mapping_for(shapes, raw) is None and raw.get("model_type") not in known_model_types():
+        return
+    bad = mismatches(raw, shapes)
+    if bad:
+        raise ForeignFormatError(f"the config does not match the checkpoint ({len(bad)} dim{'s' * (len(bad) != 1)}); "
+                                 "is it the model's own config.json?\n  " + "\n  ".join(bad), code="UCL503")
 
 
 def _check_config(raw: dict, entries: list[_Entry]) -> None:
@@ -277,7 +301,7 @@ def _main_dtype(entries: list[_Entry]) -> str:
     """The floating dtype most elements have (what transformers records as the model's dtype)."""
     counts: dict[str, int] = {}
     for e in entries:
-        if e.dtype in _FLOATS:
+        if e.dtype in FLOAT_DTYPES:
             counts[e.dtype] = counts.get(e.dtype, 0) + e.numel
     return max(counts, key=lambda d: counts[d]) if counts else "float32"
 
@@ -300,13 +324,13 @@ def _header(ordered: list[_Entry]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def _write_shards(src: ExportSource, folder: str, shards: list[list[_Entry]], names: list[str], dropped: str | None,
-                  entries: list[_Entry], verify: bool, durable: bool,
-                  stats: IOStats) -> tuple[bytes | None, dict[str, bytes]]:
-    """Write every shard's header, then stream the checkpoint's tensors once, in its own order, each
+def _write_shards(plan: HfExport, folder: str, tensors: Iterable[tuple[str, Any]],
+                  durable: bool) -> tuple[bytes | None, dict[str, bytes]]:
+    """Write every shard's header, then take the checkpoint's tensors once, in its own order, each
     into its place (a source tensor may feed several exported ones: Megatron's ``linear_qkv``). With
     a dropped tied head, also digest the head and the tensors it could equal (same shape and dtype),
     to compare them afterwards."""
+    shards, names, dropped, entries = plan.shards, plan.names, plan.dropped, plan.entries
     head = next((e for e in entries if e.name == dropped), None)
     twins = set() if head is None else {e.name for e in entries
                                         if e.name != dropped and e.shape == head.shape and e.dtype == head.dtype}
@@ -329,8 +353,7 @@ def _write_shards(src: ExportSource, folder: str, shards: list[list[_Entry]], na
         wanted: dict[str, list[_Entry]] = {}
         for e in [e for shard in shards for e in shard] + ([head] if head is not None else []):
             wanted.setdefault(e.key, []).append(e)
-        keys = [k for k in src.datasets if k in wanted]  # the checkpoint's order: its files are swept in order
-        for key, tensor in universal_tensors(src, keys, verify, stats, reuse=True):
+        for key, tensor in tensors:
             for e in wanted[key]:
                 data = _converted(e.renamed.take(tensor) if e.renamed is not None else tensor, e)
                 if data.nbytes != e.nbytes:  # the manifest and the tensor read disagree: never write a lying header

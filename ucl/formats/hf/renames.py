@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..errors import ForeignFormatError
+from ...errors import ForeignFormatError
 
 _LAYER = "{i}"
 

@@ -1,4 +1,5 @@
-"""Export to a PyTorch Distributed Checkpoint (DCP) folder, written by torch's own ``FileSystemWriter``.
+"""The DCP writer: an export's tensors as a PyTorch Distributed Checkpoint folder, written by torch's
+own ``FileSystemWriter`` (``ucl.ops.export.export_dcp`` feeds it).
 
 Keys follow ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optim,
 options=StateDictOptions(flatten_optimizer_state_dict=True))`` saved as ``{"model": msd, "optim": osd}``
@@ -27,40 +28,38 @@ checkpoint (about 3-4x the fp32 model for Adam) in host memory; the DeepSpeed ex
 from __future__ import annotations
 
 import os
-import time
 import warnings
-from typing import Any
+from typing import Any, Iterable
 
-from ..errors import ForeignFormatError
-from ..ops.stats import IOStats
-from ..store.atomic import staged_dir
-from .source import check_target, survey, universal_tensors
+from ...errors import ForeignFormatError
+from ...store.atomic import staged_dir
+from ..base import ExportSource, Written
 
-_STYLES = {"state_dict": ("model.", "optim."), "torchtitan": ("", "optimizer.")}
+STYLES = {"state_dict": ("model.", "optim."), "torchtitan": ("", "optimizer.")}
 
 
-def export_dcp(ckpt: str | os.PathLike, out: str | os.PathLike, *, style: str = "state_dict",
-               verify: bool = True) -> IOStats:
-    """Write checkpoint ``ckpt`` (ucl, or a DeepSpeed/DCP/... folder read in place) as a PyTorch DCP
-    checkpoint ``out`` (see the module doc for the keys), through ``torch.distributed.checkpoint``'s
-    ``FileSystemWriter`` in this one process. ``out`` appears atomically; it must not exist."""
+def check_style(style: str) -> tuple[str, str]:
+    """The (model, optimizer) key prefixes of a DCP style; UCL503 for an unknown one."""
+    if style not in STYLES:
+        raise ForeignFormatError(f"unknown DCP style {style!r}; choose {' or '.join(map(repr, STYLES))}",
+                                 code="UCL503")
+    return STYLES[style]
+
+
+def write_dcp(src: ExportSource, out: str, tensors: Iterable[tuple[str, Any]], *,
+              style: str = "state_dict") -> Written:
+    """Write ``tensors`` (torch tensors of ``src.training_keys()``, each kept: DCP's writer takes the
+    whole state dict at once) as the DCP folder ``out`` (see the module doc for the keys), through
+    ``torch.distributed.checkpoint``'s ``FileSystemWriter`` in this one process. ``out`` appears
+    atomically."""
     import torch
     import torch.distributed.checkpoint as dcp
 
-    if style not in _STYLES:
-        raise ForeignFormatError(f"unknown DCP style {style!r}; choose {' or '.join(map(repr, _STYLES))}", code="UCL503")
-    t0 = time.perf_counter()
-    out = check_target(out)
-    src = survey(ckpt)
-    model_prefix, optim_prefix = _STYLES[style]
-    stats = IOStats()
-    wanted = [src.master[n] for n in src.trainable] + [f"param/{n}" for n in src.frozen]
-    wanted += [k for n in src.trainable for k in src.moments[n]]
-    wanted += [k for n in src.trainable if (k := src.step_key(n)) is not None]
+    model_prefix, optim_prefix = check_style(style)
     key_name = {src.master[n]: n for n in src.trainable}
     model_sd: dict[str, Any] = {}
     optim_sd: dict[str, Any] = {}
-    for key, tensor in universal_tensors(src, wanted, verify, stats):
+    for key, tensor in tensors:
         kind, name = key.split("/", 1)
         if key in key_name or kind == "param":
             if key in key_name and tensor.dtype != torch.float32 and tensor.is_floating_point():
@@ -83,13 +82,10 @@ def export_dcp(ckpt: str | os.PathLike, out: str | os.PathLike, *, style: str = 
         with warnings.catch_warnings():  # no_dist is what we ask for: torch's "assuming single process" note is noise
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
-        written = _size(folder)
-    stats.bytes_written = written
-    stats.datasets_written = len(model_sd) + sum(1 for k in optim_sd if k.startswith("state."))
-    stats.seconds = time.perf_counter() - t0
-    stats.details.update(format="dcp", style=style, param_groups=src.groups is not None and bool(src.hyperparameters),
-                         fp32_master=any(k.startswith("fp32/") for k in src.master.values()))
-    return stats
+        size = _size(folder)
+    return Written(size, len(model_sd) + sum(1 for k in optim_sd if k.startswith("state.")),
+                   dict(format="dcp", style=style, param_groups=src.groups is not None and bool(src.hyperparameters),
+                        fp32_master=any(k.startswith("fp32/") for k in src.master.values())))
 
 
 def _nest(prefix: str, flat: dict[str, Any]) -> dict[str, Any]:
