@@ -370,3 +370,26 @@ def test_malformed_values_are_named_errors(tmp_path):
     with pytest.raises(StoreError) as e:
         describe(folder)
     assert e.value.code == "UCL502" and "malformed" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["z3_fp32_dp2", "z1_fp32_dp2"])
+def test_a_tied_alias_loads_by_its_own_name(name, tmp_path):
+    """zero_to_fp32 writes the tied ``lm_head.weight``; DeepSpeed stores it once, as ``embed.weight``
+    (``shared_params``): loads by either name give it, read in place and after an import."""
+    ucl.import_checkpoint(FIXTURES / name, tmp_path / "imp")
+    want = _truth(name, "fp32")["lm_head.weight"]
+    for path in (FIXTURES / name, tmp_path / "imp"):
+        (key, got), = ucl.iter_rank(path, keys="param/lm_head.weight")
+        assert key == "param/lm_head.weight" and np.array_equal(got, want)
+        moments = dict(ucl.iter_rank(path, keys=["exp_avg/lm_head.weight", "exp_avg/embed.weight"]))
+        assert np.array_equal(moments["exp_avg/lm_head.weight"], moments["exp_avg/embed.weight"])
+        alias, embed = np.full_like(want, np.nan), np.full_like(want, np.nan)
+        got = ucl.load_rank(path, mesh="universal", rank=0, out={"param/lm_head.weight": alias})
+        assert got["param/lm_head.weight"] is alias and np.array_equal(alias, want)
+        both = ucl.load_rank(path, mesh="universal", rank=0,
+                             out={"param/lm_head.weight": alias, "param/embed.weight": embed})
+        assert both["param/embed.weight"] is embed and np.array_equal(alias, embed)
+        with pytest.raises(StoreError, match=r"holds it as float32 \[61, 15\]"):  # checked like its tensor
+            ucl.load_rank(path, mesh="universal", rank=0, out={"param/lm_head.weight": want[:1].copy()})
+    with pytest.raises(StoreError, match="holds no 'fp32/lm_head.weight'"):  # a kind its tensor lacks
+        list(ucl.iter_rank(FIXTURES / name, keys="fp32/lm_head.weight"))

@@ -23,7 +23,7 @@ from ..formats.dcp.write import check_style, write_dcp
 from ..formats.deepspeed.write import write_deepspeed_universal
 from ..formats.hf.write import export_dtype, parse_shard_size, plan_hf, write_hf
 from ..layout.mesh import UNIVERSAL
-from .load import iter_rank
+from .load import iter_rank, tied_aliases
 from .prepare import expected_datasets, model_of, open_checkpoint
 from .stats import IOStats
 
@@ -107,9 +107,7 @@ def survey(path: str | os.PathLike) -> ExportSource:
     if missing:
         raise ForeignFormatError(f"{path}: {missing[0]!r} has optimizer state but no weights (param/ or fp32/)",
                          code="UCL503")
-    ds = state.get("deepspeed") if isinstance(state.get("deepspeed"), dict) else {}
-    aliases = {str(a): str(t) for a, t in (ds.get("shared_params") or {}).items()
-               if str(t) in model.params and str(a) not in model.params}
+    aliases = tied_aliases(state, model.params)
     optim = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else {}
     raw = [g for g in (optim.get("param_groups") or []) if isinstance(g, dict)]
     hyper = tuple({k: v for k, v in g.items() if k not in ("params", "names")} for g in raw)

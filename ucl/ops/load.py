@@ -35,7 +35,8 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
     ``out`` maps keys to tensors or arrays to fill in place (e.g. a model's parameters or DTensor
     local shards, optimizer state): each must have the key's shape and dtype; a CPU contiguous one
     is read into directly (whole datasets without a bounce buffer), others (GPU) are filled by one
-    copy at the end. They are returned as given, with new arrays for keys ``out`` lacks. If the
+    copy at the end. They are returned as given, with new arrays for keys ``out`` lacks. A tied alias
+    (``param/lm_head.weight`` of ``embed.weight``, DeepSpeed's ``shared_params``) is a key too. If the
     load fails (e.g. a checksum mismatch), tensors in ``out`` may be partly overwritten.
 
     ``read_once=True``: a collective call under an initialised ``torch.distributed`` job, one process
@@ -68,7 +69,12 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
             datasets = {d["key"]: d for d in rank_datasets(plan, rank)}
             out = out or {}
             covered = covered_elements(plan, rows)
-            targets, later = _targets(datasets, covered, out, mesh, rank)
+            ties = alias_keys(ckpt, target, set(out) - set(datasets), datasets)
+            targets, later = _targets(datasets, covered, {k: v for k, v in out.items() if k not in ties}, mesh, rank)
+            # a tied alias is the same dataset: its destination is checked now, filled from it at the end
+            tied, tied_later = _targets({a: datasets[t] for a, t in ties.items()},
+                                        {a: math.prod(datasets[t]["shape"]) for a, t in ties.items()},
+                                        {a: out[a] for a in ties}, mesh, rank)
             mine = targets
             source = StoreSource(ckpt, Arena(), verify=verify)
             if link is None:
@@ -95,6 +101,11 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
             stats.bytes_sent += sent
             stats.bytes_received += received
             stats.seconds += time.perf_counter() - t0
+    for alias, key in ties.items():
+        np.copyto(tied[alias], targets[key])
+        datasets[alias] = datasets[key]
+    targets.update(tied)
+    later.update(tied_later)
     for key, dst in later.items():  # GPU (or non-contiguous) destinations: one copy each
         _fill(dst, targets[key], datasets[key]["dtype"])
     result: dict[str, Any] = {}
@@ -124,24 +135,49 @@ def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: 
         rows = rank_rows(plan, rank)
         datasets = {d["key"]: d for d in rank_datasets(plan, rank)}
         wanted = list(datasets) if keys is None else [keys] if isinstance(keys, str) else list(keys)
-        unknown = [k for k in wanted if k not in datasets]
+        ties = alias_keys(ckpt, model, set(wanted) - set(datasets), datasets)
+        unknown = [k for k in wanted if k not in datasets and k not in ties]
         if unknown:
             raise StoreError(f"rank {rank} of {mesh} holds no {unknown[0]!r}"
                              f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}", code="UCL408")
         by_key = _rows_by_key(plan, rows)
         source, warm = StoreSource(ckpt, Arena(), verify=verify), Arena() if reuse else None
         for key in wanted:
-            d, mine = datasets[key], by_key.get(key, rows[:0])
-            full = covered_elements(plan, mine).get(key, 0) == math.prod(d["shape"])
+            real = ties.get(key, key)  # a tied alias reads the tensor it shares
+            d, mine = datasets[real], by_key.get(real, rows[:0])
+            full = covered_elements(plan, mine).get(real, 0) == math.prod(d["shape"])
             shape, dtype = tuple(d["shape"]), storage_dtype(d["dtype"])
             arr = warm.array(shape, dtype, zero=not full) if warm is not None else \
                 (np.empty if full else np.zeros)(shape, dtype=dtype)
-            run_copies(plan, mine, source, {key: arr})
+            run_copies(plan, mine, source, {real: arr})
             if stats is not None:
-                stats.bytes_needed += covered_elements(plan, mine).get(key, 0) * arr.itemsize
+                stats.bytes_needed += covered_elements(plan, mine).get(real, 0) * arr.itemsize
             yield key, (to_torch(arr, d["dtype"]) if as_torch else arr)
         if stats is not None:
             stats.bytes_read += source.bytes_read
+
+
+def tied_aliases(state: Any, params: Iterable[str]) -> dict[str, str]:
+    """Tied alias name -> the parameter whose tensor it shares, for the parameters ``params``: the
+    ``shared_params`` DeepSpeed records (kept in the state of a folder read in place and of a
+    checkpoint imported from one). An alias that is itself a parameter is no alias."""
+    ds = state.get("deepspeed") if isinstance(state, dict) else None
+    shared = ds.get("shared_params") if isinstance(ds, dict) else None
+    params = set(params)
+    return {str(a): str(t) for a, t in (shared if isinstance(shared, dict) else {}).items()
+            if str(t) in params and str(a) not in params}
+
+
+def alias_keys(ckpt, model: Model, keys: Iterable[str], datasets: Mapping[str, Any]) -> dict[str, str]:
+    """``KIND/alias`` -> ``KIND/target`` for those of ``keys`` that name a tied alias of a dataset
+    in ``datasets``, so a load by either name of a tied tensor finds it."""
+    aliases = tied_aliases(ckpt.manifest.state, model.params)
+    found = {}
+    for key in keys:
+        kind, _, name = key.partition("/")
+        if name in aliases and f"{kind}/{aliases[name]}" in datasets:
+            found[key] = f"{kind}/{aliases[name]}"
+    return found
 
 
 def _rows_by_key(plan, rows: np.ndarray) -> dict[str, np.ndarray]:

@@ -20,7 +20,7 @@ fragments DeepSpeed recorded are checked against the layout the spec lowers to. 
 (the module's weights; ZeRO-3 stores none, there ``param`` is the fp32 master), ``fp32`` (the fp32
 master of a bf16/fp16 ZeRO-1/2 run), ``exp_avg``, ``exp_avg_sq``, ``step`` (per group; every
 parameter of the group gets it). Tied aliases are not stored twice: ``state['deepspeed']['shared_params']``
-names them.
+names them (loads take either name: :func:`ucl.ops.load.tied_aliases`).
 
 Modules: ``zero`` (ZeRO-1/2/3, and the dispatch), ``pipeline`` (PipelineModule checkpoints:
 ``layer_NN-model_states.pt`` per layer, ``on pp = ...`` placements), ``tp`` (AutoTP

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import ForeignFormatError
 from ...store.extents import Extent
-from ..torchzip.read import TensorRef, TorchFile
+from ..torchzip.read import plain, read_torch_file, TensorRef, TorchFile
 
 TAG = re.compile(r"^[A-Za-z0-9_.-]+$")
 OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -19,6 +20,55 @@ ALIGN = 2  # DeepSpeed pads each ZeRO-1/2 group to a multiple of 2 * dp (nccl_st
 
 BULKY = {"module", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "optimizer",
           "universal_checkpoint_info"}
+
+
+@dataclass(frozen=True)
+class DsFolder:
+    """A DeepSpeed tag folder and what its rank-0 model-states file says (every reader's input)."""
+    path: str  # the checkpoint as given (a root with 'latest', or the tag folder)
+    tag: str  # the tag folder relative to ``path`` ('' when ``path`` is one)
+    names: tuple[str, ...]  # the tag folder's files, sorted
+    states_name: str = ""
+    states: TorchFile | None = None
+    ms: dict = field(default_factory=dict)  # the model states
+    dp: int = 0
+    mp: int = 1
+
+    @property
+    def folder(self) -> str:
+        return os.path.join(self.path, self.tag)
+
+    @property
+    def latest(self) -> tuple[str, ...]:
+        """What was read to find the tag folder."""
+        return ("latest",) if self.tag else ()
+
+    def rel(self, name: str) -> str:
+        return os.path.join(self.tag, name) if self.tag else name
+
+    def open(self, name: str) -> TorchFile:
+        return read_torch_file(os.path.join(self.folder, name), inside=self.path)
+
+
+def optimizer_dict(tf: TorchFile, what: str) -> dict:
+    """An optimizer file's ``optimizer_state_dict``."""
+    return as_dict(as_dict(tf.obj, what).get("optimizer_state_dict"), f"{what}: optimizer_state_dict")
+
+
+def optimizer_state(stage: int, param_groups: list, names: list[list[str]], loss_scaler: Any) -> dict:
+    """The manifest state's ``optimizer``: the hyperparameters of each group and the names it trains."""
+    return {"zero_stage": stage, "param_groups": [
+        {**{k: plain(v) for k, v in g.items() if k != "params"}, "names": names[i] if i < len(names) else []}
+        for i, g in enumerate(param_groups)], "loss_scaler": plain(loss_scaler)}
+
+
+def step_extents(f: DsFolder, g: int, names: list[str], optims: list[TorchFile], osd: list[dict],
+                 optim_names: list[str], extents: list[dict]) -> None:
+    """Every parameter of group ``g`` gets the group's ``step``, on each dp rank of ``optims``."""
+    for r, o in enumerate(osd):
+        step = group_state(o, g, optim_names[r]).get("step")
+        for n in names:
+            extents[r][f"step/{n}"] = extent(optims[r], step, f.rel(optim_names[r]), f"step of group {g}", ())
 
 
 def state_line(kinds: list[str], names: list[str], layout: str) -> str:

@@ -27,13 +27,14 @@ without any ``universal_checkpoint_info`` says nothing about its splits and is r
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ForeignFormatError
 from ..base import Description
 from ..torchzip.read import plain
-from .common import as_dict, as_list
-from .tp import describe_tp, Placement
+from .common import as_dict, as_list, DsFolder
+from .tp import describe_tp, Placement, TpReader
 
 REPLICATED = "tp_replicated_parameter_patterns"
 AVERAGE = "parameter_to_average_patterns"
@@ -53,8 +54,29 @@ def is_pattern_form(uci: Any) -> bool:
         any(k in uci for k in LISTS + (SUB_PARAMS,))
 
 
-def describe_mds(path: str, folder: str, names: list[str], rel, first: dict, dp: int, tp: int) -> Description:
-    uci = first["universal_checkpoint_info"]
+@dataclass(frozen=True)
+class Patterns:
+    """A pattern-form ``universal_checkpoint_info``, its regular expressions checked."""
+    lists: dict[str, list[str]]  # each of LISTS -> its patterns
+    subs: list[dict]  # the parameter_with_sub_params entries
+    widths: dict  # sub_param_shard_widths
+    vocab_size: Any  # original_vocab_size
+
+
+def describe_mds(f: DsFolder) -> Description:
+    uci = f.ms["universal_checkpoint_info"]
+    pats = _patterns(uci)
+
+    def extra(placements: dict[str, Placement]) -> tuple[str, dict]:
+        return "megatron_deepspeed", {"tp": f.mp, "layouts": {n: p.layout for n, p in placements.items()},
+                                      "split_dims": {n: p.split_dim for n, p in placements.items()},
+                                      "universal_checkpoint_info": plain(uci)}
+
+    return describe_tp(f, TpReader("Megatron-style tensor-parallel", "deepspeed-mds",
+                                   lambda n, shards, is_buffer: _place(pats, f.mp, n, shards), extra))
+
+
+def _patterns(uci: dict) -> Patterns:
     lists = {k: [str(p) for p in as_list(uci.get(k) or [], f"universal_checkpoint_info {k}")] for k in LISTS}
     subs = [as_dict(s, f"universal_checkpoint_info {SUB_PARAMS}") for s in as_list(uci.get(SUB_PARAMS) or [], SUB_PARAMS)]
     widths = as_dict(uci.get(WIDTHS) or {}, f"universal_checkpoint_info {WIDTHS}")
@@ -64,43 +86,36 @@ def describe_mds(path: str, folder: str, names: list[str], rel, first: dict, dp:
                 re.compile(str(p))
             except re.error as e:
                 raise ForeignFormatError(f"universal_checkpoint_info {k}: {p!r} is not a regular expression ({e})") from None
+    return Patterns(lists, subs, widths, uci.get("original_vocab_size"))
 
-    def place(n: str, shards: list[tuple], is_buffer: bool) -> Placement:
-        if any(s != shards[0] for s in shards):
-            raise ForeignFormatError(f"{n}: its tp shards differ in shape ({shards}); Megatron splits evenly")
-        local = shards[0]
-        hit = {k: _match(k, pats, n) for k, pats in lists.items()}
-        vocab = hit[VOCAB]
-        if hit[REPLICATED]:
-            p = Placement(local, "replicate", None)
-        elif hit[AVERAGE]:
-            raise ForeignFormatError(f"{n}: universal_checkpoint_info has it averaged over tp ranks ({AVERAGE}, "
-                         f"{hit[AVERAGE]!r}); ucl reads every element from one place and does not average")
-        elif hit[TWO_HALVES]:
-            if not local or local[0] % 2:
-                raise ForeignFormatError(f"{n}: {TWO_HALVES} ({hit[TWO_HALVES]!r}) says dim 0 is two halves split over tp, but its "
-                             f"tp-local shape is {list(local)}")
-            half = local[0] // 2 * tp
-            p = Placement((2 * half,) + local[1:], f"view 0 as [2, {half}]; split 0.1 over tp", None)
-        elif (sub := _sub_params(n, subs)) is not None:
-            p = _concat(n, sub, widths, local, tp)
-        else:
-            dim = 1 if hit[ROW] else 0
-            if len(local) <= dim:
-                raise ForeignFormatError(f"{n}: universal_checkpoint_info makes it {'row' if dim else 'column'}-parallel "
-                             f"(split dim {dim} over tp), but its tp-local shape {list(local)} has no dim {dim}")
-            full = local[:dim] + (local[dim] * tp,) + local[dim + 1:]
-            p = Placement(full, f"split {dim} over tp", dim)
-        if vocab:
-            p = _vocab(n, p, uci.get("original_vocab_size"), vocab)
-        return p
 
-    def extra(placements: dict[str, Placement]) -> tuple[str, dict]:
-        return "megatron_deepspeed", {"tp": tp, "layouts": {n: p.layout for n, p in placements.items()},
-                                      "split_dims": {n: p.split_dim for n, p in placements.items()},
-                                      "universal_checkpoint_info": plain(uci)}
-
-    return describe_tp(path, folder, names, rel, first, dp, tp, place, "Megatron-style tensor-parallel", "deepspeed-mds", extra)
+def _place(pats: Patterns, tp: int, n: str, shards: list[tuple]) -> Placement:
+    """Where ``n``'s tp shards lie: the first category of the module doc that matches it."""
+    if any(s != shards[0] for s in shards):
+        raise ForeignFormatError(f"{n}: its tp shards differ in shape ({shards}); Megatron splits evenly")
+    local = shards[0]
+    hit = {k: _match(k, ps, n) for k, ps in pats.lists.items()}
+    if hit[REPLICATED]:
+        p = Placement(local, "replicate", None)
+    elif hit[AVERAGE]:
+        raise ForeignFormatError(f"{n}: universal_checkpoint_info has it averaged over tp ranks ({AVERAGE}, "
+                     f"{hit[AVERAGE]!r}); ucl reads every element from one place and does not average")
+    elif hit[TWO_HALVES]:
+        if not local or local[0] % 2:
+            raise ForeignFormatError(f"{n}: {TWO_HALVES} ({hit[TWO_HALVES]!r}) says dim 0 is two halves split over tp, but its "
+                         f"tp-local shape is {list(local)}")
+        half = local[0] // 2 * tp
+        p = Placement((2 * half,) + local[1:], f"view 0 as [2, {half}]; split 0.1 over tp", None)
+    elif (sub := _sub_params(n, pats.subs)) is not None:
+        p = _concat(n, sub, pats.widths, local, tp)
+    else:
+        dim = 1 if hit[ROW] else 0
+        if len(local) <= dim:
+            raise ForeignFormatError(f"{n}: universal_checkpoint_info makes it {'row' if dim else 'column'}-parallel "
+                         f"(split dim {dim} over tp), but its tp-local shape {list(local)} has no dim {dim}")
+        full = local[:dim] + (local[dim] * tp,) + local[dim + 1:]
+        p = Placement(full, f"split {dim} over tp", dim)
+    return _vocab(n, p, pats.vocab_size, hit[VOCAB]) if hit[VOCAB] else p
 
 
 def _match(key: str, patterns: list[str], name: str) -> str | None:

@@ -16,14 +16,14 @@ from ...lang.spec import Spec
 from ...layout.bind import PatternIndex
 from ..base import Description, UserSpec
 from ..torchzip.read import plain
-from .tp import describe_tp, Placement
+from .common import DsFolder
+from .tp import describe_tp, Placement, TpReader
 
 
-def describe_user(path: str, folder: str, names: list[str], rel, first: dict, dp: int, tp: int,
-                  user: UserSpec) -> Description:
+def describe_user(f: DsFolder, user: UserSpec) -> Description:
     spec = Spec.from_text(user.text, filename=user.filename)
     if spec.axes != ["tp", "dp"]:
-        raise ForeignFormatError(f"{user.filename}: the spec for {folder} must declare `mesh tp, dp` (DeepSpeed's tp rank t and dp "
+        raise ForeignFormatError(f"{user.filename}: the spec for {f.folder} must declare `mesh tp, dp` (DeepSpeed's tp rank t and dp "
                      f"rank d are rank t * dp + d), not mesh {', '.join(spec.axes) or '(none)'}")
     if spec.kinds != ["param"]:
         raise ForeignFormatError(f"{user.filename}: the spec declares state {[k for k in spec.kinds if k != 'param']}; the "
@@ -49,8 +49,8 @@ def describe_user(path: str, folder: str, names: list[str], rel, first: dict, dp
         return Placement(full, "", None)
 
     def extra(placements: dict[str, Placement]) -> tuple[str, dict]:
-        return "user_spec", {"tp": tp, "spec": user.filename, "dims": plain(dims),
-                             "universal_checkpoint_info": plain(first.get("universal_checkpoint_info"))}
+        return "user_spec", {"tp": f.mp, "spec": user.filename, "dims": plain(dims),
+                             "universal_checkpoint_info": plain(f.ms.get("universal_checkpoint_info"))}
 
-    return describe_tp(path, folder, names, rel, first, dp, tp, place, "tensor-parallel (placed by a user spec)",
-                       "deepspeed-tp-user", extra, (user.text, dims))
+    return describe_tp(f, TpReader("tensor-parallel (placed by a user spec)", "deepspeed-tp-user", place, extra,
+                                   (user.text, dims)))

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ...errors import ForeignFormatError, StoreError
 from ...files import read_bounded
 from ...store.extents import Extent
 from ..base import Description, UserSpec
-from ..torchzip.read import TensorRef, TorchFile, plain, read_torch_file
-from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, extent, group_state, NAME, OPTIM,
-                     state_line, TAG, weight_dtype, zero12_group, zero3_group)
+from ..torchzip.read import plain, TensorRef, TorchFile
+from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, DsFolder, extent, NAME, optimizer_dict,
+                     optimizer_state, OPTIM, state_line, step_extents, TAG, weight_dtype, zero12_group, zero3_group)
 from .mds import describe_mds, is_pattern_form
 from .moe import describe_moe, EXPERT_FILE, is_moe
 from .pipeline import describe_pipeline
@@ -45,26 +45,6 @@ def detect(path: str) -> bool:
 
 
 @dataclass(frozen=True)
-class DsFolder:
-    """A DeepSpeed tag folder and what its rank-0 model-states file says."""
-    path: str  # the checkpoint as given (a root with 'latest', or the tag folder)
-    tag: str  # the tag folder relative to ``path`` ('' when ``path`` is one)
-    names: tuple[str, ...]  # the tag folder's files, sorted
-    states_name: str = ""
-    states: TorchFile | None = None
-    ms: dict = field(default_factory=dict)  # the model states
-    dp: int = 0
-    mp: int = 1
-
-    @property
-    def folder(self) -> str:
-        return os.path.join(self.path, self.tag)
-
-    def rel(self, name: str) -> str:
-        return os.path.join(self.tag, name) if self.tag else name
-
-
-@dataclass(frozen=True)
 class ZeroRun:
     """A ZeRO-1/2/3 checkpoint without pipeline or tensor parallelism: its optimizer files (per dp
     rank) and the parameters the model states name."""
@@ -93,22 +73,21 @@ def describe(path: str, user: UserSpec | None = None) -> Description:
     f = _locate(path)
     if any(n.startswith("layer_") for n in f.names) and not any(EXPERT_FILE.match(n) for n in f.names):
         _no_user(user, f.folder, "a pipeline checkpoint")
-        return describe_pipeline(path, f.folder, list(f.names), f.rel)
+        return describe_pipeline(f)
     f = _read_states(f)
-    args = (path, f.folder, list(f.names), f.rel, f.ms)
-    if is_moe(list(f.names), f.ms):
+    if is_moe(f.names, f.ms):
         _no_user(user, f.folder, "an MoE checkpoint")
-        return describe_moe(*args, f.states, f.states_name, f.dp)
+        return describe_moe(f)
     if f.mp != 1:
         uci = f.ms.get("universal_checkpoint_info")
         if isinstance(uci, dict) and isinstance(uci.get("affine_map"), dict):
             _no_user(user, f.folder, "an AutoTP checkpoint (DeepSpeed's affine_map places its shards)")
-            return describe_autotp(*args, f.dp, f.mp)
+            return describe_autotp(f)
         if is_pattern_form(uci):  # Megatron-DeepSpeed's pattern table
             _no_user(user, f.folder, "a checkpoint whose universal_checkpoint_info patterns place its shards")
-            return describe_mds(*args, f.dp, f.mp)
+            return describe_mds(f)
         if user is not None:
-            return describe_user(*args, f.dp, f.mp, user)
+            return describe_user(f, user)
         raise ForeignFormatError(f"{f.folder} is tensor-parallel (mp_world_size={f.mp}) without a universal_checkpoint_info ucl "
                      "reads (AutoTP's affine_map, or Megatron-DeepSpeed's parameter patterns) saying where each "
                      "rank's shard lies; its parameters' split dims are not in DeepSpeed's files: give them as a spec "
@@ -131,7 +110,7 @@ def _read_states(f: DsFolder) -> DsFolder:
         "zero_pp_rank_0_mp_rank_00_model_states.pt"
     if states_name not in f.names:
         raise ForeignFormatError(f"{f.folder} has no mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt")
-    states = read_torch_file(os.path.join(f.folder, states_name), inside=f.path)
+    states = f.open(states_name)
     ms = as_dict(states.obj, states_name)
     dp, mp = ms.get("dp_world_size"), ms.get("mp_world_size", 1)
     if not isinstance(dp, int) or dp < 1:
@@ -167,9 +146,8 @@ def _optimizer_files(f: DsFolder) -> tuple[str, ...]:
 def _read_zero(f: DsFolder) -> ZeroRun:
     """The optimizer files and the parameters the model states name, checked."""
     optim = _optimizer_files(f)
-    optims = tuple(read_torch_file(os.path.join(f.folder, n), inside=f.path) for n in optim)
-    osd = tuple(as_dict(as_dict(o.obj, optim[r]).get("optimizer_state_dict"), f"{optim[r]}: optimizer_state_dict")
-                for r, o in enumerate(optims))
+    optims = tuple(f.open(n) for n in optim)
+    osd = tuple(optimizer_dict(o, optim[r]) for r, o in enumerate(optims))
     stage = int(osd[0].get("zero_stage", 0))
     if stage == 0 and "single_partition_of_fp32_groups" in osd[0]:
         stage = 1  # BF16_Optimizer (bf16 with fp32 gradient accumulation): ZeRO-1's flat layout
@@ -203,17 +181,14 @@ def _describe_zero(z: ZeroRun) -> Description:
     else:
         raise ForeignFormatError(f"{z.optim[0]}: zero_stage {z.stage!r} is not a ZeRO checkpoint ucl reads (stages 1, 2, 3)")
     spec.append("state step : scalar")
-    for r in range(f.dp):
-        for g, names_g in enumerate(z.groups):
-            step = group_state(z.osd[r], g, z.optim[r]).get("step")
-            for n in names_g:
-                extents[r][f"step/{n}"] = extent(z.optims[r], step, f.rel(z.optim[r]), f"step of group {g}", ())
+    for g, names_g in enumerate(z.groups):
+        step_extents(f, g, names_g, list(z.optims), list(z.osd), list(z.optim), extents)
     params = {n: z.shapes[n] for g in z.groups for n in g}
     for n in z.untrained:
         params[n] = z.shape(n)
     spec += [f"{n} [{', '.join(str(x) for x in shape)}] : replicate" for n, shape in params.items()]
     files = tuple(f.rel(n) for n in z.optim)
-    read = (("latest",) if f.tag else ()) + (f.rel(f.states_name),) + files
+    read = f.latest + (f.rel(f.states_name),) + files
     if z.stage == 3:  # frozen fragments and buffers come from every rank's model states
         read += tuple(f.rel(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(1, f.dp))
     return Description("deepspeed", "\n".join(spec) + "\n", f"deepspeed-zero{z.stage}", {}, (("dp", f.dp),), params,
@@ -225,10 +200,7 @@ def _state(z: ZeroRun) -> dict:
                      "base optimizer state").get("param_groups", [])
     return {"format": "deepspeed",
             "deepspeed": {k: plain(v, values=z.at.states) for k, v in z.at.ms.items() if k not in BULKY},
-            "optimizer": {"zero_stage": z.stage, "param_groups": [
-                {**{k: plain(v) for k, v in g.items() if k != "params"},
-                 "names": z.groups[i] if i < len(z.groups) else []} for i, g in enumerate(groups)],
-                "loss_scaler": plain(z.osd[0].get("loss_scaler"))}}
+            "optimizer": optimizer_state(z.stage, groups, z.groups, z.osd[0].get("loss_scaler"))}
 
 
 def _zero12(z: ZeroRun, spec: list[str], extents: list[dict[str, Extent]]) -> None:
@@ -255,8 +227,7 @@ def _zero3(z: ZeroRun, spec: list[str], extents: list[dict[str, Extent]]) -> Non
     buffers from every rank's model states."""
     f = z.at
     spec.append(state_line(["param", "exp_avg", "exp_avg_sq"], list(z.shapes), "flat over dp per_param"))
-    per_rank = [read_torch_file(os.path.join(f.folder, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"), inside=f.path)
-                for r in range(f.dp)]
+    per_rank = [f.open(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(f.dp)]
     for g, names_g in enumerate(z.groups):
         zero3_group(g, names_g, z.shapes, f.dp, list(z.optims), list(z.osd), extents, [f.rel(n) for n in z.optim])
     if z.frozen_shapes:

@@ -217,8 +217,58 @@ def read_objects(path: str, md: Metadata) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class BucketRun:
+    """A torch_dist folder's dp_reshardable optimizer state, read: per data-parallel group (one per
+    model-parallel rank, ``G = pp_rank * tp + tp_rank``) its bucket tensors and sizes, and the
+    unstacked weights."""
+    path: str
+    md: Metadata
+    groups: dict[int, dict[int, dict[str, TensorMeta]]]  # group -> bucket -> Megatron kind -> tensor
+    numels: dict[int, tuple[list[int], list[int]]]  # group -> (unpadded, padded) bucket sizes
+    objects: dict[str, Any]
+    tp: int
+    pp: int
+    dp: int
+    by_name: dict[str, Any]  # the unstacked weights by name
+    dtype: str  # the weights' dtype
+    layers: int
+    stage: dict[str, int]  # name -> its pipeline stage
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {n: w.local_numel for n, w in self.by_name.items()}
+
+
+@dataclass(frozen=True)
+class BucketFit:
+    """The module order whose buckets are the saved ones, and those buckets."""
+    label: str
+    order: list[str]
+    got: dict[int, tuple[list[Bucket], int]]  # group -> (its buckets, the padding multiple)
+
+
 def describe_buckets(path: str, md: Metadata, state: dict) -> Description:
     """The :class:`Description` of a torch_dist folder whose optimizer state is dp_reshardable."""
+    run = _read(path, md)
+    fit = _fit(run)
+    # one flat statement per (stage, bucket), numbered in that order: @flat0, @flat1, ...
+    statements = [(s, b) for s in range(run.pp) for b in fit.got[s * run.tp][0]]
+    axes = [a for a, size in (("pp", run.pp), ("dp", run.dp), ("tp", run.tp)) if size > 1 or a == "dp"]
+    st = dict(state)
+    st["megatron"] = {**st.get("megatron", {}), "objects": run.objects, "dp_reshardable": {
+        "module_order": fit.label, "dp": run.dp, "tp": run.tp, "pp": run.pp, "bucket_multiple": fit.got[0][1],
+        "buckets": [{"stage": s, "params": list(b.names), "numel": b.numel, "numel_unpadded": b.numel_unpadded}
+                    for s, b in statements]}}
+    st["format"] = "megatron"
+    files = sorted({c.file for t in md.tensors.values() for c in t.chunks} | {f for f, _, _ in md.objects.values()})
+    mesh = tuple((a, {"pp": run.pp, "dp": run.dp, "tp": run.tp}[a]) for a in axes)
+    return Description("megatron", _spec(run, fit, statements, axes), "megatron-torch_dist", {}, mesh,
+                       {n: run.by_name[n].shape for n in fit.order}, (), _extents(run, fit, statements), (), st,
+                       (METADATA, *files))
+
+
+def _read(path: str, md: Metadata) -> BucketRun:
     groups = _bucket_meta(md, path)
     tp = infer_tp(md)
     if len(groups) % tp:
@@ -235,68 +285,72 @@ def describe_buckets(path: str, md: Metadata, state: dict) -> Description:
                      f"{sorted(len(w) for w in writers.values())} ranks; a group's ranks write its slices")
     weights, dtype = unstack(md, tp)
     by_name = {w.name: w for w in weights}
-    sizes = {w.name: w.local_numel for w in weights}
     layers = max((int(n[len(LAYERS):].partition(".")[0]) + 1 for n in by_name if n.startswith(LAYERS)), default=0)
     if layers % pp:
         raise ForeignFormatError(f"{path}: {layers} layers over {pp} pipeline stages: ucl reads even stages")
-    stage = {n: stage_of(n, layers, pp) for n in by_name}
+    return BucketRun(path, md, groups, numels, objects, tp, pp, dp, by_name, dtype, layers,
+                     {n: stage_of(n, layers, pp) for n in by_name})
+
+
+def _fit(run: BucketRun) -> BucketFit:
+    """The module order (local or Transformer Engine) whose recomputed buckets every group saved."""
+    tp, sizes = run.tp, run.sizes
     problems, found = [], []
-    for label, order in module_orders(list(by_name)).items():
+    for label, order in module_orders(list(run.by_name)).items():
         got, bad = {}, None
-        for g in range(len(groups)):
-            s_order = [n for n in order if stage[n] == g // tp]
-            got[g] = layout(s_order, sizes, *numels[g], dp)
-            bad = got[g] if isinstance(got[g], str) else _check_chunks(got[g][0], groups[g], sizes, dp)
+        for g in range(len(run.groups)):
+            s_order = [n for n in order if run.stage[n] == g // tp]
+            got[g] = layout(s_order, sizes, *run.numels[g], run.dp)
+            bad = got[g] if isinstance(got[g], str) else _check_chunks(got[g][0], run.groups[g], sizes, run.dp)
             if bad is None and [b.names for b in got[g][0]] != [b.names for b in got[g - g % tp][0]]:
                 bad = "the TP ranks' buckets hold different parameters"
             if bad:
                 problems.append(f"{label} module order, group {g} (stage {g // tp}, TP rank {g % tp}): {bad}")
                 break
         if not bad:
-            found.append((label, order, got))
+            found.append(BucketFit(label, order, got))
     if not found:
-        raise ForeignFormatError(f"{path}: Megatron's dp_reshardable buckets (dp={dp}, tp={tp}, pp={pp}) are not the layout ucl "
-                     "recomputes from the parameter shapes; " + "; ".join(problems))
-    if len(found) > 1 and len({tuple(b.names for g in f[2].values() for b in g[0]) for f in found}) > 1:
-        raise ForeignFormatError(f"{path}: the buckets fit several module orders ({', '.join(f[0] for f in found)}) that place "
-                     "parameters differently; ucl cannot tell which one the model had")
-    label, order, got = found[0]
-    # one flat statement per (stage, bucket), numbered in that order: @flat0, @flat1, ...
-    statements = [(s, b) for s in range(pp) for b in got[s * tp][0]]
+        raise ForeignFormatError(f"{run.path}: Megatron's dp_reshardable buckets (dp={run.dp}, tp={tp}, pp={run.pp}) are not "
+                     "the layout ucl recomputes from the parameter shapes; " + "; ".join(problems))
+    if len(found) > 1 and len({tuple(b.names for g in f.got.values() for b in g[0]) for f in found}) > 1:
+        raise ForeignFormatError(f"{run.path}: the buckets fit several module orders ({', '.join(f.label for f in found)}) "
+                     "that place parameters differently; ucl cannot tell which one the model had")
+    return found[0]
+
+
+def _spec(run: BucketRun, fit: BucketFit, statements: list[tuple[int, Bucket]], axes: list[str]) -> str:
     # stages as the language says them for any pp: even blocks of layers (global names kept),
     # the embeddings first, the rest last
-    rules = {n: by_name[n].rule + ("" if pp == 1 or n.startswith(LAYERS) else
-                                   f"; on pp = {'first' if stage[n] == 0 else 'last'}") for n in order}
-    axes = [a for a, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1 or a == "dp"]
-    spec = spec_text(f"the Megatron-core torch_dist checkpoint {os.path.basename(path)} (dp_reshardable "
-                     f"distributed optimizer, {label} module order)", order,
-                     {n: by_name[n].shape for n in order}, dtype, groups[0][0]["param"].dtype,
-                     [b for _, b in statements], all(got[g][1] == math.lcm(dp, BUCKET_MULTIPLE) for g in got),
-                     rules, axes, [f"{LAYERS}{{i}}.** : index i of {layers} over pp keep"] if pp > 1 else [])
+    pp, stage = run.pp, run.stage
+    rules = {n: run.by_name[n].rule + ("" if pp == 1 or n.startswith(LAYERS) else
+                                       f"; on pp = {'first' if stage[n] == 0 else 'last'}") for n in fit.order}
+    return spec_text(f"the Megatron-core torch_dist checkpoint {os.path.basename(run.path)} (dp_reshardable "
+                     f"distributed optimizer, {fit.label} module order)", fit.order,
+                     {n: run.by_name[n].shape for n in fit.order}, run.dtype, run.groups[0][0]["param"].dtype,
+                     [b for _, b in statements], all(m == math.lcm(run.dp, BUCKET_MULTIPLE) for _, m in fit.got.values()),
+                     rules, axes, [f"{LAYERS}{{i}}.** : index i of {run.layers} over pp keep"] if pp > 1 else [])
+
+
+def _extents(run: BucketRun, fit: BucketFit, statements: list[tuple[int, Bucket]]) -> tuple[dict[str, Extent], ...]:
+    """Ranks row-major over (pp, dp, tp), Megatron's order, TP fastest: the stage's weights (the TP
+    rank's chunks), then each bucket's slice of the data-parallel rank."""
+    path, pp, dp, tp, sizes = run.path, run.pp, run.dp, run.tp, run.sizes
     extents: list[dict[str, Extent]] = []
-    for s in range(pp):  # ranks row-major over (pp, dp, tp): Megatron's order, TP fastest
+    for s in range(pp):
         for d in range(dp):
             for t in range(tp):
-                extents.append({f"param/{n}": chunks_extent(path, n, by_name[n].chunks[t], dtype, by_name[n].local)
-                                for n in order if stage[n] == s})
+                extents.append({f"param/{n}": chunks_extent(path, n, run.by_name[n].chunks[t], run.dtype,
+                                                            run.by_name[n].local)
+                                for n in fit.order if run.stage[n] == s})
     for number, (s, b0) in enumerate(statements):
         for t in range(tp):
-            b = got[s * tp + t][0][b0.index]
+            b = fit.got[s * tp + t][0][b0.index]
             for mkind, kind in KINDS.items():
-                meta = groups[s * tp + t][b.index][mkind]
+                meta = run.groups[s * tp + t][b.index][mkind]
                 for d, pieces in enumerate(_rank_pieces(path, meta, b, sizes, dp)):
                     extents[(s * dp + d) * tp + t][f"{kind}/@flat{number}"] = Extent.joined(pieces, meta.dtype,
                                                                                              (b.numel // dp,))
-    st = dict(state)
-    st["megatron"] = {**st.get("megatron", {}), "objects": objects, "dp_reshardable": {
-        "module_order": label, "dp": dp, "tp": tp, "pp": pp, "bucket_multiple": got[0][1],
-        "buckets": [{"stage": s, "params": list(b.names), "numel": b.numel, "numel_unpadded": b.numel_unpadded}
-                    for s, b in statements]}}
-    st["format"] = "megatron"
-    files = sorted({c.file for t in md.tensors.values() for c in t.chunks} | {f for f, _, _ in md.objects.values()})
-    mesh = tuple((a, {"pp": pp, "dp": dp, "tp": tp}[a]) for a in axes)
-    return Description("megatron", spec, "megatron-torch_dist", {}, mesh, {n: by_name[n].shape for n in order}, (),
-                       tuple(extents), (), st, (METADATA, *files))
+    return tuple(extents)
 
 
 def spec_text(title: str, order: list[str], shapes: dict[str, tuple[int, ...]], weights: str, dtype: str,

@@ -42,16 +42,17 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...errors import ForeignFormatError, StoreError, UclError
 from ...files import read_bounded
-from ...lang.expr import ExprError, evaluate_extent, evaluate_lets
 from ...lang.spec import Spec, load_spec
 from ...layout.lower import lower
 from ...layout.mesh import Mesh
 from ...store.extents import Extent
 from . import legacy_optim as optim
+from .legacy_spec import dims_from_args, global_shapes, int_arg, which_spec, with_dtypes
 from ..base import Description
 from ..torchzip.read import Record, TensorRef, TorchFile, plain, read_torch_file
 
@@ -62,11 +63,6 @@ _RANK_DIR = re.compile(r"^mp_rank_\d+(_\d+){0,2}$")
 _NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
 _EXTRA = "._extra_state"
 _MAX_TRACKER = 4096
-# per spec: the layer prefix, the embedding, and the tied embedding's name on the last stage
-_CORE = ("stdlib:megatron_gpt", "decoder.layers.", "embedding.word_embeddings.weight", "output_layer.weight")
-_LEGACY = ("stdlib:megatron_legacy_gpt", "language_model.encoder.layers.",
-           "language_model.embedding.word_embeddings.weight", "word_embeddings_for_head.weight")
-
 
 
 def _rank_dir(tp: int, pp: int, pp_size: int) -> str:
@@ -112,42 +108,6 @@ def detect(path: str) -> bool:
         return False
 
 
-def _arg(args: dict, name: str, default: Any = None) -> Any:
-    v = args.get(name, default)
-    return default if v is None else v
-
-
-def _int_arg(args: dict, name: str, default: int | None = None) -> int:
-    v = _arg(args, name, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ForeignFormatError(f"args.{name} is {v!r}: not a usable whole number")
-    return v
-
-
-def dims_from_args(args: dict, spec: Spec) -> dict[str, int]:
-    """The spec's dims from Megatron-LM's argument names (as ``validate_args`` leaves them)."""
-    heads, hidden = _int_arg(args, "num_attention_heads"), _int_arg(args, "hidden_size")
-    layers, pp = _int_arg(args, "num_layers"), _int_arg(args, "pipeline_model_parallel_size", 1)
-    vpp = _arg(args, "virtual_pipeline_model_parallel_size")
-    if vpp is None and _arg(args, "num_layers_per_virtual_pipeline_stage") is not None:
-        vpp = layers // max(1, pp * _int_arg(args, "num_layers_per_virtual_pipeline_stage"))
-    experts = _int_arg(args, "num_experts", 0)
-    ffn = _int_arg(args, "ffn_hidden_size")
-    dims = {
-        "vocab": _int_arg(args, "padded_vocab_size"),  # the stored rows (see the module doc)
-        "hidden": hidden, "heads": heads,
-        # num_query_groups counts only with group_query_attention (it defaults to 1 otherwise)
-        "kv_heads": _int_arg(args, "num_query_groups") if _arg(args, "group_query_attention", False) else heads,
-        "head_dim": _int_arg(args, "kv_channels", hidden // heads if heads else 0),
-        "ffn": ffn, "swiglu": int(bool(_arg(args, "swiglu", False))), "layers": layers,
-        "vpp": int(vpp or 1), "experts": experts,
-        "moe_ffn": _int_arg(args, "moe_ffn_hidden_size", ffn if experts else 0),
-        "shared_ffn": _int_arg(args, "moe_shared_expert_intermediate_size", 0),
-        "untied": int(bool(_arg(args, "untie_embeddings_and_output_weights", False))),
-    }
-    return {d: dims[d] for d in spec.dims if d in dims}
-
-
 def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
     """A (legacy: nested) module state dict as ``dotted.name -> value``."""
     for k, v in obj.items():
@@ -158,16 +118,95 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
             out[name] = v
 
 
-class _Rank:
-    """One model-parallel rank's file: its tensors under ucl's local names."""
+@dataclass(frozen=True)
+class LegacyFolder:
+    """An iteration folder and what its rank-0 file says."""
+    path: str  # the checkpoint as given (absolute)
+    sub: str  # the iteration folder relative to ``path`` ('' when ``path`` is one)
+    tracker: str | None  # the tracker file's text, when ``path`` is the root
+    first: TorchFile  # the rank-0 file
+    head: dict  # its dict
+    args: dict  # the run's arguments
+    tp: int
+    pp: int
 
-    def __init__(self, rel: str, tf: TorchFile, pp_rank: int, tp_rank: int):
-        self.rel, self.tf, self.pp, self.tp = rel, tf, pp_rank, tp_rank
-        self.tensors: dict[str, TensorRef] = {}  # ucl local name -> tensor
-        self.origin: dict[str, str] = {}  # ucl local name -> the file's name (model key + name)
+    @property
+    def folder(self) -> str:
+        return os.path.join(self.path, self.sub)
+
+    def rel(self, *parts: str) -> str:
+        return os.path.join(self.sub, *parts) if self.sub else os.path.join(*parts)
+
+
+@dataclass(frozen=True)
+class LegacyRank:
+    """One model-parallel rank's file: its tensors under ucl's local names."""
+    rel: str
+    tf: TorchFile
+    pp: int
+    tp: int
+    tensors: dict[str, TensorRef] = field(default_factory=dict)  # ucl local name -> tensor
+    origin: dict[str, str] = field(default_factory=dict)  # ucl local name -> the file's name (model key + name)
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How the files name the tensors, and how ucl's names follow from them."""
+    spec_name: str
+    layer_prefix: str
+    embedding: str
+    tied_copy: str  # the tied embedding's name on the last stage
+    chunk: int  # layers per virtual chunk
+    vpp: int
+    pp: int
+    tied: bool
+
+    def global_name(self, local: str, pp_rank: int) -> str:
+        if not local.startswith(self.layer_prefix):
+            return local
+        num, _, rest = local[len(self.layer_prefix):].partition(".")
+        c, j = divmod(int(num), self.chunk)  # ucl's local numbering: chunk-major on the rank
+        return f"{self.layer_prefix}{(c * self.pp + pp_rank) * self.chunk + j}.{rest}"
 
 
 def describe(path: str) -> Description:
+    lf = _locate(path)
+    files = _rank_files(lf)
+    modules = [_modules(rk, lf.args) for rk in files]
+    spec_name, layer_prefix, embedding, tied_copy = which_spec(modules)
+    base = load_spec(spec_name)
+    dims = dims_from_args(lf.args, base)
+    vpp = dims.get("vpp", 1)
+    if dims["layers"] % (lf.pp * vpp):
+        raise ForeignFormatError(f"{lf.folder}: num_layers={dims['layers']} is not a multiple of pipeline stages x virtual "
+                                 f"stages ({lf.pp} x {vpp}); {spec_name} describes even blocks of layers only")
+    naming = Naming(spec_name, layer_prefix, embedding, tied_copy, dims["layers"] // (lf.pp * vpp), vpp, lf.pp,
+                    not dims["untied"])
+    ranks = [_local_names(rk, chunks, naming) for rk, chunks in zip(files, modules)]
+    params, stored = _params(lf, ranks, naming, base, dims)
+    spec_text, spec = with_dtypes(base, spec_name, dims, params, stored, lf.path)
+    present, optim_files = _optim_files(lf, ranks, naming, dims)
+    frozen = () if present else tuple(params)
+    try:
+        model = spec.bind(dims, params, frozen=frozen)
+        mesh = Mesh((("pp", lf.pp), ("tp", lf.tp)))
+        shard_map = lower(model, mesh)
+    except UclError as e:
+        raise ForeignFormatError(f"{lf.path}: the tensors of the Megatron-LM files do not fit {spec_name} with the dims of "
+                                 f"args ({', '.join(f'{k}={v}' for k, v in dims.items())}):\n{e}") from None
+    extents = _extents(lf, ranks, naming, params, mesh, shard_map, optim_files if present else None)
+    state = {"format": "megatron-legacy", "megatron": _state(lf, ranks, dims)}
+    if present:
+        state["megatron"].update(weights_only=False, optimizer=plain(lf.head.get("optimizer")),
+                                 distrib_optim=f"{len(present)} {DISTRIB_OPTIM} file(s), read in place")
+    by_rank = {(rk.pp, rk.tp): rk.rel for rk in ranks}
+    files = tuple(by_rank[(c["pp"], c["tp"])] for c in map(mesh.coords, range(mesh.size)))
+    read = ((TRACKER,) if lf.tracker is not None else ()) + files + tuple(present)
+    return Description("megatron-legacy", spec_text, spec_name, dims, (("pp", lf.pp), ("tp", lf.tp)), params,
+                       frozen, extents, files, state, read)
+
+
+def _locate(path: str) -> LegacyFolder:
     path = os.path.abspath(path)
     found = _iteration_folder(path) if os.path.isdir(path) else None
     if found is None:
@@ -175,16 +214,19 @@ def describe(path: str) -> Description:
                          f"mp_rank_*/{MODEL_FILE}, and not such an iteration folder)", code="UCL501")
     sub, tracker = found
     folder = os.path.join(path, sub)
-    rel = lambda *p: os.path.join(sub, *p) if sub else os.path.join(*p)  # noqa: E731
     first = read_torch_file(os.path.join(folder, _rank0_file(folder)), inside=path)
     head = _dict(first.obj, _rank0_file(folder))
     args = _args(head, _rank0_file(folder))
-    tp, pp = _int_arg(args, "tensor_model_parallel_size", 1), _int_arg(args, "pipeline_model_parallel_size", 1)
+    tp, pp = int_arg(args, "tensor_model_parallel_size", 1), int_arg(args, "pipeline_model_parallel_size", 1)
     _refuse_unsupported(args, head, folder)
     if tp < 1 or pp < 1:
         raise ForeignFormatError(f"{folder}: args give tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}")
+    return LegacyFolder(path, sub, tracker, first, head, args, tp, pp)
 
-    # the rank files Megatron-LM names from args; never inferred from the folder listing
+
+def _rank_files(lf: LegacyFolder) -> list[LegacyRank]:
+    """The rank files Megatron-LM names from args; never inferred from the folder listing."""
+    folder, tp, pp = lf.folder, lf.tp, lf.pp
     names = {(p, t): _rank_dir(t, p, pp) for p in range(pp) for t in range(tp)}
     missing = [n for n in names.values() if not os.path.isfile(os.path.join(folder, n, MODEL_FILE))]
     if missing:
@@ -195,83 +237,80 @@ def describe(path: str) -> Description:
     if stray:
         raise ForeignFormatError(f"{folder} holds {', '.join(stray[:8])}, which a run with tensor_model_parallel_size={tp}, "
                      f"pipeline_model_parallel_size={pp} does not write; the folder contradicts its args")
-    ranks: list[_Rank] = []
+    ranks = []
     for (p, t), n in sorted(names.items()):
-        r = rel(n, MODEL_FILE)
-        tf = first if n == os.path.dirname(_rank0_file(folder)) else read_torch_file(os.path.join(path, r), inside=path)
-        ranks.append(_Rank(r, tf, p, t))
+        r = lf.rel(n, MODEL_FILE)
+        tf = lf.first if n == os.path.dirname(_rank0_file(folder)) else read_torch_file(os.path.join(lf.path, r),
+                                                                                        inside=lf.path)
+        ranks.append(LegacyRank(r, tf, p, t))
+    return ranks
 
-    modules = {rk: _modules(rk, args) for rk in ranks}
-    spec_name, layer_prefix, embedding, tied_copy = _which_spec(modules)
-    base = load_spec(spec_name)
-    dims = dims_from_args(args, base)
-    vpp = dims.get("vpp", 1)
-    if dims["layers"] % (pp * vpp):
-        raise ForeignFormatError(f"{folder}: num_layers={dims['layers']} is not a multiple of pipeline stages x virtual stages "
-                     f"({pp} x {vpp}); {spec_name} describes even blocks of layers only")
-    chunk = dims["layers"] // (pp * vpp)
-    for rk in ranks:
-        _local_names(rk, modules[rk], layer_prefix, chunk, vpp, pp, embedding, tied_copy, not dims["untied"])
 
-    # global names (model order) and the shapes the spec declares for them
+def _params(lf: LegacyFolder, ranks: list[LegacyRank], naming: Naming, base: Spec,
+            dims: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(global name -> the shape the spec declares, in model order: embeddings, the layers in
+    global order, the head; global name -> its stored dtype)."""
     order: dict[str, tuple[int, ...]] = {}
     stored: dict[str, str] = {}
     for rk in sorted(ranks, key=lambda r: (r.pp, r.tp)):
         for local, ref in rk.tensors.items():
-            name = _global_name(local, layer_prefix, rk.pp, chunk, pp)
+            name = naming.global_name(local, rk.pp)
             if not _NAME.match(name):
                 raise ForeignFormatError(f"{rk.rel}: tensor name {name[:200]!r} cannot be written in a spec")
             if stored.setdefault(name, ref.dtype) != ref.dtype:
                 raise ForeignFormatError(f"{name} is stored as {stored[name]} in one rank file and {ref.dtype} in {rk.rel}")
             order.setdefault(name, tuple(ref.shape))
-    # model order: embeddings, then the layers in global order, then the head
     first_seen = {n: i for i, n in enumerate(order)}
+    prefix = naming.layer_prefix
 
     def rank_in_model(name: str) -> tuple:
-        if name.startswith(layer_prefix):
-            return (1, int(name[len(layer_prefix):].partition(".")[0]), first_seen[name])
-        return (0 if name.startswith(embedding.rsplit(".", 2)[0]) else 2, 0, first_seen[name])
-    params = _global_shapes(base, dims, {n: order[n] for n in sorted(order, key=rank_in_model)})
-    if dims["vocab"] % (128 * tp):
+        if name.startswith(prefix):
+            return (1, int(name[len(prefix):].partition(".")[0]), first_seen[name])
+        return (0 if name.startswith(naming.embedding.rsplit(".", 2)[0]) else 2, 0, first_seen[name])
+    params = global_shapes(base, dims, {n: order[n] for n in sorted(order, key=rank_in_model)})
+    if dims["vocab"] % (128 * lf.tp):
         # the stdlib specs pad the vocabulary to a multiple of 128 * tp (Megatron's default
         # --make-vocab-size-divisible-by); another multiple would be misplaced rows, not padding
-        raise ForeignFormatError(f"{folder}: padded_vocab_size={dims['vocab']} is not a multiple of 128 x tp ({128 * tp}) "
-                     f"(make_vocab_size_divisible_by={args.get('make_vocab_size_divisible_by')!r}); {spec_name} "
-                     "pads the vocabulary to multiple_of(128 * tp) and cannot describe this padding")
-    spec_text, spec = _with_dtypes(base, spec_name, dims, params, stored, path)
-    # --use-distributed-optimizer: each rank's distrib_optim.pt (see megatron_legacy_optim)
-    optim_files = {(rk.pp, rk.tp): os.path.join(os.path.dirname(rk.rel), DISTRIB_OPTIM) for rk in ranks}
-    present = [f for f in optim_files.values() if os.path.isfile(os.path.join(path, f))]
-    if present and len(present) != len(optim_files):
-        raise ForeignFormatError(f"{folder}: {len(present)} of the {len(optim_files)} rank folders hold {DISTRIB_OPTIM}")
-    if present:
-        optim.refuse_unsupported(args, folder, vpp, pp, not dims.get("untied", 1), spec_name)
-    frozen = () if present else tuple(params)
-    try:
-        model = spec.bind(dims, params, frozen=frozen)
-        mesh = Mesh((("pp", pp), ("tp", tp)))
-        shard_map = lower(model, mesh)
-    except UclError as e:
-        raise ForeignFormatError(f"{path}: the tensors of the Megatron-LM files do not fit {spec_name} with the dims of args "
-                     f"({', '.join(f'{k}={v}' for k, v in dims.items())}):\n{e}") from None
+        raise ForeignFormatError(f"{lf.folder}: padded_vocab_size={dims['vocab']} is not a multiple of 128 x tp "
+                                 f"({128 * lf.tp}) (make_vocab_size_divisible_by="
+                                 f"{lf.args.get('make_vocab_size_divisible_by')!r}); {naming.spec_name} pads the "
+                                 "vocabulary to multiple_of(128 * tp) and cannot describe this padding")
+    return params, stored
 
+
+def _optim_files(lf: LegacyFolder, ranks: list[LegacyRank], naming: Naming,
+                 dims: dict) -> tuple[list[str], dict[tuple[int, int], str]]:
+    """--use-distributed-optimizer: (the distrib_optim.pt files present, each rank's) (see legacy_optim)."""
+    optim_files = {(rk.pp, rk.tp): os.path.join(os.path.dirname(rk.rel), DISTRIB_OPTIM) for rk in ranks}
+    present = [f for f in optim_files.values() if os.path.isfile(os.path.join(lf.path, f))]
+    if present and len(present) != len(optim_files):
+        raise ForeignFormatError(f"{lf.folder}: {len(present)} of the {len(optim_files)} rank folders hold {DISTRIB_OPTIM}")
+    if present:
+        optim.refuse_unsupported(lf.args, lf.folder, naming.vpp, lf.pp, not dims.get("untied", 1), naming.spec_name)
+    return present, optim_files
+
+
+def _extents(lf: LegacyFolder, ranks: list[LegacyRank], naming: Naming, params: dict, mesh: Mesh, shard_map,
+             optim_files: dict[tuple[int, int], str] | None) -> tuple[dict[str, Extent], ...]:
+    """Per rank of ``mesh``, every dataset the lowering puts there: a tensor of its file, or with
+    ``optim_files`` a flat buffer of its distrib_optim.pt. Any disagreement is an error."""
     extents: list[dict[str, Extent]] = []
-    files: list[str] = []
     problems: list[str] = []
     by_rank = {(rk.pp, rk.tp): rk for rk in ranks}
+    spec_name = naming.spec_name
     for r in range(mesh.size):
         c = mesh.coords(r)
         rk = by_rank[(c["pp"], c["tp"])]
         table: dict[str, Extent] = {}
         left = dict(rk.tensors)
-        if present:
+        if optim_files is not None:
             position = {n: i for i, n in enumerate(params)}
-            held = sorted(rk.tensors, key=lambda n: position[_global_name(n, layer_prefix, rk.pp, chunk, pp)])
-            buffers, _ = optim.read(path, optim_files[(rk.pp, rk.tp)], [rk.tensors[n].numel for n in held], args)
+            held = sorted(rk.tensors, key=lambda n: position[naming.global_name(n, rk.pp)])
+            buffers, _ = optim.read(lf.path, optim_files[(rk.pp, rk.tp)], [rk.tensors[n].numel for n in held], lf.args)
         for key, (shape, dtype) in sorted(shard_map.rank_datasets(r).items()):
             kind, _, local = key.partition("/")
             mkind = next((m for m, k in optim.KINDS.items() if k == kind), None)
-            if present and local == "@flat0" and mkind is not None:
+            if optim_files is not None and local == "@flat0" and mkind is not None:
                 tf, t = buffers[mkind]
                 table[key] = optim.extent(optim_files[(rk.pp, rk.tp)], tf, t, shape[0])
                 continue
@@ -286,18 +325,10 @@ def describe(path: str) -> Description:
         problems += [f"{rk.rel} holds {rk.origin[n]} {list(t.shape)}, which {spec_name} does not place on that rank"
                      for n, t in left.items()]
         extents.append(table)
-        files.append(rk.rel)
     if problems:
-        raise ForeignFormatError(f"{path}: the Megatron-LM files disagree with {spec_name} ({len(problems)} problem"
+        raise ForeignFormatError(f"{lf.path}: the Megatron-LM files disagree with {spec_name} ({len(problems)} problem"
                      f"{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(problems[:8]))
-
-    state = {"format": "megatron-legacy", "megatron": _state(head, args, sub, tracker, path, ranks, dims)}
-    if present:
-        state["megatron"].update(weights_only=False, optimizer=plain(head.get("optimizer")),
-                                 distrib_optim=f"{len(present)} {DISTRIB_OPTIM} file(s), read in place")
-    read = ((TRACKER,) if tracker is not None else ()) + tuple(files) + tuple(present)
-    return Description("megatron-legacy", spec_text, spec_name, dims, (("pp", pp), ("tp", tp)), params,
-                       frozen, tuple(extents), tuple(files), state, read)
+    return tuple(extents)
 
 
 def _dict(obj: Any, where: str) -> dict:
@@ -314,7 +345,7 @@ def _args(head: dict, where: str) -> dict:
 
 
 def _refuse_unsupported(args: dict, head: dict, folder: str) -> None:
-    if _int_arg(args, "expert_model_parallel_size", 1) > 1:
+    if int_arg(args, "expert_model_parallel_size", 1) > 1:
         raise ForeignFormatError(f"{folder}: expert-parallel checkpoints (expert_model_parallel_size="
                      f"{args['expert_model_parallel_size']}, files mp_rank_TT[_PPP]_EEE) are not read yet")
     uneven = [k for k in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
@@ -331,7 +362,7 @@ def _refuse_unsupported(args: dict, head: dict, folder: str) -> None:
                      "load and save it once with Megatron-LM (checkpoint_version >= 2.0) first")
 
 
-def _modules(rk: _Rank, args: dict) -> list[dict[str, Any]]:
+def _modules(rk: LegacyRank, args: dict) -> list[dict[str, Any]]:
     """The rank's module state dicts, one per virtual chunk, flattened."""
     obj = _dict(rk.tf.obj, rk.rel)
     sub = _args(obj, rk.rel)
@@ -355,22 +386,14 @@ def _modules(rk: _Rank, args: dict) -> list[dict[str, Any]]:
     return out
 
 
-def _which_spec(modules: dict) -> tuple[str, str, str, str]:
-    names = {n for chunks in modules.values() for m in chunks for n in m}
-    if any(n.startswith("language_model.") for n in names):
-        return _LEGACY
-    if any(n.startswith(("decoder.", "embedding.")) for n in names):
-        return _CORE
-    sample = sorted(names)[:3]
-    raise ForeignFormatError(f"the module state dicts hold neither megatron-core GPTModel names (decoder.layers...) nor legacy "
-                 f"GPT names (language_model...); e.g. {sample}")
-
-
-def _local_names(rk: _Rank, chunks: list[dict], layer_prefix: str, chunk: int, vpp: int, pp: int,
-                 embedding: str, tied_copy: str, tied: bool) -> None:
+def _local_names(rk: LegacyRank, chunks: list[dict], naming: Naming) -> LegacyRank:
+    """``rk`` with its tensors under ucl's local names (stage-local layers, chunk-major)."""
+    vpp, chunk, layer_prefix = naming.vpp, naming.chunk, naming.layer_prefix
     if len(chunks) != vpp:
         raise ForeignFormatError(f"{rk.rel} holds {len(chunks)} model chunk(s), args say {vpp} virtual pipeline stage(s)")
     layer = re.compile(re.escape(layer_prefix) + r"(\d+)\.")
+    tensors: dict[str, TensorRef] = {}
+    origin: dict[str, str] = {}
     for c, chunk_sd in enumerate(chunks):
         key = "model" if vpp == 1 else f"model{c}"
         for name, ref in chunk_sd.items():
@@ -381,67 +404,19 @@ def _local_names(rk: _Rank, chunks: list[dict], layer_prefix: str, chunk: int, v
                 if j >= chunk:
                     raise ForeignFormatError(f"{rk.rel}: {key}[{name!r}]: a stage holds {chunk} layer(s) per chunk")
                 local = f"{layer_prefix}{c * chunk + j}.{name[m.end():]}"
-            elif tied and name == tied_copy and not (rk.pp == 0 and c == 0):
-                local = embedding  # the tied embedding's copy on the last stage
-            if local in rk.tensors:
-                raise ForeignFormatError(f"{rk.rel}: {key}[{name!r}] and {rk.origin[local]} are the same tensor {local!r}")
-            rk.tensors[local], rk.origin[local] = ref, f"{key}[{name!r}]"
+            elif naming.tied and name == naming.tied_copy and not (rk.pp == 0 and c == 0):
+                local = naming.embedding  # the tied embedding's copy on the last stage
+            if local in tensors:
+                raise ForeignFormatError(f"{rk.rel}: {key}[{name!r}] and {origin[local]} are the same tensor {local!r}")
+            tensors[local], origin[local] = ref, f"{key}[{name!r}]"
+    return replace(rk, tensors=tensors, origin=origin)
 
 
-def _global_name(local: str, layer_prefix: str, pp_rank: int, chunk: int, pp: int) -> str:
-    if not local.startswith(layer_prefix):
-        return local
-    num, _, rest = local[len(layer_prefix):].partition(".")
-    c, j = divmod(int(num), chunk)  # ucl's local numbering: chunk-major on the rank
-    return f"{layer_prefix}{(c * pp + pp_rank) * chunk + j}.{rest}"
-
-
-def _global_shapes(spec: Spec, dims: dict, local: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Each tensor's global shape: the one its rule declares; a rule declaring none replicates it
-    (the stdlib Megatron specs declare a shape wherever they split), so the stored one. The
-    lowering then proves every rank's stored shape."""
-    env, _ = evaluate_lets(spec.checked.lets, dims)
-    out = {}
-    for name, shape in local.items():
-        rules = [r for r in spec.checked.rules if r.pattern.match(name)]
-        if len(rules) != 1 or rules[0].shape is None:
-            out[name] = shape  # no rule or several: bind names the problem
-            continue
-        try:
-            out[name] = tuple(evaluate_extent(e, env, f"dim {d} of {name}") for d, e in enumerate(rules[0].shape))
-        except ExprError:
-            out[name] = shape  # bind reports the broken expression at its span
-    return out
-
-
-def _with_dtypes(base: Spec, spec_name: str, dims: dict, params: dict, stored: dict, path: str) -> tuple[str, Spec]:
-    """The spec text plus ``state param for ... : dtype`` lines for tensors stored in another dtype
-    than the spec gives them (fp32 or fp16 runs; fp32 norms in a bf16 model)."""
-    try:
-        declared = {t.name: t.dtype for t in base.bind(dims, params, frozen=tuple(params)).tensors}
-    except UclError as e:
-        raise ForeignFormatError(f"{path}: the tensors of the Megatron-LM files do not fit {spec_name} with the dims of args "
-                     f"({', '.join(f'{k}={v}' for k, v in dims.items())}):\n{e}") from None
-    other: dict[str, list[str]] = {}
-    for name, dtype in stored.items():
-        if declared.get(name) != dtype:
-            other.setdefault(dtype, []).append(name)
-    if not other:
-        return base.text, base
-    lines = ["# added by ucl: the dtypes the Megatron-LM files hold"]
-    if len(other) == 1 and sum(map(len, other.values())) == len(stored):
-        lines.append(f"state param for ** : dtype {next(iter(other))}")  # one dtype throughout (fp32, fp16 runs)
-    else:
-        for dtype, names in sorted(other.items()):
-            lines.append(f"state param for {' | '.join(names)}\n    : dtype {dtype}")
-    text = base.text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
-    return text, Spec.from_text(text, filename=f"{path} [{spec_name} + dtypes]", name=spec_name)
-
-
-def _state(head: dict, args: dict, sub: str, tracker: str | None, path: str, ranks: list[_Rank], dims: dict) -> dict:
+def _state(lf: LegacyFolder, ranks: list[LegacyRank], dims: dict) -> dict:
+    head, args, sub = lf.head, lf.args, lf.sub
     out: dict[str, Any] = {
         "iteration": head.get("iteration"), "checkpoint_version": head.get("checkpoint_version"),
-        "release": sub == "release" or tracker == "release", "folder": sub or None,
+        "release": sub == "release" or lf.tracker == "release", "folder": sub or None,
         "args": plain(args), "vocab_size": args.get("vocab_size"), "padded_vocab_size": dims.get("vocab"),
         "weights_only": True,
     }
@@ -454,7 +429,7 @@ def _state(head: dict, args: dict, sub: str, tracker: str | None, path: str, ran
             out[k] = "saved (not read: ucl reads the weights of legacy checkpoints)"
         else:
             out[str(k)] = plain(v)
-    optim = [rk.rel for rk in ranks if os.path.isfile(os.path.join(path, os.path.dirname(rk.rel), DISTRIB_OPTIM))]
+    optim = [rk.rel for rk in ranks if os.path.isfile(os.path.join(lf.path, os.path.dirname(rk.rel), DISTRIB_OPTIM))]
     if optim:
         out["distrib_optim"] = f"{len(optim)} {DISTRIB_OPTIM} file(s), not read"
     return out

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ...errors import ForeignFormatError
 from ...store.extents import Extent
 from ..base import Description
-from ..dcp.metadata import METADATA, Metadata, TensorMeta
+from ..dcp.metadata import METADATA, Metadata
 from .unstack import LAYERS, Weight, chunks_extent, infer_tp, stage_of, unstack_key
 
 OPTIMIZER_STATE = "optimizer.state."
