@@ -114,3 +114,20 @@ def test_dtype_from_the_folder(tmp_path):
     assert "state param : dtype bfloat16" in text
     ucl.load_spec(text)
     json.loads((tmp_path / "config.json").read_text())
+
+
+def test_drafts_are_cached_by_config_digest(monkeypatch):
+    """The HF reader drafts on the fly: a second draft of the same config builds no model and gives
+    the same text; another config (one field changed) drafts anew."""
+    import ucl.formats.hf.draft as D
+    cfg = Z.tiny_config("gpt2")
+    first = draft_spec_from_hf(cfg)
+    built = []
+    real = D.meta_model
+    monkeypatch.setattr(D, "meta_model", lambda c: built.append(c) or real(c))
+    assert draft_spec_from_hf(Z.tiny_config("gpt2")) == first
+    assert built == []
+    other = Z.tiny_config("gpt2")
+    other.tie_word_embeddings = False  # (sizes alone give the same text: drafts are size-generic)
+    assert draft_spec_from_hf(other) != first
+    assert built

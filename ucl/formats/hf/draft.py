@@ -63,7 +63,47 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
     over ``pp``, parameters before them on the first stage and after them on the last; optimizer
     states follow their parameter. Review the result: see docs/stdlib.md for what cannot be inferred.
     """
-    raw, config, model = _build_model(config_or_dir)
+    raw = None if hasattr(config_or_dir, "to_dict") else read_raw_config(config_or_dir)
+    key = _digest(raw if raw is not None else config_or_dir.to_dict(), name)
+    draft = _DRAFTS.pop(key, None) or _draft(config_or_dir, raw, name)
+    _DRAFTS[key] = draft  # most recent last
+    while len(_DRAFTS) > _DRAFTS_KEPT:
+        del _DRAFTS[next(iter(_DRAFTS))]
+    return _assemble(draft, [*draft.lines, *_saved_dtypes(config_or_dir)])
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """A draft before the saved dtypes of a folder are added (what the cache keeps)."""
+
+    title: str
+    class_name: str
+    tied: bool
+    layer_prefix: str | None
+    decl: tuple[str, ...]
+    lets: tuple[str, ...]
+    axes: tuple[str, ...]
+    lines: tuple[str, ...]
+
+
+# drafts by config digest: the HF reader drafts on the fly, and a draft builds up to a dozen meta models
+_DRAFTS: dict[str, _Draft] = {}
+_DRAFTS_KEPT = 64
+
+
+def _digest(fields: Mapping, name: str | None) -> str:
+    import hashlib
+    import json
+    try:
+        from transformers import __version__ as version
+    except ImportError:
+        version = None
+    text = json.dumps({"fields": fields, "name": name, "transformers": version}, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _draft(config_or_dir, raw: dict | None, name: str | None) -> _Draft:
+    raw, config, model = _build_model(config_or_dir, raw)
     dims = recognised_dims(config)
     facts = _model_facts(config, model)
     shapes = ShapeWriter(config, dims)
@@ -74,18 +114,17 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
         lines.append(line)
         uses_ep |= ep
     decl, lets = _declarations(dict(shapes.dims), shapes, raw, facts, config)
-    lines += _saved_dtypes(config_or_dir)
-    return _assemble(name or getattr(config, "model_type", "model"), type(model).__name__, facts, decl, lets,
-                     ["pp", "dp"] + (["ep"] if uses_ep else []) + ["tp"], lines)
+    return _Draft(name or getattr(config, "model_type", "model"), type(model).__name__, facts.tied,
+                  facts.layer_prefix, tuple(decl), tuple(lets),
+                  ("pp", "dp") + (("ep",) if uses_ep else ()) + ("tp",), tuple(lines))
 
 
 # ---- the steps of a draft --------------------------------------------------------------------------
-def _build_model(config_or_dir):
-    """(the fields the user's config really has or None for a PretrainedConfig, the config, a meta-device
-    model). A spec's ``--dims CONFIG`` reads only the raw fields, so the draft must know them."""
-    raw = None
-    if not hasattr(config_or_dir, "to_dict"):
-        raw = read_raw_config(config_or_dir)  # a missing or unreadable config is a StoreError
+def _build_model(config_or_dir, raw: dict | None):
+    """(the fields the user's config really has (``raw``, read by the caller) or None for a
+    PretrainedConfig, the config, a meta-device model). A spec's ``--dims CONFIG`` reads only the raw
+    fields, so the draft must know them."""
+    if raw is not None:
         _check_model_type(raw, config_or_dir)
     try:
         config, model = meta_model(raw if raw is not None else config_or_dir)
@@ -317,24 +356,23 @@ def _declarations(dims: dict, shapes: ShapeWriter, raw: dict | None, facts: _Fac
     return decl, lets
 
 
-def _assemble(title: str, class_name: str, facts: _Facts, decl: list[str], lets: list[str], axes: list[str],
-              lines: list[str]) -> str:
+def _assemble(d: _Draft, lines) -> str:
     out = [
-        f"# Draft spec for {title} ({class_name}), written by `ucl spec from-hf`.",
+        f"# Draft spec for {d.title} ({d.class_name}), written by `ucl spec from-hf`.",
         "# transformers names; tp from the model's tensor-parallel plan, FSDP2 over dp (dim 0 of the",
         "# TP-local tensor), layers in contiguous blocks over pp, optimizer states follow their parameter.",
         "# REVIEW IT: shapes were matched to config dims by value (on the model and on a perturbed copy),",
         "# fused tensors other than packed [gate|up] are split as plain blocks, and",
         "# everything docs/stdlib.md lists under `from-hf` limits still needs a human.",
-        f"# Tied embeddings: {'yes' if facts.tied else 'no'}.",
+        f"# Tied embeddings: {'yes' if d.tied else 'no'}.",
         "",
-        "dims " + ",\n    ".join(decl) if decl else "",
-        *lets,
-        f"mesh {', '.join(axes)}",
+        "dims " + ",\n    ".join(d.decl) if d.decl else "",
+        *d.lets,
+        f"mesh {', '.join(d.axes)}",
         "",
     ]
-    if facts.layer_prefix is not None:
-        out.append(f"{facts.layer_prefix}{{i}}.** : index i of layers over pp first layers - (pp - 1) * (layers // pp)")
+    if d.layer_prefix is not None:
+        out.append(f"{d.layer_prefix}{{i}}.** : index i of layers over pp first layers - (pp - 1) * (layers // pp)")
         out.append("")
     out += lines
     out += ["", "state exp_avg, exp_avg_sq : follow", "state step : scalar", ""]

@@ -61,6 +61,8 @@ def derive(name: str, shape: tuple[int, ...], model, model2, size) -> tuple[list
         return _packed(shape, d, name, model2, size)
     if _REPLICATED.search(mname):
         return [], [], None, "", False
+    if _out_features(module, kind) == 1:  # a scalar gate per token (qwen2_moe's shared_expert_gate): nothing to split
+        return [], [], None, "one output: replicated", False
     if mname in _ROW or (mname not in _COL and _out_features(module, kind) == _hidden(model)
                          and _in_features(module, kind) != _hidden(model)):
         return [], ([] if is_bias else [f"split {in_dim} over tp uneven"]), None, "row-parallel", False
