@@ -205,17 +205,18 @@ def need_torch(what: str) -> None:
 def cmd_verify(args) -> int:
     from ..ops.prepare import check_stored, model_of, open_checkpoint
     con = console()
-    with open_checkpoint(checkpoint_arg(args.ckpt)) as ck:
+    path = checkpoint_arg(args.ckpt)
+    with open_checkpoint(path) as ck:
         problems, fmt = ck.verify(), getattr(ck, "format", None)
         if ck.manifest.spec is not None and not problems:
             try:  # the datasets are the ones the checkpoint's own spec puts on each rank (what readers need)
                 check_stored(ck, model_of(ck))
             except UclError as e:
                 problems.append(f"{e} [{e.code}]")
-    ok = f"{args.ckpt}: every file present, every checksum matches, the datasets are what its spec lays out" \
-        if fmt is None else f"{args.ckpt}: every {fmt} file present and holding its tensors' bytes ({fmt} files " \
+    ok = f"{path}: every file present, every checksum matches, the datasets are what its spec lays out" \
+        if fmt is None else f"{path}: every {fmt} file present and holding its tensors' bytes ({fmt} files " \
         "carry no checksums)"
-    return report(con, problems, f"in {args.ckpt}", ok)
+    return report(con, problems, f"in {path}", ok)
 
 
 def cmd_demo(args) -> int:

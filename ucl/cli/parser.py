@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST", help="must not exist; appears atomically when complete")
-    p.add_argument("--to", metavar="MESH", required=True)
+    p.add_argument("--to", metavar="MESH", required=True, help="the target layout, slowest axis first "
+                   "(pp=1,dp=2,tp=4), or 'universal'")
     p.add_argument("--spec", metavar="SPEC", help="a foreign folder read with this spec (a Hugging Face folder: "
                    "instead of the stdlib or derived one; see ucl import --help)")
     p.add_argument("--dims", metavar="DIMS", help="the dims of --spec (default for Hugging Face: its config.json)")
@@ -203,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(handler="spec_show")
     q = ssub.add_parser("from-hf", help="draft a spec for a transformers model from its config")
     q.add_argument("config", metavar="CONFIG_OR_DIR")
-    q.add_argument("-o", "--output", metavar="FILE")
+    q.add_argument("-o", "--output", metavar="FILE", help="write the draft to FILE (default: print it)")
     q.set_defaults(handler="spec_from_hf")
     return ap
 
