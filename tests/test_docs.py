@@ -44,3 +44,15 @@ def test_readme_has_the_two_setup_commands():
     text = (REPO / "README.md").read_text()
     assert ".venv/bin/ucl demo" in text
     assert ".venv/bin/python -m pytest tests" in text.replace(" -q", "")
+
+
+def test_readme_says_how_to_get_the_cpu_torch_and_ci_runs_its_test_command():
+    """A version pin does not pick torch's CPU build (plain PyPI serves the CUDA one): the README and
+    pyproject give PyPI-independent commands, and CI runs the README's test command verbatim."""
+    text = (REPO / "README.md").read_text()
+    cpu = "pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu in text and "pinned so a CPU machine gets the CPU wheel" not in text
+    assert "--index-url https://download.pytorch.org/whl/cpu" in (REPO / "pyproject.toml").read_text()
+    command = next(line for block in re.findall(r"```sh\n(.*?)```", text, re.S) for line in block.splitlines()
+                   if "-m pytest" in line)
+    assert command in (REPO / ".ci" / "run").read_text().splitlines()
