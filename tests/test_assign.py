@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucl.ops.reshard import ReplicaGroup, assign, split_files
+from tests.passes import examples
 
 
 def group(key: str, mib: int, *ranks: int) -> ReplicaGroup:
@@ -43,7 +44,7 @@ def test_a_shared_files_datasets_take_their_turn_by_size():
     assert max(loads(groups, tasks)) == 46 << 20
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.data())
 def test_every_dataset_is_written_once_and_files_stay_whole(data):
     nfiles = data.draw(st.integers(1, 10))

@@ -19,6 +19,7 @@ from ucl.errors import StoreError
 from ucl.store import Checkpoint, CheckpointWriter
 from ucl.store import direct as direct_mod
 from ucl.store.direct import BLOCK, MIN_DIRECT_BYTES, DirectWriter
+from tests.passes import examples
 
 FIELDS: dict = {}
 
@@ -48,7 +49,7 @@ def read_back(path, count: int) -> list[np.ndarray]:
         return [f[f"param/t{i}"][...] for i in range(count)]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.sampled_from([MIN_DIRECT_BYTES, MIN_DIRECT_BYTES + 1, MIN_DIRECT_BYTES + BLOCK - 1,
                                        3 * MIN_DIRECT_BYTES + 777, 100, MIN_DIRECT_BYTES - 1]), min_size=1, max_size=4),
        shifts=st.lists(st.sampled_from([0, 16, 512, BLOCK - 1]), min_size=4, max_size=4),

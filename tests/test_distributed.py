@@ -145,6 +145,7 @@ def world8(tmp_path_factory):
     return d, _spawn(WORLD, d, ["disk-full", "good"])
 
 
+@pytest.mark.slow  # an 8-process job; the misshaped-tensor case below keeps collective saves in the default pass
 def test_save_rank_collectively_then_load_rank_of_another_layout(demo, world8):
     model, truth = demo
     tmp_path, phases = world8
@@ -211,6 +212,7 @@ def _assert_every_rank_failed_cleanly(results, workdir, phase):
     return results[-1]["error"][2]
 
 
+@pytest.mark.slow
 def test_disk_full_on_one_rank_fails_every_rank_and_writes_nothing(world8):
     workdir, phases = world8
     culprit = _assert_every_rank_failed_cleanly(phases["disk-full"], workdir, "disk-full")

@@ -30,6 +30,7 @@ def resumed_at(lines: list[str]) -> int | None:
     return next((int(m[1]) for line in lines if (m := re.match(r"resumed at step (\d+)", line))), None)
 
 
+@pytest.mark.slow  # four processes importing torch; tests/test_train_crash.py covers kills in the default pass
 def test_train_resume_after_a_kill_prints_the_uninterrupted_losses(tmp_path):
     script, args = str(EXAMPLES / "train_resume.py"), ["--steps", "12", "--save-every", "4"]
     whole = losses(run(script, str(tmp_path / "a"), *args))

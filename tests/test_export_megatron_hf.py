@@ -22,6 +22,7 @@ import ucl  # noqa: E402
 from ucl.errors import UclError  # noqa: E402
 from ucl.ops.export import export_hf  # noqa: E402
 from ucl.formats.hf.renames import Part  # noqa: E402
+from tests.passes import examples
 
 HERE = os.path.dirname(__file__)
 FIX = os.path.join(HERE, "fixtures", "megatron_llama")
@@ -229,7 +230,7 @@ def test_cli_says_a_config_does_not_match_the_checkpoint(tmp_path, capsys, edit,
     assert "no such tensor" not in err and "Traceback" not in err and not os.path.exists(tmp_path / "hf")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(blocks=st.integers(1, 5), per=st.integers(1, 6), cols=st.integers(1, 3), data=st.data())
 def test_part_takes_the_rows_of_every_block(blocks, per, cols, data):
     start = data.draw(st.integers(0, per - 1))

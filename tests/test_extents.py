@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from ucl.errors import StoreError
 from ucl.store.extents import Extent, ExtentCheckpoint, Piece
 from ucl.store.manifest import Manifest
+from tests.passes import examples
 
 
 def _checkpoint(folder, tensor: np.ndarray, cuts: list[int], pad: int = 3) -> ExtentCheckpoint:
@@ -31,7 +32,7 @@ def _checkpoint(folder, tensor: np.ndarray, cuts: list[int], pad: int = 3) -> Ex
     return ExtentCheckpoint(str(folder), m, [{"k/t": e}], "test")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), data=st.data())
 def test_reads_equal_numpy(tmp_path_factory, shape, data):
     folder = tmp_path_factory.mktemp("ext")

@@ -23,14 +23,10 @@ from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
 
 import ucl
+from tests.passes import examples
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAMMAR = (ROOT / "grammar" / "ucl.lark").read_text()
-SCALE = float(os.environ.get("UCL_PROPERTY_SCALE", "1"))
-
-
-def n(examples: int) -> int:
-    return max(1, int(examples * SCALE))
 
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -185,7 +181,7 @@ def grammar_strategy(spaced: bool, start: str = "start", names=None):
     return from_lark(parser, start=start, explicit={k: v for k, v in explicit.items() if k in used})
 
 
-@settings(max_examples=n(400), **SETTINGS)
+@settings(max_examples=examples(400), **SETTINGS)
 @given(text=grammar_strategy(spaced=True), data=st.data())
 def test_grammar_generated_spaced(text, data):
     note(text)
@@ -200,7 +196,7 @@ DECLARED = ("pp", "dp", "tp", "ep", "hidden", "heads", "layers", "x", "i", "q", 
             "exp_avg", "step", "min", "max", "ceil_div")
 
 
-@settings(max_examples=n(300), **SETTINGS)
+@settings(max_examples=examples(300), **SETTINGS)
 @given(lines=st.lists(st.one_of(grammar_strategy(True, "rule", DECLARED), grammar_strategy(True, "rule", DECLARED),
                                 grammar_strategy(True, "state_decl", DECLARED),
                                 grammar_strategy(True, "let_decl", DECLARED)),
@@ -215,7 +211,7 @@ def test_grammar_generated_statements(lines, data):
         try_model(spec, data.draw, mesh_draws=2)
 
 
-@settings(max_examples=n(150), **SETTINGS)
+@settings(max_examples=examples(150), **SETTINGS)
 @given(text=grammar_strategy(spaced=False))
 def test_grammar_generated_unspaced(text):
     note(text)
@@ -226,7 +222,7 @@ def test_grammar_generated_unspaced(text):
 ALPHABET = "abdeilmnoprstuvxyz_0123456789 \t\n\r.,:;[](){}*#=+-/%|"
 
 
-@settings(max_examples=n(300), **SETTINGS)
+@settings(max_examples=examples(300), **SETTINGS)
 @given(text=st.one_of(st.text(), st.text(alphabet=ALPHABET), st.binary().map(lambda b: b.decode("latin-1"))))
 def test_arbitrary_text(text):
     note(repr(text))
@@ -321,7 +317,7 @@ def mutated(draw):
     return text
 
 
-@settings(max_examples=n(400), **SETTINGS)
+@settings(max_examples=examples(400), **SETTINGS)
 @given(text=mutated(), data=st.data())
 def test_mutated_specs(text, data):
     note(text)
@@ -339,14 +335,14 @@ def test_mutated_specs(text, data):
 
 
 # ---- 4. bind-time fuzz of valid specs -----------------------------------------------------------------
-@settings(max_examples=n(300), **SETTINGS)
+@settings(max_examples=examples(300), **SETTINGS)
 @given(text=st.sampled_from(VALID_SPECS), data=st.data())
 def test_bind_fuzz(text, data):
     spec = ucl.load_spec(text)
     try_model(spec, data.draw, mesh_draws=2)
 
 
-@settings(max_examples=n(200), **SETTINGS)
+@settings(max_examples=examples(200), **SETTINGS)
 @given(data=st.data())
 def test_bind_fuzz_llama(data):
     """The Llama spec with the right parameter names and random (often inconsistent) dims/shapes/meshes."""

@@ -100,6 +100,7 @@ def _many_rules(n):
     return ucl.load_spec(text), params
 
 
+@pytest.mark.slow  # binds thousands of rules twice to compare the costs
 def test_binding_many_rules_to_many_params_is_near_linear():
     specs = {n: _many_rules(n) for n in (2_000, 20_000)}
 

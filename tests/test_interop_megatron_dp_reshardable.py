@@ -24,6 +24,7 @@ from ucl.dtypes import to_numpy
 from ucl.errors import StoreError
 from ucl.formats.megatron import buckets as megatron_buckets, dist as megatron
 from bits import same_bits as _same  # noqa: E402
+from tests.passes import examples
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
 NAMES = ["dp2_optim", "dp3_optim_buckets", "tp2_dp2_optim", "pp2_dp2_optim"]
@@ -246,7 +247,7 @@ def _megatron_buffer(sizes: list[int], dp: int, bucket_size: int | None):
     return where, bounds, unpadded
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=10), dp=st.integers(1, 6),
        bucket_size=st.one_of(st.none(), st.integers(1, 900)), seed=st.integers(0, 2 ** 16))
 def test_generated_spec_is_megatrons_buffer_layout(sizes, dp, bucket_size, seed):

@@ -24,6 +24,10 @@ import torch
 import ucl
 from ucl import UNIVERSAL, Mesh
 
+# some known answers are deliberately loose fits (kv_heads < tp): the warning is
+# expected (tests/test_mesh_diagnostics.py checks it)
+pytestmark = pytest.mark.filterwarnings("ignore::ucl.layout.fit.MeshFitWarning")
+
 
 # ---- harness ------------------------------------------------------------------------------------
 def per_rank(axes: dict, fn) -> dict[int, dict[str, np.ndarray]]:

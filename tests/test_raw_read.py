@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from ucl.errors import StoreError
 from ucl.store.raw import RawFile, locate, read_table
+from tests.passes import examples
 
-SETTINGS = settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(deadline=None, max_examples=examples(60), suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _file(tmp_path, arr: np.ndarray, offset: int):

@@ -217,6 +217,7 @@ def test_failure_in_one_process_publishes_nothing_and_every_process_raises(world
     assert _leftovers(d) == []
 
 
+@pytest.mark.slow  # two processes above keep distributed reshards in the default pass
 @pytest.mark.parametrize("target", ["universal", "multi"])
 def test_four_processes_bit_exact(source, world4, target):
     d, res = world4
@@ -234,6 +235,7 @@ def _assert_survivors_failed(results: list[dict | None], dead: int, limit_s: flo
         assert res["seconds"] < limit_s, res
 
 
+@pytest.mark.slow
 def test_killed_process_fails_the_others_and_publishes_nothing(world4):
     d, res = world4
     _assert_survivors_failed(res["kill"], 3, TIMEOUT_S)

@@ -22,9 +22,10 @@ from ucl.dtypes import LOGICAL_DTYPES, itemsize, storage_dtype, to_numpy, to_tor
 from ucl.layout.boxes import flat_boxes
 from ucl.store import FORMAT_VERSION, Checkpoint, CheckpointRoot, CheckpointWriter, Manifest, cleanup_stale
 from tests.corrupt import without_offsets
+from tests.passes import examples
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FAST = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _tensor(dtype: str, shape=(5, 6), seed=0) -> torch.Tensor:
@@ -107,7 +108,7 @@ def test_numpy_inputs(tmp_path):
 # ---------------------------------------------------------------- hyperslabs
 
 @given(shape=st.lists(st.integers(0, 5), max_size=4), data=st.data())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_flat_boxes_cover_range_exactly(shape, data):
     total = math.prod(shape)
     start = data.draw(st.integers(0, total))
@@ -143,7 +144,7 @@ def slab_ck(tmp_path_factory, request):
 
 
 @given(data=st.data())
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_read_box_and_flat_equal_numpy(slab_ck, data):
     ck, arrays = slab_ck
     key = data.draw(st.sampled_from(sorted(arrays)))
@@ -527,7 +528,7 @@ def flat_ckpt(tmp_path_factory):
     return path, data
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(a=st.integers(0, (1 << 20) - 1), n=st.integers(1, 40_000), hdf5=st.booleans(),
        bad=st.sampled_from([None, "head", "inside", "tail"]))
 def test_verified_flat_range_reads_its_chunks_once_and_checks_each(flat_ckpt, tmp_path_factory, a, n, hdf5, bad):

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from ucl.layout.boxes import strides
 from ucl.plan.stream import StridedCopy, box_rank, fill_block, parts_in
+from tests.passes import examples
 
 
 @st.composite
@@ -37,7 +38,7 @@ def elements(cp: StridedCopy):
                cp.dst + sum(i * s for i, s in zip(idx, cp.dst_strides)))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(copies())
 def test_box_rank_counts_elements_below_an_offset(c):
     cp, _, dst_len = c
@@ -48,7 +49,7 @@ def test_box_rank_counts_elements_below_an_offset(c):
     assert cp.dst_stop == cp.dst + max(offsets) + 1 and cp.src_stop == cp.src + max(s for s, _ in elements(cp)) - cp.src + 1
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(copies(), st.data())
 def test_parts_in_a_block_are_exactly_its_elements(c, data):
     cp, _, dst_len = c
@@ -58,7 +59,7 @@ def test_parts_in_a_block_are_exactly_its_elements(c, data):
     assert got == sorted(e for e in elements(cp) if lo <= e[1] < hi)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(copies())
 def test_src_runs_list_the_source_offsets_in_box_order(c):
     cp, _, _ = c
@@ -67,7 +68,7 @@ def test_src_runs_list_the_source_offsets_in_box_order(c):
     assert got == [s for s, _ in elements(cp)]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(copies(), min_size=1, max_size=3), st.data())
 def test_fill_block_by_blocks_equals_elementwise_copy(cs, data):
     """Copies into disjoint target ranges (one after another) filled in blocks of any size give the

@@ -23,6 +23,7 @@ from ucl.layout.boxes import Slot, flat_runs
 from ucl.store import Checkpoint, CheckpointWriter, StoreSource
 from ucl.store.checksum import MIN_CHUNK_BYTES, chunk_count, chunk_size, tile_grid
 from tests.corrupt import without_offsets
+from tests.passes import examples
 
 SETTINGS = settings(max_examples=int(os.environ.get("UCL_FUZZ_EXAMPLES", 40)), deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -105,7 +106,7 @@ def _chunk_bound(shape, start, size, item) -> int:
 # ---------------------------------------------------------------- the grid rule
 
 @given(rows=st.integers(1, 5000), cols=st.integers(1, 5000), item=st.sampled_from([1, 2, 4, 8]))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_grid_rule(rows, cols, item):
     g = tile_grid((rows, cols), item)
     nbytes = rows * cols * item
@@ -390,7 +391,7 @@ def test_tile_attributes_on_a_flat_dataset_are_refused_by_verify(tmp_path):
         assert any("tile checksum attributes" in p for p in ck.verify())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(rows=st.integers(1, 300), cols=st.integers(1, 700), item=st.sampled_from([1, 2, 4]),
        cuts=st.lists(st.floats(0, 1), max_size=6), seed=st.integers(0, 2**31))
 def test_incremental_checksums_of_any_pieces_equal_direct_hashes(rows, cols, item, cuts, seed):
@@ -430,7 +431,7 @@ def test_copy_checksummed_of_several_blocks(shape, item, tiles):
     test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes.hypothesis.inner_test(shape, item, 5, tiles)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(shape=st.lists(st.integers(1, 400), min_size=0, max_size=3).filter(lambda s: math.prod(s) <= 200_000),
        item=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**31), tiles=st.booleans())
 def test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes(shape, item, seed, tiles):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from ucl.formats.torchzip.write import Size, Tensor, save
 from ucl.formats.torchzip.read import TensorRef, read_torch_file
+from tests.passes import examples
 
 torch = pytest.importorskip("torch")
 
@@ -23,7 +24,7 @@ plain = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st
                      | st.tuples(kids, kids), max_leaves=12)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(value=plain, dtype=st.sampled_from(sorted(_DTYPES)),
        shape=st.lists(st.integers(0, 4), max_size=3), seed=st.integers(0, 2**32 - 1))
 def test_torch_load_reads_what_it_writes(tmp_path_factory, value, dtype, shape, seed):

@@ -4,6 +4,7 @@ Chrome trace export, the PNG timeline and the errors."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import shutil
 import statistics
@@ -73,6 +74,8 @@ def expected_summary(raw: list[dict]) -> dict:
             "durable_median_s": statistics.median(durable),
             "promoted_median_s": statistics.median(promoted) if promoted else None,
             "pool_peak_mib": max(peaks) / 2**20 if peaks else None,
+            **{f"{p}_median_s": statistics.median(e["end"] - e["start"] for e in raw if e["phase"] == p)
+               if any(e["phase"] == p for e in raw) else None for p in ("snapshot", "flush")},
             "span_s": max(e["end"] for e in raw) - min(e["start"] for e in raw)}
 
 
@@ -258,8 +261,47 @@ def test_cli_trace_draws_and_exports(real_root, tmp_path, capsys):
     png, chrome = tmp_path / "t.png", tmp_path / "t.json"
     assert main(["trace", str(real_root), "--png", str(png), "--chrome", str(chrome)]) == 0
     out = capsys.readouterr().out
-    assert "checkpoints 4" in out and "blocked_s" in out
+    assert "1 run over" in out and "run 1: rank 0" in out and "steps 0-3 (4 saved, 4 flushed)" in out, out
+    assert "medians: snapshot" in out and "host pool high-water" in out and "blocked_s" not in out, out  # no raw keys
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(chrome.read_text())["traceEvents"]
     assert main(["trace", str(tmp_path / "nothing-here")]) == 1
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_resumed_root_shows_each_run_apart(tmp_path, capsys):
+    """Two processes' lifetimes appending to one root (a run, then its resume): the summary and the
+    picture separate them, each run's steps and medians its own, not a mix."""
+    torch = pytest.importorskip("torch")
+    from ucl.cli import main
+    from ucl.train.timeline import split_runs
+    root = tmp_path / "ckpt"
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for steps in (range(0, 3), range(3, 5)):
+        with ucl.Checkpointer(root, model, opt) as ck:
+            if steps.start:
+                ck.load()
+            for step in steps:
+                opt.step()
+                ck.save(step)
+    runs = split_runs(load_trace(root))
+    assert [sorted({e["step"] for e in r if e["phase"] == "blocked"}) for r in runs] == [[0, 1, 2], [3, 4]]
+    assert main(["trace", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs over" in out and "resumed" in out, out
+    assert "run 1: rank 0" in out and "steps 0-2 (3 saved, 3 flushed)" in out, out
+    assert "run 2: rank 0" in out and "steps 3-4 (2 saved, 2 flushed)" in out, out
+    if importlib.util.find_spec("matplotlib"):
+        draw_timeline(root, tmp_path / "t.png")
+        assert png_size(tmp_path / "t.png")[0] > 0
+
+
+def test_runs_of_several_ranks_pair_by_order_and_old_events_count_as_the_first(tmp_path):
+    from ucl.train.timeline import split_runs
+    ev = lambda rank, run, start, **kw: {"rank": rank, "phase": "blocked", "start": start, "end": start + 1,  # noqa: E731
+                                         **({} if run is None else {"run": run}), **kw}
+    events = [ev(0, None, 0.0), ev(1, None, 0.5), ev(0, 100.0, 100.0), ev(1, 100.2, 100.1), ev(1, 200.3, 200.0)]
+    runs = split_runs(events)
+    assert [[(e["rank"], e["start"]) for e in r] for r in runs] == [[(0, 0.0), (1, 0.5)], [(0, 100.0), (1, 100.1)],
+                                                                   [(1, 200.0)]]

@@ -19,6 +19,7 @@ nn = torch.nn
 
 import ucl  # noqa: E402
 from ucl.store.writer import CheckpointWriter  # noqa: E402
+from tests.passes import examples
 
 
 class Toy(nn.Module):
@@ -231,7 +232,7 @@ def test_pool_reclaims_a_cached_region_handed_over_while_waiting():
 
 
 @given(sizes=st.lists(st.integers(0, 3 << 20), min_size=1, max_size=12), keep=st.integers(1, 3))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 def test_pool_regions_start_on_blocks_and_never_overlap(sizes, keep):
     from ucl.store.direct import BLOCK
     from ucl.train.pool import HostPool, layout_bytes

@@ -371,6 +371,7 @@ def _report(done: list[Trial]) -> list[str]:
     return [f"{t}:\n  " + (t.error or "\n  ".join(t.problems)) for t in done if t.error or t.problems]
 
 
+@pytest.mark.slow  # many kills at random points; the publication points below stay in the default pass
 def test_sigkill_at_random_points_leaves_latest_loadable(tmp_path, forkserver):
     trials = _plan()
     t0 = time.perf_counter()

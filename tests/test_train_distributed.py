@@ -240,15 +240,17 @@ def _reference() -> tuple[list[float], dict]:
 MANUAL_NAMES = {"0.weight": "fc1_w", "0.bias": "fc1_b", "2.weight": "fc2_w", "2.bias": "fc2_b"}
 
 
+# the default pass keeps one representative (DDP saved, resumed as a plain module); the rest spawn
+# 2-4 processes each: the slow pass
 @pytest.mark.parametrize("saver,savers,loader,loaders", [
     ("ddp", 2, "plain", 1),
-    ("ddp", 2, "ddp", 2),
-    ("fsdp", 2, "plain", 1),
-    ("fsdp", 2, "tp", 2),
-    ("tp", 2, "fsdp", 2),
-    ("fsdp_tp", 4, "plain", 1),
-    ("plain", 1, "fsdp_tp", 4),
-    ("manual", 2, "manual", 2),
+    pytest.param("ddp", 2, "ddp", 2, marks=pytest.mark.slow),
+    pytest.param("fsdp", 2, "plain", 1, marks=pytest.mark.slow),
+    pytest.param("fsdp", 2, "tp", 2, marks=pytest.mark.slow),
+    pytest.param("tp", 2, "fsdp", 2, marks=pytest.mark.slow),
+    pytest.param("fsdp_tp", 4, "plain", 1, marks=pytest.mark.slow),
+    pytest.param("plain", 1, "fsdp_tp", 4, marks=pytest.mark.slow),
+    pytest.param("manual", 2, "manual", 2, marks=pytest.mark.slow),
 ])
 def test_save_on_one_parallelism_resume_on_another(tmp_path, saver, savers, loader, loaders):
     reference, at_save = _reference()
@@ -280,6 +282,7 @@ def test_save_on_one_parallelism_resume_on_another(tmp_path, saver, savers, load
         assert resumed[0]["losses"] == pytest.approx(reference[SAVE_AT:], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_a_rollback_from_host_memory_restores_every_process(tmp_path, mode):
     """persist_every keeps the snapshot in host memory only: after a bad step, load() restores it on
@@ -293,6 +296,7 @@ def test_a_rollback_from_host_memory_restores_every_process(tmp_path, mode):
         assert r["losses"] == pytest.approx(saved[0]["losses"][SAVE_AT:], rel=1e-6, abs=1e-7), r["rank"]
 
 
+@pytest.mark.slow
 def test_processes_saving_different_steps_all_fail_and_write_nothing(tmp_path):
     """save(5) on one process and save(6) on the other: each raises UCL436 (no hang), and no
     checkpoint is committed under either number."""
@@ -339,6 +343,7 @@ def _normed_model():
                                torch.nn.Linear(32, OUT))
 
 
+@pytest.mark.slow
 def test_fsdp2_tp_with_a_parameter_on_the_dp_slice_saves_and_loads_anywhere(tmp_path):
     """A norm left out of the TP plan lives on the dp slice of the mesh (UCL430 before): it is
     replicated over tp. Loaded into a plain module, every tensor equals torch's own full state."""
@@ -358,6 +363,7 @@ def test_fsdp2_tp_with_a_parameter_on_the_dp_slice_saves_and_loads_anywhere(tmp_
             assert torch.equal(value, want["optim"]["state"][name][kind]), (name, kind)
 
 
+@pytest.mark.slow
 def test_a_process_that_fails_its_save_and_exits_fails_the_others_with_ucl424(tmp_path):
     """The others' flush is waiting for it: they learn at once that it stopped answering (UCL424,
     as docs/training.md says; it was a bare UCL410 'writing failed'), and nothing is written."""
@@ -368,6 +374,7 @@ def test_a_process_that_fails_its_save_and_exits_fails_the_others_with_ucl424(tm
     assert CheckpointRoot(tmp_path / "ck").steps() == []
 
 
+@pytest.mark.slow
 def test_processes_given_different_roots_are_refused_at_construction(tmp_path):
     """Rank 0's root would get every rank file and the others' none; a later load() would restore
     only some processes."""

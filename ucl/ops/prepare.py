@@ -24,6 +24,7 @@ from ..formats.registry import open_foreign
 from ..store.like import CheckpointLike
 from ..store.manifest import MANIFEST_NAME
 from ..store.reader import Checkpoint
+from ..store.root import follow_latest
 
 _MODELS: OrderedDict[str, Model] = OrderedDict()  # manifest digest -> bound model
 _MAX_MODELS = 8
@@ -35,7 +36,11 @@ def open_checkpoint(path: str | os.PathLike, format: str | None = None,
     """Open a committed checkpoint for reading (lazy: rank files open on first use). A folder
     another framework wrote (DeepSpeed, DCP, Megatron, Hugging Face; ``format`` detected when
     None) opens read in place (docs/interop.md): the same reads, from the framework's own files;
-    ``user``: the parameter placements its files do not record (``ops.convert.user_spec``)."""
+    ``user``: the parameter placements its files do not record (``ops.convert.user_spec``).
+    A checkpoint root (``latest`` + ``step_*``, as ``Checkpointer`` writes) opens the step its
+    ``latest`` names."""
+    if format in (None, "ucl"):
+        path = follow_latest(path) or path
     if format in (None, "ucl") and (format == "ucl" or os.path.lexists(os.path.join(os.fspath(path), MANIFEST_NAME))):
         return Checkpoint.open(path)
     return open_foreign(path, format, user)

@@ -11,6 +11,7 @@ from ..errors import StoreError
 from ..files import read_bounded
 from .atomic import (STALE_AGE_S, Leftover, cleanup_stale, collect_garbage, fsync_dir, is_committed, is_tmp_name,
                      tmp_name, write_atomic)
+from .manifest import MANIFEST_NAME
 from .reader import Checkpoint
 from .writer import CheckpointWriter
 
@@ -200,3 +201,21 @@ class CheckpointRoot:
         if path is None:
             raise StoreError(f"no latest checkpoint in {self.root}", code="UCL404")
         return Checkpoint.open(path)
+
+
+def follow_latest(path: str | os.PathLike[str]) -> str | None:
+    """The checkpoint a root's ``latest`` names when ``path`` is a checkpoint root (no manifest of its
+    own; a ``latest`` naming a ``step_*`` folder); None for anything else (a checkpoint, a DeepSpeed
+    root, whose ``latest`` names a tag folder). A ``latest`` naming a step that is not committed
+    raises UCL413 rather than falling through to "not a checkpoint"."""
+    path = os.fspath(path)
+    if os.path.lexists(os.path.join(path, MANIFEST_NAME)) or not os.path.isfile(os.path.join(path, LATEST_NAME)):
+        return None
+    root = CheckpointRoot(path)
+    try:
+        name = root.latest_name()
+    except StoreError:  # not a pointer of ours (another framework's, or garbage): not a root
+        return None
+    if name is None or root.step_of(name) is None:
+        return None
+    return root.latest()

@@ -87,6 +87,8 @@ def _event(line: str) -> dict | None:
         return None
     if "step" in e and not _is_int(e["step"]):
         return None
+    if "run" in e and not (_is_number(e["run"]) and math.isfinite(e["run"])):
+        return None
     return e
 
 
@@ -108,7 +110,8 @@ def summarize(events: list[dict]) -> dict:
     (the same to the last end of its promotions to further tiers; None without any),
     ``pool_peak_mib`` (host pool high-water), ``snapshot_cpu_s``, ``flush_cpu_s`` and
     ``promote_cpu_s`` (CPU time of those background phases, all ranks; None where the events
-    carry none), ``ranks`` and ``span_s``."""
+    carry none), ``snapshot_median_s`` and ``flush_median_s`` (per event), ``ranks`` and
+    ``span_s``. Summarize each of :func:`split_runs` for a resumed root."""
     by_phase = {p: [e for e in events if e["phase"] == p] for p in LANES}
     blocked = [e["end"] - e["start"] for e in by_phase["blocked"]]
     saves_of_rank: dict[int, list] = {}
@@ -133,8 +136,52 @@ def summarize(events: list[dict]) -> dict:
             "fence_s": fence, "durable_median_s": statistics.median(durable) if durable else None,
             "promoted_median_s": statistics.median(promoted) if promoted else None,
             "pool_peak_mib": max(peaks) / 2**20 if peaks else None,
+            "snapshot_median_s": _median_s(by_phase["snapshot"]), "flush_median_s": _median_s(by_phase["flush"]),
             **{f"{p}_cpu_s": _total_cpu(by_phase[p]) for p in ("snapshot", "flush", "promote")},
             "span_s": max(e["end"] for e in events) - min(e["start"] for e in events) if events else 0.0}
+
+
+def split_runs(events: list[dict]) -> list[list[dict]]:
+    """The events of each run, in order: a root resumed by later processes holds several runs, each
+    rank's file appended by one lifetime after another, so a rank's k-th distinct ``run`` belongs
+    to the job's k-th run (events written before runs were recorded count as each rank's first)."""
+    started: dict[int, list] = {}
+    for e in events:
+        started.setdefault(e["rank"], set()).add(e.get("run", -math.inf))
+    index = {rank: {run: i for i, run in enumerate(sorted(runs))} for rank, runs in started.items()}
+    out: list[list[dict]] = [[] for _ in range(max((len(i) for i in index.values()), default=0))]
+    for e in events:
+        out[index[e["rank"]][e.get("run", -math.inf)]].append(e)
+    return out
+
+
+def summary_lines(events: list[dict], root=None) -> list[str]:
+    """The trace as a few readable lines: per run its ranks, steps, time blocked in save(), the
+    medians of snapshot, flush and save-to-durable, and the host pool's high-water mark."""
+    runs = split_runs(events)
+    span = max((e["end"] for e in events), default=0.0) - min((e["start"] for e in events), default=0.0)
+    lines = [f"{os.fspath(root) + ': ' if root is not None else ''}{len(runs)} run{'s' * (len(runs) != 1)}"
+             f" over {_seconds(span)}" + (" (resumed: each later run appended to the same root)" if len(runs) > 1 else "")]
+    for i, run in enumerate(runs, 1):
+        s = summarize(run)
+        steps = sorted({e["step"] for e in run if e["phase"] == "blocked" and "step" in e})
+        ranks = s["ranks"]
+        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]} ({len(ranks)})"
+        lines.append(f"run {i}: {where}, {_seconds(s['span_s'])}, "
+                     + (f"steps {steps[0]}-{steps[-1]} " if len(steps) > 1 else f"step {steps[0]} " if steps else "")
+                     + f"({s['saves']} saved, {s['checkpoints']} flushed)")
+        lines.append(f"  blocked in save(): {_seconds(s['blocked_s'])} total, median {_seconds(s['blocked_median_s'])}"
+                     f" per call; optimizer step waited {_seconds(s['fence_s'])}")
+        lines.append(f"  medians: snapshot {_seconds(s['snapshot_median_s'])}, flush {_seconds(s['flush_median_s'])}, "
+                     f"save to durable {_seconds(s['durable_median_s'])}"
+                     + (f", save to promoted {_seconds(s['promoted_median_s'])}" if s["promoted_median_s"] else ""))
+        peak = "n/a" if s["pool_peak_mib"] is None else f"{s['pool_peak_mib']:.1f} MiB"
+        lines.append(f"  host pool high-water {peak}")
+    return lines
+
+
+def _median_s(events: list[dict]) -> float | None:
+    return statistics.median(e["end"] - e["start"] for e in events) if events else None
 
 
 def _total_cpu(events: list[dict]) -> float | None:
@@ -213,9 +260,12 @@ def draw_timeline(root, path) -> dict:
     ax.grid(axis="x", color="0.92")
     ax.set_axisbelow(True)
     _mark_steps(ax, events, t0, summary["span_s"])
+    _mark_runs(ax, split_runs(events), t0)
     fig.legend([Patch(color=COLOURS[p]) for p in LEGEND], LEGEND.values(), loc="outside lower center",
                ncols=len(LEGEND), fontsize=8, frameon=False)
-    fig.suptitle(f"checkpointer timeline: {os.fspath(root)}\n{_title(summary)}", fontsize=10)
+    nruns = len(split_runs(events))
+    fig.suptitle(f"checkpointer timeline: {os.fspath(root)}" + (f" ({nruns} runs)" if nruns > 1 else "")
+                 + f"\n{_title(summary)}", fontsize=10)
     fig.savefig(os.fspath(path))
     return summary
 
@@ -236,6 +286,18 @@ def _mark_steps(ax, events, t0: float, span: float) -> None:
     top = ax.secondary_xaxis("top")
     top.set_xticks(xs, labels, fontsize=7)
     top.set_xlabel("checkpoint step (save)", fontsize=8)
+
+
+def _mark_runs(ax, runs: list[list[dict]], t0: float) -> None:
+    """A resumed root's later runs: a solid line where each begins, labelled, the gap before it shaded."""
+    for i, run in enumerate(runs[1:], 2):
+        begin = min(e["start"] for e in run) - t0
+        before = max(e["end"] for e in runs[i - 2]) - t0
+        if before < begin:
+            ax.axvspan(before, begin, color="0.93", zorder=0)
+        ax.axvline(begin, color="0.2", linewidth=1.2, zorder=3)
+        ax.annotate(f"run {i} (resumed)", (begin, 0), xycoords=("data", "axes fraction"), xytext=(3, 3),
+                    textcoords="offset points", fontsize=8, color="0.2")
 
 
 def _title(s: dict) -> str:

@@ -1,6 +1,8 @@
 """What the checkpointer did and when, per rank: intervals (blocked, fence, snapshot, flush,
 promote to a further tier, restore from host memory) with bytes and the host pool's high-water mark, appended as JSON lines next to the
-checkpoints (``ROOT/trace-rank00000.jsonl``)."""
+checkpoints (``ROOT/trace-rank00000.jsonl``). Each event names its ``run``: the wall-clock time its
+process's checkpointer started, so the runs of a resumed root (several lifetimes appending to one
+file) are told apart."""
 from __future__ import annotations
 
 import json
@@ -14,6 +16,7 @@ class Trace:
         self.path = os.path.join(root, f"trace-rank{rank:05d}.jsonl")
         self.rank = rank
         self.origin = time.time() - time.perf_counter()  # perf_counter -> wall clock
+        self.run = round(time.time(), 6)
         self._events: list[dict] = []  # every event, for events()
         self._written = 0  # how many of them the trace file has
         self._lock = threading.Lock()
@@ -22,7 +25,7 @@ class Trace:
     def add(self, phase: str, start: float, end: float, **info) -> None:
         with self._lock:
             self._events.append({"rank": self.rank, "phase": phase, "start": self.origin + start,
-                                 "end": self.origin + end, **info})
+                                 "end": self.origin + end, "run": self.run, **info})
 
     def events(self) -> list[dict]:
         with self._lock:
