@@ -5,49 +5,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import BindError, Diagnostic
 from ..lang import ast
-from ..lang.expr import ExprError, check_extent, evaluate
 from .algebra import DimSpec, LayoutError, Node
+from .context import LoweringContext
 from .mesh import Mesh
-
-
-class TensorFailure(BindError):
-    """A BindError about one tensor on one mesh. Besides the rendered diagnostic it keeps the
-    ``tensor``, the ``mesh``, the ``problem`` itself (the diagnostic before the tensor is named) and
-    its ``cause`` where known (the split or placement that does not fit), so that lowering can
-    report a problem shared by many tensors (every layer) once, and say what to change."""
-
-    def __init__(self, model, tensor, problem: Diagnostic, mesh: Mesh, cause=None):
-        self.tensor, self.problem, self.mesh, self.cause = tensor, problem, mesh, cause
-        where = "" if mesh.is_universal else f" on mesh {mesh}"
-        msg = f"{tensor.name} {list(tensor.shape)} ({tensor.kind}){where}: {problem.message}"
-        super().__init__([Diagnostic(problem.code, msg, problem.span, problem.hint)], model.spec.text,
-                         model.spec.filename)
-
-
-def fail(model, tensor, span, err: LayoutError | Diagnostic, mesh: Mesh):
-    """Raise a BindError (a TensorFailure) naming the tensor, its shape and kind, the mesh and the
-    rule's span."""
-    d = err if isinstance(err, Diagnostic) else Diagnostic(err.code, str(err), span, err.hint)
-    cause = getattr(err, "split", None)
-    raise TensorFailure(model, tensor, Diagnostic(d.code, d.message, d.span or span, d.hint), mesh, cause)
-
-
-def evaluate_in(model, tensor, expr, env, mesh, extent: str | None = None, count: bool = False):
-    """An expression of a tensor's rule; a failure is reported against that tensor. An ``extent``
-    (a size: a view factor, a concat part, an index count) must not be negative."""
-    try:
-        value = evaluate(expr, env)
-        return check_extent(value, expr, extent, count) if extent is not None else value
-    except ExprError as e:
-        fail(model, tensor, expr.span, e.diagnostic, mesh)
 
 
 def build_dims(model, tensor, env: dict, mesh: Mesh) -> tuple[DimSpec, ...]:
     """The DimSpec of every dim of ``tensor`` (``env``: dims, lets and the mesh's axis sizes)."""
+    return dims_of(LoweringContext(model, mesh, env), tensor)
+
+
+def dims_of(ctx: LoweringContext, tensor) -> tuple[DimSpec, ...]:
+    """:func:`build_dims` in a lowering's context."""
     rule = tensor.rule
-    shape = model.params[tensor.name]
+    shape = ctx.model.params[tensor.name]
     structure: dict[tuple, ast.Transform] = {}
     splits: dict[tuple, list] = {}  # path -> [(order, (axes, mode))]
     pads: dict[int, int] = {}
@@ -58,15 +30,15 @@ def build_dims(model, tensor, env: dict, mesh: Mesh) -> tuple[DimSpec, ...]:
             splits.setdefault(t.dim.path, []).append((order, (tuple(a.name for a in t.axes), t.mode)))
         elif isinstance(t, ast.Pad):
             n = shape[t.dim.root]
-            target = evaluate_in(model, tensor, t.target, env, mesh)
+            target = ctx.evaluate(tensor, t.target)
             if target <= 0:
-                fail(model, tensor, t.span, LayoutError("UCL205", f"pad target {target} must be positive"), mesh)
+                ctx.fail(tensor, t.span, LayoutError("UCL205", f"pad target {target} must be positive"))
             padded = -(-n // target) * target if t.multiple else target
             if padded < n:
-                fail(model, tensor, t.span, LayoutError("UCL205", f"cannot pad dim {t.dim} of size {n} down to {padded}"), mesh)
+                ctx.fail(tensor, t.span, LayoutError("UCL205", f"cannot pad dim {t.dim} of size {n} down to {padded}"))
             pads[t.dim.root] = padded
 
-    builder = _TreeBuilder(model, tensor, env, mesh, structure, splits)
+    builder = _TreeBuilder(ctx, tensor, structure, splits)
     dims = []
     for d, n in enumerate(shape):
         padded = pads.get(d, n)
@@ -79,15 +51,13 @@ class _TreeBuilder:
     """Builds one tensor's dim trees (a class rather than nested recursive closures, which would be
     reference cycles left for the cyclic collector: one per tensor lowered)."""
 
-    model: object
+    ctx: LoweringContext
     tensor: object
-    env: dict
-    mesh: Mesh
     structure: dict
     splits: dict  # path -> [(order, (axes, mode))]
 
     def number(self, expr, extent: str):
-        return evaluate_in(self.model, self.tensor, expr, self.env, self.mesh, extent)
+        return self.ctx.evaluate(self.tensor, expr, extent)
 
     def first_below(self, path) -> float:
         """Order of the first split of a strict descendant of ``path`` (inf if none)."""
@@ -113,20 +83,20 @@ class _TreeBuilder:
         if isinstance(t, ast.View):
             sizes = [self.number(f, f"view factor {k}") for k, f in enumerate(t.factors)]
             if math.prod(sizes) != size:  # Python ints: an int64 product could wrap around to `size`
-                fail(self.model, self.tensor, t.span, LayoutError(
-                    "UCL206", f"view {t.dim} as {sizes}: the factors multiply to {math.prod(sizes)}, not {size}"), self.mesh)
+                self.ctx.fail(self.tensor, t.span, LayoutError(
+                    "UCL206", f"view {t.dim} as {sizes}: the factors multiply to {math.prod(sizes)}, not {size}"))
             if pre and cut == float("inf"):  # a split of the whole viewed dim: the view does not matter
                 return Node("leaf", size, (), pre, path=path)
             if pre:
-                fail(self.model, self.tensor, t.span, LayoutError(
+                self.ctx.fail(self.tensor, t.span, LayoutError(
                     "UCL109", f"dim {t.dim} is split as a whole before one of its factors is; split the factor "
-                    "first (a later split of the whole then cuts each rank's local part)"), self.mesh)
+                    "first (a later split of the whole then cuts each rank's local part)"))
             kids = tuple(self.build(path + (k,), s) for k, s in enumerate(sizes))
             return Node("view", size, kids, (), post, path=path)
         sizes = [self.number(p.size, f"concat part {p.name.name!r}") for p in t.parts]
         if sum(sizes) != size:
-            fail(self.model, self.tensor, t.span, LayoutError(
-                "UCL206", f"concat {t.dim} parts {sizes} sum to {sum(sizes)}, not {size}"), self.mesh)
+            self.ctx.fail(self.tensor, t.span, LayoutError(
+                "UCL206", f"concat {t.dim} parts {sizes} sum to {sum(sizes)}, not {size}"))
         # A split of a concat splits every part: each rank holds [q_r; k_r; v_r].
         kids = tuple(self.build(path + (p.name.name,), s, pre) for p, s in zip(t.parts, sizes))
         return Node("concat", size, kids, (), post, path=path)

@@ -12,7 +12,8 @@ from ..errors import BindError, Diagnostic, MeshError
 from ..lang import ast
 from ..lang.check import PARAM
 from .algebra import LayoutError, SplitFailure, dim_layout, split_range
-from .dims import TensorFailure, build_dims
+from .context import TensorFailure
+from .dims import build_dims
 from .mesh import Mesh
 from .place import StageFailure, coords_key, placement
 

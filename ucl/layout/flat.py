@@ -12,7 +12,7 @@ from ..dtypes import itemsize
 from ..lang.expr import LIMIT
 from .algebra import DimLayout, LayoutError
 from .boxes import flat_boxes
-from .dims import evaluate_in, fail
+from .context import LoweringContext
 from .local import coordinates, local_layouts
 from .mesh import Mesh
 
@@ -64,23 +64,23 @@ class FlatGeometry:
     partitions: list[FlatPartition]
 
 
-def _flat_options(model, group, mesh, env) -> FlatOptions:
-    flat, first = group.flat, group.members[0]
+def _flat_options(ctx: LoweringContext, group) -> FlatOptions:
+    flat, first, mesh = group.flat, group.members[0], ctx.mesh
     axes = tuple(a.name for a in flat.axes)
 
     def number(expr, default):
-        return evaluate_in(model, first, expr, env, mesh) if expr is not None else default
+        return ctx.evaluate(first, expr) if expr is not None else default
 
     opts = FlatOptions(axes, int(np.prod([mesh.axis_size(a) for a in axes], dtype=np.int64)),
                        number(flat.align, 1), number(flat.pad_multiple, 1), number(flat.bucket, None))
     for what, v in (("align", opts.align), ("pad to multiple_of", opts.multiple),
                     ("bucket", opts.bucket if opts.bucket is not None else 1)):
         if v < 1:
-            fail(model, first, flat.span, LayoutError("UCL210", f"flat {what} {v}: must be at least 1"), mesh)
+            ctx.fail(first, flat.span, LayoutError("UCL210", f"flat {what} {v}: must be at least 1"))
     return opts
 
 
-def _member_axes(model, group, placed, mesh, opts: FlatOptions) -> list[str]:
+def _member_axes(ctx: LoweringContext, group, placed, opts: FlatOptions) -> list[str]:
     """Axes other than the flat ones over which the members' buffers differ."""
     axes = set()
     for t in group.members:
@@ -88,8 +88,8 @@ def _member_axes(model, group, placed, mesh, opts: FlatOptions) -> list[str]:
         used = {a for axes in p.dim_axes for a in axes}
         clash = used & set(opts.axes)
         if clash:
-            fail(model, t, group.flat.span, LayoutError(
-                "UCL210", f"it is split over {', '.join(sorted(clash))} and also flattened over it"), mesh)
+            ctx.fail(t, group.flat.span, LayoutError(
+                "UCL210", f"it is split over {', '.join(sorted(clash))} and also flattened over it"))
         axes |= used | set(p.allowed)
     return sorted(axes - set(opts.axes))
 
@@ -112,16 +112,17 @@ def _buffers(entries, flat, opts: FlatOptions) -> list[list]:
     return buffers
 
 
-def flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: dict | None,
-                   focus: frozenset[int] | None = None) -> FlatGeometry:
-    flat = group.flat
-    opts = _flat_options(model, group, mesh, env)
+def flat_geometry(ctx: LoweringContext, group, placed) -> FlatGeometry:
+    """The pieces, gaps and partitions of one flat group's buffers (only those holding a tensor of
+    ``ctx.focus``, when given); ``placed``: tensor id -> ``lower.Placed``."""
+    flat, mesh, focus = group.flat, ctx.mesh, ctx.focus
+    opts = _flat_options(ctx, group)
     parts = opts.parts
     part_coords = [_unravel(j, list(opts.axes), mesh) for j in range(parts)]
     geo = FlatGeometry([], [], [])
     # Buffers with the same member layouts (the same DimLayout objects: dim_layout is cached) cut
     # the same way: pipeline stages of equal depth repeat one cut, which is computed once.
-    cuts: dict | None = {} if reuse else None
+    cuts: dict | None = {} if ctx.memo is not None else None
     restricted: dict = {}  # (DimLayout, lo, hi) -> its restriction: cuts of other stages repeat many
     skeletons: dict = {}  # (dtype, members' local shapes) -> the cut as boxes of local tensors
     # Members placed alike (a pipeline stage's layers) are held on the same coordinates: test
@@ -129,7 +130,7 @@ def flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: dic
     alike: dict[tuple, list[int]] = {}
     for i, t in enumerate(group.members):
         alike.setdefault(tuple((a, tuple(c)) for a, c in placed[t.id].allowed.items()), []).append(i)
-    for fixed in coordinates(_member_axes(model, group, placed, mesh, opts), mesh, {}):
+    for fixed in coordinates(_member_axes(ctx, group, placed, opts), mesh, {}):
         # The buffer on this coordinate: held members in order, each flattened, aligned.
         held = sorted(i for allowed, idx in alike.items()
                       if all(fixed.get(a) in c for a, c in allowed) for i in idx)
@@ -139,12 +140,12 @@ def flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: dic
         for i in held:
             t = group.members[i]
             p = placed[t.id]
-            entries.append((t, local_layouts(model, t, p.dims, fixed, mesh, p.dim_axes, layout_memo), p.local))
+            entries.append((t, local_layouts(ctx, t, p.dims, fixed, p.dim_axes), p.local))
         for b, members in enumerate(_buffers(entries, flat, opts) if entries else []):
             suffix = members[0][2] if flat.per_param else \
                 f"@flat{group.number}" + (f".{b}" if opts.bucket is not None else "")
             if cuts is None:
-                cut = _cut_buffer(_cut_skeleton(model, mesh, flat, opts, members), members, None)
+                cut = _cut_buffer(_cut_skeleton(ctx, flat, opts, members), members, None)
             else:
                 key = (members[0][0].dtype, tuple([layouts for _, layouts, _ in members]))
                 cut = cuts.get(key)
@@ -153,7 +154,7 @@ def flat_geometry(model, group, placed, env, mesh, reuse: bool, layout_memo: dic
                                                           for _, layouts, _ in members]))
                     skeleton = skeletons.get(shapes)
                     if skeleton is None:
-                        skeleton = skeletons[shapes] = _cut_skeleton(model, mesh, flat, opts, members)
+                        skeleton = skeletons[shapes] = _cut_skeleton(ctx, flat, opts, members)
                     cut = cuts[key] = _cut_buffer(skeleton, members, restricted)
             _place_cut(cut, members, fixed, part_coords, suffix, geo)
     return geo
@@ -172,7 +173,7 @@ class BufferCut:
     gaps: list[list[tuple[int, int]]]
 
 
-def _cut_skeleton(model, mesh, flat, opts: FlatOptions, members) -> BufferCut:
+def _cut_skeleton(ctx: LoweringContext, flat, opts: FlatOptions, members) -> BufferCut:
     """Lay ``members`` out in one flat buffer (aligned, padded) and cut it into ``opts.parts``
     partitions: the pieces each partition holds, as boxes of local shapes, and its gaps. Only the
     members' local shapes matter: the ranks of a tensor-parallel group share one skeleton."""
@@ -185,12 +186,12 @@ def _cut_skeleton(model, mesh, flat, opts: FlatOptions, members) -> BufferCut:
     unit = opts.multiple * (parts if flat.per_param and flat.pad_multiple is None else 1)
     total = -(-pos // unit) * unit if unit > 1 else pos
     if total * itemsize(members[0][0].dtype) > LIMIT:  # each member is bounded, their sum is not
-        fail(model, members[0][0], flat.span, LayoutError(
-            "UCL113", f"a flat buffer of {total:,} elements is beyond 2**62 bytes"), mesh)
+        ctx.fail(members[0][0], flat.span, LayoutError(
+            "UCL113", f"a flat buffer of {total:,} elements is beyond 2**62 bytes"))
     if total % parts:
-        fail(model, members[0][0], flat.span, LayoutError(
+        ctx.fail(members[0][0], flat.span, LayoutError(
             "UCL210", f"a flat buffer of {total} elements cannot be split evenly over {'x'.join(opts.axes)}={parts}",
-            f"add `pad to multiple_of({' * '.join(opts.axes)})`"), mesh)
+            f"add `pad to multiple_of({' * '.join(opts.axes)})`"))
     part = total // parts
     covered = [[] for _ in range(parts)]
     pieces = []

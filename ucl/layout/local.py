@@ -7,7 +7,7 @@ import itertools
 
 from ..lang import ast
 from .algebra import LayoutError, SplitFailure, dim_layout
-from .dims import fail
+from .context import LoweringContext
 from .mesh import Mesh
 
 
@@ -16,10 +16,11 @@ def split_axes(dims) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(sorted(d.node.axes())) for d in dims)
 
 
-def local_layouts(model, tensor, dims, fixed, mesh, dim_axes=None, memo: dict | None = None):
+def local_layouts(ctx: LoweringContext, tensor, dims, fixed, dim_axes=None):
     """Per-dim layouts on one coordinate; a split that does not fit is reported at its own span.
-    ``memo`` maps (id of a DimSpec kept alive by the caller, coordinates) to its layout."""
+    With a memo, each is looked up by (id of a DimSpec kept alive by the call, coordinates)."""
     out = []
+    mesh, memo = ctx.mesh, (ctx.memo.layouts if ctx.memo is not None else None)
     for k, (d, axes) in enumerate(zip(dims, dim_axes if dim_axes is not None else split_axes(dims))):
         try:  # the key is place.coords_key(fixed, (d,), mesh), from the axes found beforehand
             coords = tuple((a, fixed[a], mesh.axis_size(a)) for a in axes)
@@ -35,7 +36,7 @@ def local_layouts(model, tensor, dims, fixed, mesh, dim_axes=None, memo: dict | 
             split = _split_transform(tensor.rule, e.split) if e.split is not None else None
             spans = [t.span for t in tensor.rule.transforms if isinstance(t, ast.Split) and t.dim.root == k]
             span = split.span if split is not None else spans[0] if spans else tensor.rule.span
-            fail(model, tensor, span, LayoutError(e.code, f"dim {k}: {e}", e.hint, split=e.split), mesh)
+            ctx.fail(tensor, span, LayoutError(e.code, f"dim {k}: {e}", e.hint, split=e.split))
     return tuple(out)
 
 

@@ -15,13 +15,14 @@ from ..lang.check import PARAM
 from .algebra import DimLayout, DimSpec, dim_layout
 from .bind import Model
 from .boxes import Slot
-from .dims import TensorFailure, build_dims, universal_dims
+from .context import LoweringContext, TensorFailure
+from .dims import dims_of, universal_dims
 from .fit import mesh_report, note_shared, warn_loose_fit
 from .flat import FlatGeometry, flat_geometry
 from .local import coordinates, local_layouts, split_axes
 from .mesh import Mesh
 from ..errors import UclError
-from .place import placement
+from .place import place
 
 
 @dataclass(eq=False)
@@ -114,12 +115,11 @@ def tensors_on(model: Model, mesh: Mesh, coords: list[dict[str, int]]) -> frozen
     """Ids of the tensors placed (``on``, ``index ... over``) where some rank with ``coords`` is, from
     placement alone: a superset of what those ranks hold. A tensor whose placement fails is included
     (its lowering reports it)."""
-    env = model.env(mesh)
-    memo: dict = {}
+    ctx = LoweringContext.of(model, mesh)
     out = []
     for t in model.tensors:
         try:
-            allowed, _ = _placement_of(model, t, env, mesh, memo)
+            allowed, _ = _placement_of(ctx, t)
         except (TensorFailure, UclError):
             out.append(t.id)
             continue
@@ -128,14 +128,14 @@ def tensors_on(model: Model, mesh: Mesh, coords: list[dict[str, int]]) -> frozen
     return frozenset(out)
 
 
-def _placement_of(model: Model, t, env: dict, mesh: Mesh, memo: dict | None):
-    """:func:`placement` without notes, cached on the model per mesh: planning one rank's load
+def _placement_of(ctx: LoweringContext, t):
+    """:func:`place` without notes, cached on the model per mesh: planning one rank's load
     places every tensor to find its own (:func:`tensors_on`) and again to lay out the flat buffers
     they share (:func:`_place_other_members`). Callers do not change what it returns."""
-    cache = model.memo.setdefault(("placement", mesh), {})
+    cache = ctx.model.memo.setdefault(("placement", ctx.mesh), {})
     found = cache.get(t.id)
     if found is None:
-        found = cache[t.id] = placement(model, t, env, mesh, None, memo)
+        found = cache[t.id] = place(ctx, t)
     return found
 
 
@@ -154,7 +154,7 @@ def gc_paused():
 
 
 def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None = None) -> ShardMap:
-    env = model.env(mesh)
+    ctx = LoweringContext.of(model, mesh, reuse, focus)
     todo, members = range(len(model.tensors)), []
     if focus is not None:  # a flat buffer is laid out from all its members: they are placed too (after)
         todo = sorted(focus)
@@ -171,15 +171,10 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
     placed = {}  # tensor id -> Placed
     failures: list[TensorFailure] = []  # every tensor that does not fit, reported together
     notes: dict = {}  # what fits only loosely (empty stages, shared elements): warned about once
-    shared: dict | None = {} if reuse else None  # what every layer of a rule shares (stage sizes)
-    one: dict[DimSpec, DimSpec] = {}  # equal dim trees (every layer's) as one object, kept alive
-    layout_memo: dict | None = {} if reuse else None
     for t in (model.tensors[i] for i in todo):
         try:
-            dims = () if t.scalar else build_dims(model, t, env, mesh)
-            if reuse:
-                dims = tuple([one.setdefault(d, d) for d in dims])
-            allowed, local = placement(model, t, env, mesh, notes, shared)
+            dims = _dims(ctx, t)
+            allowed, local = place(ctx, t, notes)
             dim_axes = split_axes(dims)
             placed[t.id] = Placed(dims, allowed, local, dim_axes)
             if t.kind == PARAM:
@@ -188,7 +183,7 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
                 continue
             axes = sorted({a for axes in dim_axes for a in axes})
             for fixed in coordinates(axes, mesh, allowed):
-                layouts = local_layouts(model, t, dims, fixed, mesh, dim_axes, layout_memo)
+                layouts = local_layouts(ctx, t, dims, fixed, dim_axes)
                 shape = tuple(x.local for x in layouts)
                 key = f"{t.kind}/{local}"
                 sm.holdings[t.id].append(Holding(fixed, Slot(key, 0, shape, shape), [layouts]))
@@ -197,7 +192,7 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
             failures.append(e)
     if members and not failures:
         try:
-            _place_other_members(model, mesh, env, members, placed, shared, one if reuse else None)
+            _place_other_members(ctx, members, placed)
         except TensorFailure as e:
             failures.append(e)
     if failures:
@@ -207,8 +202,15 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
     geometry_cache: dict = {}
     for g in model.flat_groups:
         if focus is None or any(m.id in focus for m in g.members):
-            _lower_flat(model, g, placed, env, mesh, sm, geometry_cache, reuse, layout_memo, focus)
+            _lower_flat(ctx, g, placed, sm, geometry_cache)
     return sm
+
+
+def _dims(ctx: LoweringContext, t) -> tuple[DimSpec, ...]:
+    """``t``'s dim trees; with a memo, equal trees (every layer's) as one object, kept alive by it."""
+    dims = () if t.scalar else dims_of(ctx, t)
+    memo = ctx.memo
+    return dims if memo is None else tuple([memo.tree(d) for d in dims])
 
 
 @dataclass(frozen=True)
@@ -222,37 +224,34 @@ class Placed:
     dim_axes: tuple[tuple[str, ...], ...]  # each dim's split axes, sorted
 
 
-def _place_other_members(model, mesh, env, ids: list[int], placed: dict, shared, one: dict | None) -> None:
+def _place_other_members(ctx: LoweringContext, ids: list[int], placed: dict) -> None:
     """Place flat members outside a focused lowering's tensors. One that no coordinate shares with a
     focused tensor (another pipeline stage) lies in no buffer the focus needs: only its placement and
     split axes matter (the axes buffers differ over), and those come from its rule, its dims are built
     once per rule. The others are placed in full."""
     near = {tuple(sorted((a, tuple(c)) for a, c in p.allowed.items())) for p in placed.values()}
     by_rule: dict[int, tuple] = {}
-    for t in (model.tensors[i] for i in ids):
-        allowed, local = _placement_of(model, t, env, mesh, shared)
+    for t in (ctx.model.tensors[i] for i in ids):
+        allowed, local = _placement_of(ctx, t)
         if any(all(set(allowed.get(a, c)) & set(c) for a, c in other) for other in near):
-            dims = () if t.scalar else build_dims(model, t, env, mesh)
-            if one is not None:
-                dims = tuple([one.setdefault(d, d) for d in dims])
+            dims = _dims(ctx, t)
             placed[t.id] = Placed(dims, allowed, local, split_axes(dims))
             continue
         axes = by_rule.get(id(t.rule))
         if axes is None:
-            axes = by_rule[id(t.rule)] = split_axes(() if t.scalar else build_dims(model, t, env, mesh))
+            axes = by_rule[id(t.rule)] = split_axes(() if t.scalar else dims_of(ctx, t))
         placed[t.id] = Placed((), allowed, local, axes)
 
 
-def _lower_flat(model, group, placed, env, mesh, sm: ShardMap, cache: dict, reuse: bool, layout_memo,
-                focus: frozenset[int] | None = None):
+def _lower_flat(ctx: LoweringContext, group, placed, sm: ShardMap, cache: dict):
     """Place one flat group's tensors. The geometry is shared by every kind of the same statement
-    with the same members (fp32, exp_avg, exp_avg_sq), so it is computed once. ``focus``: only the
-    buffers holding one of those tensors."""
+    with the same members (fp32, exp_avg, exp_avg_sq), so it is computed once. ``ctx.focus``: only
+    the buffers holding one of those tensors."""
     if not group.members:
         return
     key = (group.number, tuple(t.name for t in group.members))
     if key not in cache:
-        cache[key] = flat_geometry(model, group, placed, env, mesh, reuse, layout_memo, focus)
+        cache[key] = flat_geometry(ctx, group, placed)
     geo: FlatGeometry = cache[key]
     held = {t.name: sm.holdings[t.id] for t in group.members}
     prefix = f"{group.kind}/"

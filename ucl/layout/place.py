@@ -11,13 +11,20 @@ from ..errors import Diagnostic
 from ..lang import ast
 from .algebra import DimSpec, LayoutError
 from .bind import Model
-from .dims import TensorFailure, evaluate_in, fail
+from .context import CallMemo, LoweringContext, TensorFailure
 from .mesh import Mesh
 
 
-def placement(model: Model, tensor, env: dict, mesh: Mesh, notes: dict | None = None, memo: dict | None = None):
+def placement(model: Model, tensor, env: dict, mesh: Mesh, notes: dict | None = None,
+              memo: CallMemo | None = None):
     """-> (fixed coords: axis -> allowed coords list, local name). Empty stages go to ``notes``.
     ``memo`` (one per ``env``) keeps what every layer of a rule shares: the count and stage sizes."""
+    return place(LoweringContext(model, mesh, env, memo), tensor, notes)
+
+
+def place(ctx: LoweringContext, tensor, notes: dict | None = None):
+    """:func:`placement` in a lowering's context."""
+    mesh, memo = ctx.mesh, ctx.memo
     allowed: dict[str, list[int]] = {}
     local_name = tensor.name
     replacements = []
@@ -29,25 +36,25 @@ def placement(model: Model, tensor, env: dict, mesh: Mesh, notes: dict | None = 
             size = mesh.axis_size(t.axis.name)
             coords = []
             for c in t.coords:
-                v = 0 if c == "first" else size - 1 if c == "last" else evaluate_in(model, tensor, c, env, mesh)
+                v = 0 if c == "first" else size - 1 if c == "last" else ctx.evaluate(tensor, c)
                 if not 0 <= v < size:
-                    fail(model, tensor, t.span, LayoutError("UCL207", f"{t.axis.name} = {v} is outside the axis (size {size})"), mesh)
+                    ctx.fail(tensor, t.span, LayoutError("UCL207", f"{t.axis.name} = {v} is outside the axis (size {size})"))
                 coords.append(v)
             allowed[t.axis.name] = sorted(set(coords))
         elif isinstance(t, ast.Index):
             rule_match = rule.pattern.match(tensor.name)
             value = int(rule_match.group(t.capture.name))
             span = rule_match.span(t.capture.name)
-            count = memo.get(("count", id(t))) if memo is not None else None
+            count = memo.counts.get(id(t)) if memo is not None else None
             if count is None:
-                count = evaluate_in(model, tensor, t.count, env, mesh, f"the count of {t.capture.name}", count=True)
+                count = ctx.evaluate(tensor, t.count, f"the count of {t.capture.name}", count=True)
                 if memo is not None:  # only successes: a failure is reported for every tensor
-                    memo[("count", id(t))] = count
-                    memo[("node", id(t))] = t  # keeps the id taken
+                    memo.counts[id(t)] = count
+                    memo.nodes[id(t)] = t  # keeps the id taken
             size = mesh.axis_size(t.axis.name)
             if not 0 <= value < count:
-                fail(model, tensor, t.span, LayoutError("UCL207", f"{t.capture.name} = {value} is not below {count}"), mesh)
-            stage, local = stage_of(model, tensor, t, value, count, size, env, mesh, notes, memo)
+                ctx.fail(tensor, t.span, LayoutError("UCL207", f"{t.capture.name} = {value} is not below {count}"))
+            stage, local = stage_of(ctx, tensor, t, value, count, size, notes)
             allowed[t.axis.name] = [stage]
             if not t.keep:  # `keep`: the rank-local name keeps the global value
                 replacements.append((span, str(local)))
@@ -71,32 +78,34 @@ class StageFailure:
     listed: int = 0  # how many stages `sizes [...]` lists
 
 
-def stage_fail(model, tensor, t: ast.Index, mesh, code, message, failure: StageFailure, hint=None):
-    raise TensorFailure(model, tensor, Diagnostic(code, message, t.span, hint), mesh, failure)
+def stage_fail(ctx: LoweringContext, tensor, t: ast.Index, code, message, failure: StageFailure, hint=None):
+    raise TensorFailure(ctx.model, tensor, Diagnostic(code, message, t.span, hint), ctx.mesh, failure)
 
 
-def stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh, notes=None, memo=None):
-    ev = (lambda e, extent=None: evaluate_in(model, tensor, e, env, mesh, extent))
+def stage_of(ctx: LoweringContext, tensor, t: ast.Index, value, count, size, notes=None):
+    """(stage, local value) of value ``value`` of ``index c of count over AX`` on an axis of ``size``."""
+    memo = ctx.memo
     axis = t.axis.name
     if size > 1 and (t.sizes is not None or t.first is not None or t.last is not None):
-        key = ("sizes", id(t), count, size)
-        if memo is not None and key in memo:
-            sizes, bounds = memo[key]
+        key = (id(t), count, size)
+        found = memo.stage_sizes.get(key) if memo is not None else None
+        if found is not None:
+            sizes, bounds = found
         else:
-            sizes, bounds = _stage_sizes(model, tensor, t, count, size, mesh, ev)
+            sizes, bounds = _stage_sizes(ctx, tensor, t, count, size)
             if memo is not None:
-                memo[key] = sizes, bounds
-                memo[("node", id(t))] = t
+                memo.stage_sizes[key] = sizes, bounds
+                memo.nodes[id(t)] = t
         if notes is not None and 0 in sizes:
             notes.setdefault(("stages", id(t)), []).append((tensor, (t, axis, tuple(sizes))))
         stage = bisect.bisect_right(bounds, value)
         return stage, value - (bounds[stage - 1] if stage else 0)
-    virtual = ev(t.virtual) if t.virtual is not None else 1
+    virtual = ctx.evaluate(tensor, t.virtual) if t.virtual is not None else 1
     if virtual < 1:
-        fail(model, tensor, t.span, LayoutError("UCL207", f"virtual {virtual}: needs at least 1 chunk per stage"), mesh)
+        ctx.fail(tensor, t.span, LayoutError("UCL207", f"virtual {virtual}: needs at least 1 chunk per stage"))
     chunks = size * virtual
     if count % chunks:
-        stage_fail(model, tensor, t, mesh, "UCL204",
+        stage_fail(ctx, tensor, t, "UCL204",
                     f"{count} {t.capture.name}-values cannot be spread evenly over {axis}={size}"
                     + (f" x virtual {virtual}" if virtual > 1 else ""),
                     StageFailure(t, axis, size, count, virtual, "even"),
@@ -107,9 +116,12 @@ def stage_of(model, tensor, t: ast.Index, value, count, size, env, mesh, notes=N
     return chunk % size, (chunk // size) * per + value % per
 
 
-def _stage_sizes(model, tensor, t: ast.Index, count, size, mesh, ev):
+def _stage_sizes(ctx: LoweringContext, tensor, t: ast.Index, count, size):
     """The stage sizes of ``index ... sizes [...]`` or ``first``/``last`` (checked), and their
     cumulative sums."""
+    def ev(e, extent=None):
+        return ctx.evaluate(tensor, e, extent)
+
     axis = t.axis.name
     if t.sizes is not None:
         sizes = [ev(e, f"stage size {k}") for k, e in enumerate(t.sizes)]
@@ -119,14 +131,14 @@ def _stage_sizes(model, tensor, t: ast.Index, count, size, mesh, ev):
         inner = size - (first is not None) - (last is not None)
         rest = count - (first or 0) - (last or 0)
         if (inner == 0 and rest != 0) or (inner > 0 and (rest < 0 or rest % inner)):
-            stage_fail(model, tensor, t, mesh, "UCL204",
+            stage_fail(ctx, tensor, t, "UCL204",
                         f"after first/last stages, {rest} {t.capture.name}-values cannot be spread evenly "
                         f"over {inner} stages of {axis}={size}",
                         StageFailure(t, axis, size, count, 1, "first_last"))
         mid = [rest // inner] * inner if inner else []
         sizes = ([first] if first is not None else []) + mid + ([last] if last is not None else [])
     if len(sizes) != size or sum(sizes) != count or min(sizes) < 0:
-        stage_fail(model, tensor, t, mesh, "UCL207", f"stage sizes {sizes} must list {size} stages summing to {count}",
+        stage_fail(ctx, tensor, t, "UCL207", f"stage sizes {sizes} must list {size} stages summing to {count}",
                     StageFailure(t, axis, size, count, 1, "sizes", len(sizes)))
     return sizes, list(itertools.accumulate(sizes))
 
