@@ -13,6 +13,7 @@ from ..lang import ast
 from ..lang.check import PARAM
 from ..lang.expr import (LIMIT, ExprError, check_extent, evaluate, evaluate_extent, evaluate_lets,
                          reportable, root_causes)
+from .derived import Derived
 from .dims import build_dims
 from .mesh import Mesh
 
@@ -206,7 +207,7 @@ class Model:
             if g.flat.reverse:
                 g.members.reverse()
         self._by_key = {t.key: t for t in self.tensors}
-        self.memo: dict = {}  # what later layers derive from this model, by (what, mesh): lowering, plans
+        self.derived = Derived()  # caches of later layers (lowering, proofs, plans), each its owner's
 
     # -- binding helpers -------------------------------------------------------------------
     def _fail(self, problems):

@@ -16,6 +16,7 @@ from .algebra import DimLayout, DimSpec, dim_layout
 from .bind import Model
 from .boxes import Slot
 from .context import LoweringContext, TensorFailure
+from .derived import Derived
 from .dims import dims_of, universal_dims
 from .fit import mesh_report, note_shared, warn_loose_fit
 from .flat import FlatGeometry, flat_geometry
@@ -69,7 +70,7 @@ class ShardMap:
     datasets: list[DatasetSlot] = field(default_factory=list)
     # None: every tensor; else the ids of the tensors whose holdings are complete (``lower(tensors=)``)
     focus: frozenset[int] | None = None
-    memo: dict = field(default_factory=dict)  # indexes built over this map (plan.compile)
+    derived: Derived = field(default_factory=Derived, repr=False)  # caches over this map (plan.compile's)
 
     def ranks(self, fixed: dict) -> np.ndarray:
         return self.mesh.ranks_where(fixed)
@@ -86,29 +87,49 @@ class ShardMap:
 
 
 # ---- lowering -----------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class _Lowered:
+    """What :func:`lower` keeps of one model, by mesh (lowering is pure): the whole map; until it
+    exists, the maps focused on some tensors; and each tensor's placement (:func:`_placement_of`)."""
+
+    whole: dict[Mesh, ShardMap] = field(default_factory=dict)
+    focused: dict[Mesh, dict[frozenset[int], ShardMap]] = field(default_factory=dict)
+    placements: dict[Mesh, dict[int, tuple[dict[str, list[int]], str]]] = field(default_factory=dict)
+
+
 def lower(model: Model, mesh: Mesh, *, reuse: bool = True, tensors: frozenset[int] | None = None) -> ShardMap:
     """The ShardMap of ``model`` on ``mesh`` (cached on the model: lowering is pure).
     ``reuse=False`` computes it afresh, every tensor and flat buffer on its own (for tests).
     ``tensors`` (ids): a map whose holdings are complete for those tensors at least, lowering only
     what they need (the flat buffers they lie in): what a plan for a few ranks reads and proves. Only
     those tensors are checked against the mesh. The whole map is returned when it is cached."""
-    key = ("shardmap", mesh)
-    focused = model.memo.setdefault(("shardmap-focused", mesh), {}) if tensors is not None and reuse else {}
-    # a process planning the ranks of several pipeline stages lowers the whole model once instead
-    if tensors is not None and key not in model.memo and reuse and (tensors in focused or len(focused) < 2):
-        sm = focused.get(tensors)
-        if sm is None:
-            with gc_paused():
-                sm = focused[tensors] = _lower(model, mesh, True, tensors)
-        return sm
     if not reuse:
         with gc_paused():
             return _lower(model, mesh, False)
-    if key not in model.memo:
-        with gc_paused():
-            model.memo[key] = _lower(model, mesh, True)
-        model.memo.pop(("shardmap-focused", mesh), None)  # the whole map serves every later plan
-    return model.memo[key]
+    cache = model.derived.of(_Lowered)
+    whole = cache.whole.get(mesh)
+    if whole is not None:
+        return whole
+    if tensors is not None:
+        focused = cache.focused.setdefault(mesh, {})
+        # a process planning the ranks of several pipeline stages lowers the whole model once instead
+        if tensors in focused or len(focused) < 2:
+            sm = focused.get(tensors)
+            if sm is None:
+                with gc_paused():
+                    sm = focused[tensors] = _lower(model, mesh, True, tensors)
+            return sm
+    with gc_paused():
+        whole = cache.whole[mesh] = _lower(model, mesh, True)
+    cache.focused.pop(mesh, None)  # the whole map serves every later plan
+    return whole
+
+
+def lowered(model: Model, mesh: Mesh) -> str | None:
+    """What :func:`lower` holds of ``model`` on ``mesh``: "whole", "focused" (maps complete for some
+    tensors only) or None."""
+    cache = model.derived.of(_Lowered)
+    return "whole" if mesh in cache.whole else "focused" if cache.focused.get(mesh) else None
 
 
 def tensors_on(model: Model, mesh: Mesh, coords: list[dict[str, int]]) -> frozenset[int]:
@@ -132,7 +153,7 @@ def _placement_of(ctx: LoweringContext, t):
     """:func:`place` without notes, cached on the model per mesh: planning one rank's load
     places every tensor to find its own (:func:`tensors_on`) and again to lay out the flat buffers
     they share (:func:`_place_other_members`). Callers do not change what it returns."""
-    cache = ctx.model.memo.setdefault(("placement", ctx.mesh), {})
+    cache = ctx.model.derived.of(_Lowered).placements.setdefault(ctx.mesh, {})
     found = cache.get(t.id)
     if found is None:
         found = cache[t.id] = place(ctx, t)

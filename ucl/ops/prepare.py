@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from typing import Any, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import numpy as np
 import xxhash
@@ -75,17 +76,38 @@ def mesh_of(ckpt: CheckpointLike) -> Mesh:
     return Mesh([(str(a), int(s)) for a, s in ckpt.manifest.mesh])
 
 
+class _PlanKey(NamedTuple):
+    src: Mesh
+    dst: Mesh
+    ranks: tuple[int, ...] | None  # sorted; None: every rank
+    target: str | None = None  # another target model's digest (compile_between); None: the same model
+
+
+@dataclass(frozen=True, eq=False)
+class _Plans:
+    """The plans compiled from one (source) model, least recently used first (at most _MAX_PLANS)."""
+
+    plans: OrderedDict[_PlanKey, Plan] = field(default_factory=OrderedDict)
+
+    def get(self, key: _PlanKey, make) -> Plan:
+        plans = self.plans
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = make()
+            while len(plans) > _MAX_PLANS:
+                plans.popitem(last=False)
+        plans.move_to_end(key)
+        return plan
+
+
+def _ranks_key(ranks) -> tuple[int, ...] | None:
+    return None if ranks is None else tuple(sorted(int(r) for r in ranks))
+
+
 def plan_for(model: Model, src: Mesh, dst: Mesh, ranks=None) -> Plan:
     """``compile(model, src, dst, ranks)``, cached on the model."""
-    key = ("plan", src, dst, None if ranks is None else tuple(sorted(int(r) for r in ranks)))
-    plans = model.memo.setdefault("plans", OrderedDict())
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = compile(model, src, dst, ranks=ranks)
-        while len(plans) > _MAX_PLANS:
-            plans.popitem(last=False)
-    plans.move_to_end(key)
-    return plan
+    return model.derived.of(_Plans).get(_PlanKey(src, dst, _ranks_key(ranks)),
+                                        lambda: compile(model, src, dst, ranks=ranks))
 
 
 def plan_between(source: Model, src: Mesh, model: Model, dst: Mesh, ranks=None) -> Plan:
@@ -94,15 +116,8 @@ def plan_between(source: Model, src: Mesh, model: Model, dst: Mesh, ranks=None) 
     if model.spec.text == source.spec.text and model.fingerprint() == source.fingerprint():
         return plan_for(source, src, dst, ranks)
     target = xxhash.xxh3_128_hexdigest(json.dumps([model.spec.text, model.fingerprint()], sort_keys=True).encode())
-    key = ("between", target, src, dst, None if ranks is None else tuple(sorted(int(r) for r in ranks)))
-    plans = source.memo.setdefault("plans", OrderedDict())
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = compile_between(source, src, model, dst, ranks=ranks)
-        while len(plans) > _MAX_PLANS:
-            plans.popitem(last=False)
-    plans.move_to_end(key)
-    return plan
+    return source.derived.of(_Plans).get(_PlanKey(src, dst, _ranks_key(ranks), target),
+                                         lambda: compile_between(source, src, model, dst, ranks=ranks))
 
 
 def manifest_fields(model: Model, mesh: Mesh, state: Any = None) -> dict:

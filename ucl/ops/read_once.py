@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -62,9 +62,9 @@ def replica_sets(model: Model, mesh: Mesh) -> Replicas:
     """The replica sets of ``model`` on ``mesh`` and their readers (pure; cached on the model).
     Readers are chosen greedily, largest datasets first, each by the member with the fewest bytes
     to read so far (its unreplicated datasets included), so each process reads about 1/DP."""
-    memo_key = ("read_once", mesh)
-    if memo_key in model.memo:
-        return model.memo[memo_key]
+    cache = model.derived.of(_ReplicaCache).by_mesh
+    if mesh in cache:
+        return cache[mesh]
     sm = lower(model, mesh)
     parts: dict[tuple, list] = {}  # (key, coordinates) -> what fills that dataset, in layout order
     for tid, holdings in enumerate(sm.holdings):
@@ -92,8 +92,15 @@ def replica_sets(model: Model, mesh: Mesh) -> Replicas:
         for r in ranks:
             by_rank.setdefault(r, []).append(len(sets))
         sets.append(ReplicaSet(key, nbytes, ranks, reader, len(sets)))
-    replicas = model.memo[memo_key] = Replicas(tuple(sets), by_rank)
+    replicas = cache[mesh] = Replicas(tuple(sets), by_rank)
     return replicas
+
+
+@dataclass(frozen=True, eq=False)
+class _ReplicaCache:
+    """:func:`replica_sets` of one model, by mesh."""
+
+    by_mesh: dict[Mesh, Replicas] = field(default_factory=dict)
 
 
 def share_of(model: Model, mesh: Mesh, rank: int, keys) -> Share:

@@ -4,16 +4,18 @@ every target dataset has exactly one source element or is a declared fill (paddi
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import PlanError, UclError, detach
-from ..layout.algebra import I64, DimLayout, intersect, product
+from ..layout.algebra import I64, intersect, product
 from ..layout.bind import Model
 from ..layout.boxes import Slot
 from ..layout.lower import ShardMap, gc_paused, lower, tensors_on
 from ..layout.mesh import Mesh, as_mesh
 from .ir import DATASET_COLUMNS, FILL_BOX_COLUMNS, FILL_COLUMNS, Plan
+from .proof import dedup_sources, piece_bbox, piece_sig, piece_volume
 from .ranksets import RankSets, sorted_distinct
 
 # ---- compilation ---------------------------------------------------------------------------------
@@ -23,29 +25,6 @@ def _pad_cols(a: np.ndarray, K: int, fill: int) -> np.ndarray:
     if nd == K:
         return a
     return np.concatenate([np.full((rows, K - nd), fill, dtype=I64), a], axis=1)
-
-
-def _bbox(piece) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Global bounding box of a piece: runs are sorted globally (docs of ucl.layout.algebra)."""
-    lo, hi = [], []
-    for d in piece:
-        s = d.segs
-        if len(s):
-            first, last = s[0], s[-1]
-            lo.append(int(first[0]))
-            hi.append(int(last[0] + last[2]))
-        else:
-            lo.append(0)
-            hi.append(0)
-    return tuple(lo), tuple(hi)
-
-
-def _volume(piece) -> int:
-    v = 1
-    for d in piece:
-        s = d.segs
-        v *= int(s[0, 2]) if len(s) == 1 else int(s[:, 2].sum())
-    return v
 
 
 def _fill_boxes(piece) -> np.ndarray:
@@ -172,13 +151,13 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         if wanted is not None and not held:
             continue  # a part of the plan (one rank's load) proves only the tensors it moves
         st = t if src_model is model else _matching_source(src_model, t)
-        sources = _dedup_sources(S, st)
+        sources = dedup_sources(S, st)
         if not T.mesh.is_universal:
-            _dedup_sources(T, t, "target")  # P1 for the target too: no element may be dropped
+            dedup_sources(T, t, "target")  # P1 for the target too: no element may be dropped
         src_key = source_of_list.get(id(sources))  # kinds of one flat statement share the list
         if src_key is None:
             src_key = source_of_list[id(sources)] = source_ids.setdefault(
-                tuple([_sig(p) for _, _, p, _, _ in sources]), len(source_ids))
+                tuple([piece_sig(p) for _, _, p, _, _ in sources]), len(source_ids))
         src_ranks.append(np.array([r for _, _, _, r, _ in sources], dtype=I64))
         src_holdings = S.holdings[st.id]
         src_slots.append(np.array([sid(src_holdings[j].slot) for _, _, _, _, j in sources], dtype=I64))
@@ -188,7 +167,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             for piece in h.pieces:
                 psig = sig_of.get(id(piece))  # pieces outlive the compile (the ShardMap holds them)
                 if psig is None:
-                    psig = sig_of[id(piece)] = _sig(piece)
+                    psig = sig_of[id(piece)] = piece_sig(piece)
                 key = (psig, src_key)
                 geo = geometry.get(key)
                 if geo is None:
@@ -228,11 +207,19 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                 dict(zip(DATASET_COLUMNS, (np.array(ds_set, dtype=I64), np.array(ds_id, dtype=I64)))))
 
 
+@dataclass(frozen=True, eq=False)
+class _CoordinateIndexes:
+    """:func:`_matching`'s indexes over one ShardMap, by what they index ("holdings", "flat_fills",
+    "datasets"): distinct coordinates -> (position, item), and every axis those coordinates name."""
+
+    by_items: dict[str, tuple[dict[tuple, list], set[str]]] = field(default_factory=dict)
+
+
 def _matching(T: ShardMap, name: str, items, fixed_of, coords: list[dict]) -> list:
     """The items of ``items()`` (in order) whose coordinates ``fixed_of(item)`` some rank with
     ``coords`` has: a plan for a few ranks looks at the distinct coordinates, not at every item.
-    The index (distinct coordinates -> items) is cached on the model per mesh and ``name``."""
-    memo = T.memo
+    The index (distinct coordinates -> items) is cached on the ShardMap per ``name``."""
+    memo = T.derived.of(_CoordinateIndexes).by_items
     if name not in memo:
         index: dict[tuple, list] = {}
         for i, item in enumerate(items()):
@@ -350,100 +337,6 @@ def _coalesce(g, dl, sl, n, idx):
     return g, dl, sl, n, idx
 
 
-def _dedup_sources(S: ShardMap, t, role: str = "source") -> list:
-    """:func:`_proved_pieces` (entries ``(lo, hi, piece, rank, holding index)``), cached on the
-    model per mesh and tensor: lowering and the proof are pure, so the next plan of the same
-    model and mesh (another rank's load) skips them. The target's proof only counts elements,
-    so it skips where each piece lies (rank, bounding box)."""
-    full = S.model.memo.setdefault(("dedup", S.mesh), {})
-    if t.id in full:
-        return full[t.id]
-    where = role != "target"
-    memo = full if where else S.model.memo.setdefault(("dedup-proof", S.mesh), {})
-    if t.id not in memo:
-        memo[t.id] = _shared_proof(S, t, role, where)
-    return memo[t.id]
-
-
-def _shared_proof(S: ShardMap, t, role: str, where: bool) -> list:
-    """The kinds of one flat statement (fp32, exp_avg, exp_avg_sq) share their pieces and
-    coordinates (the very same objects), so one proof serves them all; entries name the holding
-    (its index), whose slot differs by kind."""
-    holdings = S.holdings[t.id]
-    key = (t.numel, where, tuple([id(h.pieces) for h in holdings]), tuple([id(h.fixed) for h in holdings]))
-    shared = S.model.memo.setdefault(("dedup-shared", S.mesh), {})
-    if key not in shared:  # the holdings are kept alive with the entry, so those ids stay theirs
-        shared[key] = (holdings, _proved_pieces(S, t, role, where))
-    return shared[key][1]
-
-
-def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> list:
-    """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
-    Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
-    several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
-    out, volume = _dedup(S, t, False, where)
-    if volume > t.numel:
-        out, volume = _dedup(S, t, True, where)
-    if volume != t.numel:
-        what = "overlapping, non-identical replicas" if volume > t.numel else "elements no rank holds"
-        raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the {role} layout holds {volume} elements of "
-                        f"{t.numel}: {what}", code="UCL313" if volume > t.numel else "UCL314")
-    return out
-
-
-def _dedup(S: ShardMap, t, by_box: bool, where: bool):
-    seen, out, volume = set(), [], 0
-    kept: list[list[tuple[int, int, int]]] = []  # by_box: boxes accepted so far, as (g, l, n) per dim
-    strides = S.mesh.strides if where and not S.mesh.is_universal else None
-    for j, h in enumerate(S.holdings[t.id]):
-        rank = sum(v * strides.get(a, 0) for a, v in h.fixed.items()) if strides is not None else 0
-        if not by_box:
-            sig = tuple([_sig(p) for p in h.pieces])
-            if sig in seen:
-                continue
-            seen.add(sig)
-            pieces = h.pieces
-        else:  # keep only what earlier ranks do not already hold
-            pieces = []
-            for p in h.pieces:
-                for box in _boxes(p):
-                    rest = [box]
-                    for k in kept:
-                        rest = [r for b in rest for r in _subtract(b, k)]
-                    kept.extend(rest)
-                    pieces += [tuple(DimLayout(d.local, np.array([seg], dtype=I64), d.fills[:0])
-                                     for d, seg in zip(p, r)) for r in rest]
-        for p in pieces:
-            vol = _volume(p)
-            if vol == 0:
-                continue
-            volume += vol
-            lo, hi = _bbox(p) if where else (None, None)
-            out.append((lo, hi, p, rank, j))
-    return out, volume
-
-
-def _boxes(piece) -> list[list[tuple[int, int, int]]]:
-    """A piece as single boxes: one (global start, local start, length) run per dim."""
-    per_dim = [[tuple(int(x) for x in seg) for seg in d.segs] for d in piece]
-    return [list(c) for c in itertools.product(*per_dim)]
-
-
-def _subtract(box, other) -> list:
-    """``box`` minus ``other`` as at most 2*ndim boxes (runs keep their global->local offsets)."""
-    if any(g + n <= og or og + on <= g for (g, _, n), (og, _, on) in zip(box, other)):
-        return [box]
-    out, core = [], list(box)
-    for d, ((g, l, n), (og, _, on)) in enumerate(zip(box, other)):
-        lo, hi = max(g, og), min(g + n, og + on)
-        if g < lo:
-            out.append(core[:d] + [(g, l, lo - g)] + core[d + 1:])
-        if hi < g + n:
-            out.append(core[:d] + [(hi, l + hi - g, g + n - hi)] + core[d + 1:])
-        core[d] = (lo, l + lo - g, hi - lo)
-    return out
-
-
 def _single_overlap(piece, source):
     """:func:`intersect` and :func:`product` for the common case of a few runs per dim on both
     sides, in plain Python (numpy's per-call cost dominates arrays this small); None otherwise."""
@@ -468,19 +361,15 @@ def _single_overlap(piece, source):
 _NO_ROWS = np.zeros((0, 0, 4), dtype=I64)
 
 
-def _sig(piece) -> tuple:
-    return tuple([d.sig for d in piece])
-
-
 def _piece_rows(t, piece, sources, src_lo, src_hi):
     """Rows (global start, dst local start, src local start, size, source index) covering one
     target piece; proves the piece is covered exactly once."""
     nd = len(t.shape)
-    want = _volume(piece)
+    want = piece_volume(piece)
     empty = np.zeros((0, nd), dtype=I64)
     if want == 0:
         return empty, empty, empty, empty, np.zeros(0, dtype=I64)
-    lo, hi = _bbox(piece)
+    lo, hi = piece_bbox(piece)
     cand = np.flatnonzero(np.all((src_lo < hi) & (src_hi > lo), axis=1))
     found, idx = [], []
     got = 0

@@ -1,0 +1,160 @@
+"""The proof behind every plan: the pieces of a tensor that a layout's ranks hold, replicas
+removed, tile the tensor exactly once (P1), for the source (where each piece lies, to read it) and
+for the target (elements counted only). Proofs are pure and kept on the model per mesh and tensor,
+so the next plan of the same model and mesh (another rank's load) skips them."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import PlanError
+from ..layout.algebra import I64, DimLayout
+from ..layout.lower import ShardMap
+from ..layout.mesh import Mesh
+
+
+def piece_bbox(piece) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Global bounding box of a piece: runs are sorted globally (docs of ucl.layout.algebra)."""
+    lo, hi = [], []
+    for d in piece:
+        s = d.segs
+        if len(s):
+            first, last = s[0], s[-1]
+            lo.append(int(first[0]))
+            hi.append(int(last[0] + last[2]))
+        else:
+            lo.append(0)
+            hi.append(0)
+    return tuple(lo), tuple(hi)
+
+
+def piece_volume(piece) -> int:
+    """Elements a piece holds."""
+    v = 1
+    for d in piece:
+        s = d.segs
+        v *= int(s[0, 2]) if len(s) == 1 else int(s[:, 2].sum())
+    return v
+
+
+def piece_sig(piece) -> tuple:
+    """A piece as a hashable value (its per-dim layouts' signatures)."""
+    return tuple([d.sig for d in piece])
+
+
+class _ShareKey(NamedTuple):
+    """Holdings that are the very same objects (the kinds of one flat statement), for one proof."""
+
+    numel: int
+    where: bool
+    pieces: tuple[int, ...]  # ids of the holdings' piece lists
+    fixed: tuple[int, ...]  # ids of the holdings' coordinates
+
+
+@dataclass(frozen=True, eq=False)
+class _Proofs:
+    """What :func:`dedup_sources` keeps of one model, by mesh (lowering and the proof are pure):
+    per tensor id, its deduplicated sources with where they lie (``sources``), or only proved (the
+    target's proof: ``counted``); and per set of shared holdings, the one proof they share."""
+
+    sources: dict[Mesh, dict[int, list]] = field(default_factory=dict)
+    counted: dict[Mesh, dict[int, list]] = field(default_factory=dict)
+    shared: dict[Mesh, dict[_ShareKey, tuple[list, list]]] = field(default_factory=dict)
+
+
+def dedup_sources(S: ShardMap, t, role: str = "source") -> list:
+    """:func:`_proved_pieces` (entries ``(lo, hi, piece, rank, holding index)``), cached on the
+    model per mesh and tensor: lowering and the proof are pure, so the next plan of the same
+    model and mesh (another rank's load) skips them. The target's proof only counts elements,
+    so it skips where each piece lies (rank, bounding box)."""
+    proofs = S.model.derived.of(_Proofs)
+    full = proofs.sources.setdefault(S.mesh, {})
+    if t.id in full:
+        return full[t.id]
+    where = role != "target"
+    memo = full if where else proofs.counted.setdefault(S.mesh, {})
+    if t.id not in memo:
+        memo[t.id] = _shared_proof(S, t, role, where)
+    return memo[t.id]
+
+
+def _shared_proof(S: ShardMap, t, role: str, where: bool) -> list:
+    """The kinds of one flat statement (fp32, exp_avg, exp_avg_sq) share their pieces and
+    coordinates (the very same objects), so one proof serves them all; entries name the holding
+    (its index), whose slot differs by kind."""
+    holdings = S.holdings[t.id]
+    key = _ShareKey(t.numel, where, tuple([id(h.pieces) for h in holdings]), tuple([id(h.fixed) for h in holdings]))
+    shared = S.model.derived.of(_Proofs).shared.setdefault(S.mesh, {})
+    if key not in shared:  # the holdings are kept alive with the entry, so those ids stay theirs
+        shared[key] = (holdings, _proved_pieces(S, t, role, where))
+    return shared[key][1]
+
+
+def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> list:
+    """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
+    Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
+    several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
+    out, volume = _dedup(S, t, False, where)
+    if volume > t.numel:
+        out, volume = _dedup(S, t, True, where)
+    if volume != t.numel:
+        what = "overlapping, non-identical replicas" if volume > t.numel else "elements no rank holds"
+        raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the {role} layout holds {volume} elements of "
+                        f"{t.numel}: {what}", code="UCL313" if volume > t.numel else "UCL314")
+    return out
+
+
+def _dedup(S: ShardMap, t, by_box: bool, where: bool):
+    seen, out, volume = set(), [], 0
+    kept: list[list[tuple[int, int, int]]] = []  # by_box: boxes accepted so far, as (g, l, n) per dim
+    strides = S.mesh.strides if where and not S.mesh.is_universal else None
+    for j, h in enumerate(S.holdings[t.id]):
+        rank = sum(v * strides.get(a, 0) for a, v in h.fixed.items()) if strides is not None else 0
+        if not by_box:
+            sig = tuple([piece_sig(p) for p in h.pieces])
+            if sig in seen:
+                continue
+            seen.add(sig)
+            pieces = h.pieces
+        else:  # keep only what earlier ranks do not already hold
+            pieces = []
+            for p in h.pieces:
+                for box in _boxes(p):
+                    rest = [box]
+                    for k in kept:
+                        rest = [r for b in rest for r in _subtract(b, k)]
+                    kept.extend(rest)
+                    pieces += [tuple(DimLayout(d.local, np.array([seg], dtype=I64), d.fills[:0])
+                                     for d, seg in zip(p, r)) for r in rest]
+        for p in pieces:
+            vol = piece_volume(p)
+            if vol == 0:
+                continue
+            volume += vol
+            lo, hi = piece_bbox(p) if where else (None, None)
+            out.append((lo, hi, p, rank, j))
+    return out, volume
+
+
+def _boxes(piece) -> list[list[tuple[int, int, int]]]:
+    """A piece as single boxes: one (global start, local start, length) run per dim."""
+    per_dim = [[tuple(int(x) for x in seg) for seg in d.segs] for d in piece]
+    return [list(c) for c in itertools.product(*per_dim)]
+
+
+def _subtract(box, other) -> list:
+    """``box`` minus ``other`` as at most 2*ndim boxes (runs keep their global->local offsets)."""
+    if any(g + n <= og or og + on <= g for (g, _, n), (og, _, on) in zip(box, other)):
+        return [box]
+    out, core = [], list(box)
+    for d, ((g, l, n), (og, _, on)) in enumerate(zip(box, other)):
+        lo, hi = max(g, og), min(g + n, og + on)
+        if g < lo:
+            out.append(core[:d] + [(g, l, lo - g)] + core[d + 1:])
+        if hi < g + n:
+            out.append(core[:d] + [(hi, l + hi - g, g + n - hi)] + core[d + 1:])
+        core[d] = (lo, l + lo - g, hi - lo)
+    return out
