@@ -16,6 +16,8 @@ import ucl
 import ucl.cli
 from ucl.cli.parser import build_parser
 
+from test_cli import main  # noqa: E402  (one in-process runner for both CLI test modules)
+
 REPO = Path(__file__).resolve().parent.parent
 SPEC = "dims vocab, hidden\nmesh tp\nembedding.weight_of_a_rather_long_parameter_name [vocab, hidden] : split 0 over tp\n" \
        "norm.weight [hidden] : replicate over tp\n"
@@ -38,14 +40,7 @@ def run(*args, prelude: str | None = None, columns: int = 200):
     return p.returncode, p.stdout, p.stderr
 
 
-def call(capsys, *args):
-    capsys.readouterr()
-    try:
-        rc = ucl.cli.main([str(a) for a in args])
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+call = main  # `ucl ARGS` in-process: (exit code, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
