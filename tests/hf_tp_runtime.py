@@ -20,6 +20,7 @@ What stays a per-family table is the runtime's side: the attributes a TP runtime
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import warnings
@@ -43,6 +44,7 @@ LOCAL_ATTRS = {
     "mpt": ("n_heads", "hidden_size"),
     "gpt_neox": ("num_attention_heads", "hidden_size"),
     "phi3": (),  # transformers gathers qkv_proj's output: every rank runs all heads
+    "jetmoe": ("hidden_size",),  # the mixture of attention heads' query width (JetMoeMoA)
 }
 FAMILIES = tuple(LOCAL_ATTRS)
 _STATES = {"exp_avg", "exp_avg_sq", "step"}
@@ -172,7 +174,10 @@ def styles(model, placements: dict[str, Placement]) -> dict:
             out[path] = UclStyle(pls, "replicate" if column else row_input, "shard" if column and not gather else
                                  "replicate")
         else:  # experts stacked [E, ...]: computed with the local shards, the partial sums all-reduced
-            out[path] = LocalStyle(pls)
+            # (one [E, out, in] weight split on its output dim (jetmoe's input_linear) is column-parallel:
+            # its output stays local)
+            column = set(pls) == {"weight"} and weight.dim == 1 and type(module).__name__.endswith("ParallelExperts")
+            out[path] = LocalStyle(pls, reduce=not column)
     return out
 
 
@@ -180,7 +185,6 @@ def _hf_style(model, path: str) -> str | None:
     """transformers' TP style of a module, where its plan names one: the runtime computes as it says
     (``colwise_gather_output``: the column output all-gathered; ``rowwise_split_input``: a replicated
     input cut to the rank's columns)."""
-    import re
     plan = getattr(model, "_tp_plan", None) or {}
     return plan.get(re.sub(r"\.\d+(?=\.|$)", ".*", path))
 
@@ -249,9 +253,9 @@ class LocalStyle(_style_base()):
     """Stacked experts: each rank computes with its shards (DTensors of the layout's placements,
     kept for the shard check) and the partial outputs are summed over tp."""
 
-    def __init__(self, pls: dict[str, Placement]):
+    def __init__(self, pls: dict[str, Placement], reduce: bool = True):
         super().__init__()
-        self.pls = pls
+        self.pls, self.reduce = pls, reduce
 
     def _apply(self, module, mesh):
         import torch.distributed as dist
@@ -266,7 +270,8 @@ class LocalStyle(_style_base()):
         def reduce(m, args, y):
             dist.all_reduce(y, group=mesh.get_group())
             return y
-        module.register_forward_hook(reduce)
+        if self.reduce:
+            module.register_forward_hook(reduce)
         return module
 
 
@@ -274,7 +279,7 @@ def localize(model, model_type: str, placements: dict[str, Placement], rank: int
     """The runtime's per-rank view: head counts and split sizes of the attention modules over tp, and
     ALiBi slopes sliced to the rank's heads (bloom, mpt build them for every head)."""
     split_parents = {n.rsplit(".", 2)[0] for n, p in placements.items() if p.dim is not None and n.count(".") >= 2}
-    split_parents = {p for p in split_parents if "Attention" in type(model.get_submodule(p)).__name__}
+    split_parents = {p for p in split_parents if re.search("Attention|MoA$", type(model.get_submodule(p)).__name__)}
     for path in split_parents:
         m = model.get_submodule(path)
         for attr in LOCAL_ATTRS[model_type]:

@@ -25,7 +25,7 @@ FAST = ["llama", "gpt2", "bloom", "falcon", "gpt_neox", "gpt_bigcode", "mpt", "p
 OTHER_SIZE_KNOWN_GAPS = {"mamba2", "mamba", "falcon_mamba", "bamba", "granitemoehybrid", "opt", "biogpt",
                          "falcon", "dbrx", "deepseek_v4", "axk2", "bailing_hybrid", "flint", "laguna", "lfm3",
                          "recurrent_gemma", "xlstm", "zaya", "kimi_linear"}
-TP_SHARE_KNOWN_GAPS = {"jetmoe", "bamba", "deepseek_v32", "glm_moe_dsa", "dbrx", "lara_mini", "hy_v4", "axk2", "minimax",
+TP_SHARE_KNOWN_GAPS = {"bamba", "deepseek_v32", "glm_moe_dsa", "dbrx", "lara_mini", "hy_v4", "axk2", "minimax",
                        "kimi_linear", "openai-gpt", "lfm3"}
 
 

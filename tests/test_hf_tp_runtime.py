@@ -46,6 +46,28 @@ def test_placements_of_a_fused_qkv_and_an_uneven_vocab():
     assert placements["transformer.ln_f.weight"] == R.Placement(None)
 
 
+def test_jetmoe_kv_packed_router_whole_attention_experts_by_heads():
+    """Known answers from JetMoe's forward: ``kv_proj(x).chunk(2)`` is [K; V], so rank 0 holds K's and
+    V's first halves (a packed split, not the first half of the rows); the routers (``router.layer``)
+    are replicated, since every rank routes every token; the mixture-of-attention experts
+    ``input_linear`` [E, kv_heads * head_dim, hidden] are split by heads (dim 1, no [gate; up]) and
+    ``output_linear`` by their input (dim 2); the MLP experts' ``input_linear`` is [gate; up] (chunk(2))."""
+    placements = _torch_shards("jetmoe")
+    cfg = R.Z.tiny_config("jetmoe")
+    kv = cfg.kv_channels * cfg.num_key_value_heads
+    layer = "model.layers.0."
+    halves = [i for r in range(2) for part in range(2) for i in range(part * kv + r * kv // 2, part * kv + (r + 1) * kv // 2)]
+    assert placements[layer + "self_attention.kv_proj.weight"] == R.Placement(0, tuple(halves))
+    assert placements[layer + "mlp.router.layer.weight"] == R.Placement(None)
+    assert placements[layer + "self_attention.experts.router.layer.weight"] == R.Placement(None)
+    assert placements[layer + "self_attention.experts.input_linear.weight"] == R.Placement(1)
+    assert placements[layer + "self_attention.experts.output_linear.weight"] == R.Placement(2)
+    ffn = cfg.intermediate_size
+    packed = [i for r in range(2) for part in range(2) for i in range(part * ffn + r * ffn // 2, part * ffn + (r + 1) * ffn // 2)]
+    assert placements[layer + "mlp.input_linear.weight"] == R.Placement(1, tuple(packed))
+    assert placements[layer + "mlp.output_linear.weight"] == R.Placement(2)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "bloom", "gpt_bigcode", "qwen2_moe"])
 def test_each_rank_holds_torch_shard_of_the_full_tensor(model_type):
     placements = _torch_shards(model_type)
@@ -68,9 +90,14 @@ def test_parallelized_models_compute_the_unsharded_logits(tmp_path):
     _, placements, local = R.ucl_layout("gpt2")
     name = "transformer.h.0.attn.c_attn.weight"
     wrong = dict(placements, **{name: R.Placement(1), name.replace("weight", "bias"): R.Placement(0)})
-    out = R.run(R.FAMILIES, str(tmp_path), extra=[("gpt2 plain-chunk qkv", "gpt2", wrong, local)])
-    bad = {t: p for t, p in out.items() if p and t != "gpt2 plain-chunk qkv"}
+    _, jet, jet_local = R.ucl_layout("jetmoe")
+    kv = "model.layers.0.self_attention.kv_proj.weight"  # [K; V] cut as one block: rank 0 gets K only
+    jet_wrong = dict(jet, **{kv: R.Placement(0)})
+    out = R.run(R.FAMILIES, str(tmp_path), extra=[("gpt2 plain-chunk qkv", "gpt2", wrong, local),
+                                                  ("jetmoe plain-chunk kv", "jetmoe", jet_wrong, jet_local)])
+    bad = {t: p for t, p in out.items() if p and "plain-chunk" not in t}
     assert not bad, bad
     tampered = out["gpt2 plain-chunk qkv"]
     assert any(p.startswith("logits differ") for p in tampered), tampered
     assert any("differs from ucl's" in p for p in tampered), tampered
+    assert any(p.startswith("logits differ") for p in out["jetmoe plain-chunk kv"]), out["jetmoe plain-chunk kv"]

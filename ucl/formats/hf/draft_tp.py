@@ -23,6 +23,9 @@ _PACKED = {"gate_up_proj", "input_linear", "w13", "fc1_glu"}  # [gate; up] rows,
 _FUSED_QKV = {"qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv", "W_pack"}
 _PER_HEAD = {"bloom", "gpt_neox", "gpt_neox_japanese", "persimmon", "minimax"}
 _REPLICATED = re.compile(r"(^|_)a_proj|^gate$|router|^x_proj$|indexer|weights_proj|norm|^conv")
+# a module inside one of these is replicated whatever its own name (jetmoe's `router.layer`): every
+# rank routes every token
+_REPLICATED_INSIDE = re.compile(r"router")
 
 Value = Callable[[object], int]  # a size read off a module (the model's or the perturbed one's)
 
@@ -40,8 +43,8 @@ def derive(name: str, shape: tuple[int, ...], model, model2, size) -> tuple[list
     if module is model.get_input_embeddings() or module is model.get_output_embeddings():
         return [], ["split 0 over tp uneven"], None, "vocab-parallel", False
     kind = type(module).__name__
-    if "experts" in path.split(".") or mname == "experts":
-        return _experts(leaf, shape, module, module2, size)
+    if "experts" in path.split(".") or mname == "experts" or kind.endswith("Experts"):
+        return _experts(f"{mname}.{leaf}", shape, module2, size, _in_attention(model, path))
     parent = path.rsplit(".", 1)[0] if "." in path else ""
     for mixer_path, rest in ((path, leaf), (parent, f"{mname}.{leaf}")):
         mixer = _submodule(model, mixer_path)
@@ -59,8 +62,10 @@ def derive(name: str, shape: tuple[int, ...], model, model2, size) -> tuple[list
     if mname in _PACKED:
         d = 0 if is_bias else out_dim
         return _packed(shape, d, name, model2, size)
-    if _REPLICATED.search(mname):
+    if _REPLICATED.search(mname) or any(_REPLICATED_INSIDE.search(s) for s in path.split(".")[:-1]):
         return [], [], None, "", False
+    if mname == "kv_proj":
+        return _kv_proj(model, model2, parent, module, is_bias, size, name)
     if _out_features(module, kind) == 1:  # a scalar gate per token (qwen2_moe's shared_expert_gate): nothing to split
         return [], [], None, "one output: replicated", False
     if mname in _ROW or (mname not in _COL and _out_features(module, kind) == _hidden(model)
@@ -148,20 +153,44 @@ def _packed(shape, d: int, name: str, model2, size):
     return [f"view {d} as [2, {size(v, v2)}]"], [f"split {d}.1 over tp uneven"], d, "packed [gate; up]", False
 
 
-def _experts(leaf: str, shape, module, module2, size):
-    """Experts stacked as [E, ...]: over ep on dim 0; gate_up column-parallel (packed), down row-parallel."""
+def _experts(leaf: str, shape, module2, size, attention: bool):
+    """Experts stacked as [E, ...]: over ep on dim 0; gate_up column-parallel (packed), down row-parallel.
+    ``leaf`` is ``module.param``. Experts of an attention module (jetmoe's mixture of attention heads)
+    project to heads, with no [gate; up] halves: their input projection is column-parallel by heads."""
     if len(shape) != 3:
         return [], [], None, "", False
     if re.search(r"gate_up|w13|input|w1|fc1", leaf):
         v = shape[1] // 2
-        p2 = getattr(module2, leaf, None) if module2 is not None else None
+        p2 = module2 if module2 is None else getattr(module2, leaf.rsplit(".", 1)[-1], None)
         v2 = int(p2.shape[1]) // 2 if p2 is not None and getattr(p2, "ndim", 0) == 3 else None
+        if attention:
+            return [], ["split 1 over tp uneven"], None, "attention experts: column-parallel by heads", True
         if shape[1] % 2 == 0:
             return [f"view 1 as [2, {size(v, v2)}]"], ["split 1.1 over tp uneven"], 1, "experts: packed [gate; up]", True
         return [], ["split 1 over tp uneven"], None, "experts: column-parallel", True
     if re.search(r"down|w2|output|fc2", leaf):
         return [], ["split 2 over tp uneven"], None, "experts: row-parallel", True
     return [], [], None, "experts", True
+
+
+def _in_attention(model, path: str) -> bool:
+    """Whether a module on ``path`` lies inside an attention module (by class name)."""
+    parts = path.split(".")
+    return any("Attention" in type(_submodule(model, ".".join(parts[:i]))).__name__ for i in range(1, len(parts)))
+
+
+def _kv_proj(model, model2, parent: str, module, is_bias: bool, size, name: str):
+    """A fused ``kv_proj``: ``[K; V]`` read with ``.chunk(2)`` (jetmoe) is packed like [gate; up], so each
+    rank holds its heads of both; one shared head (deepseek_v4's K = V) is replicated like multi-query."""
+    attn = _submodule(model, parent)
+    head_dim = getattr(attn, "head_dim", None)
+    kv = getattr(attn, "num_key_value_heads", None)
+    out = module.out_features
+    if head_dim and out == head_dim:
+        return [], [], None, "one K/V head shared by every rank's heads: replicated", False
+    if head_dim and kv and out == 2 * kv * head_dim:
+        return _packed((out, module.in_features), 0, name, model2, size)[:3] + ("packed [K; V] (chunk(2))", False)
+    return [], ["split 0 over tp uneven"], None, "column-parallel", False
 
 
 def mixer_layout(path_leaf: str, shape, mixer, mixer2, size):
