@@ -34,14 +34,19 @@ class Grade:
                 f"{share} | {self.fused or '-'} | {'; '.join(self.notes)[:160]} |")
 
 
-def tp_share(model) -> float:
-    """Elements of parameters on the largest of ``tp=2`` ranks over all elements."""
+def tp_share(model, leave_out: str | None = None) -> float:
+    """Elements of parameters on the largest of ``tp=2`` ranks over all elements. Persistent buffers
+    (bound as frozen: minimax's decay tables) are not parameters; ``leave_out``: a regex of parameter
+    names replicated by design, not counted (see TP_SHARE_BY_DESIGN in tests/test_hf_draft.py)."""
+    import re
     from ucl import Mesh
     from ucl.layout.lower import lower
     sm = lower(model, Mesh.parse("tp=2"))
-    total = sum(t.numel for t in model.tensors if t.kind == "param")
-    per = [sum(int(_numel(s)) for k, (s, _) in sm.rank_datasets(r).items() if k.startswith("param/"))
-           for r in range(2)]
+    counted = {t.name for t in model.tensors if t.kind == "param" and t.name not in model.frozen
+               and not (leave_out and re.search(leave_out, t.name))}
+    total = sum(t.numel for t in model.tensors if t.kind == "param" and t.name in counted)
+    per = [sum(int(_numel(s)) for k, (s, _) in sm.rank_datasets(r).items()
+               if k.startswith("param/") and k[len("param/"):] in counted) for r in range(2)]
     return max(per) / total if total else 0.0
 
 
@@ -52,7 +57,7 @@ def _numel(shape) -> int:
     return n
 
 
-def grade(model_type: str) -> Grade:
+def grade(model_type: str, leave_out: str | None = None) -> Grade:
     import ucl
     from ucl.formats.hf import draft_spec_from_hf
     g = Grade(model_type)
@@ -75,7 +80,7 @@ def grade(model_type: str) -> Grade:
             warnings.simplefilter("ignore")
             model = spec.bind(spec.dims_from_config(cfg0.to_dict()), shapes0, frozen=bufs0)
         g.binds = True
-        g.tp_share = tp_share(model)
+        g.tp_share = tp_share(model, leave_out)
     except Exception as e:  # noqa: BLE001
         g.notes.append(f"bind: {' '.join(str(e).split())[:140]}")
     try:

@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import hf_zoo as Z  # noqa: E402
 
 TP = 2
-# model type -> attributes of attention modules that a TP runtime keeps per rank (divided by tp)
+# model type -> attributes of attention (and expert) modules that a TP runtime keeps per rank (divided by
+# tp); ``Class.attr`` only on modules of that class
 LOCAL_ATTRS = {
     "llama": (), "qwen2_moe": (), "mixtral": (),
     "gpt2": ("num_heads", "split_size", "embed_dim"),
@@ -44,7 +45,10 @@ LOCAL_ATTRS = {
     "mpt": ("n_heads", "hidden_size"),
     "gpt_neox": ("num_attention_heads", "hidden_size"),
     "phi3": (),  # transformers gathers qkv_proj's output: every rank runs all heads
-    "jetmoe": ("hidden_size",),  # the mixture of attention heads' query width (JetMoeMoA)
+    "jetmoe": ("hidden_size",),
+    "openai-gpt": ("n_head", "split_size"),
+    "lfm3": (), "kimi_linear": ("KimiLinearDeltaAttention.qkv_dim",),
+    "dbrx": ("num_heads", "num_key_value_heads", "DbrxAttention.hidden_size", "DbrxExperts.ffn_hidden_size"),  # the mixture of attention heads' query width (JetMoeMoA)
 }
 FAMILIES = tuple(LOCAL_ATTRS)
 _STATES = {"exp_avg", "exp_avg_sq", "step"}
@@ -65,7 +69,7 @@ def ucl_layout(model_type: str, seed: int = 0):
     import ucl
     from ucl.dtypes import storage_dtype
     from ucl.formats.hf import draft_spec_from_hf
-    cfg = Z.tiny_config(model_type)
+    cfg = config(model_type)
     model = build(cfg, seed)
     spec = ucl.load_spec(draft_spec_from_hf(cfg))
     shapes, bufs = Z.state_shapes(model)
@@ -94,6 +98,15 @@ def ucl_layout(model_type: str, seed: int = 0):
         except AssertionError as e:
             raise AssertionError(f"{n}: {e}") from None
     return cfg, placements, lowered(params)
+
+
+def config(model_type: str):
+    """The sweep's tiny config, with what its forward needs to run (dbrx's default ``clip_qkv`` None
+    fails in ``clamp``: a bound that the tiny model's activations never reach)."""
+    cfg = Z.tiny_config(model_type)
+    if model_type == "dbrx":
+        cfg.attn_config.clip_qkv = 1e4
+    return cfg
 
 
 def placement(full_index: np.ndarray, local: list[np.ndarray]) -> Placement:
@@ -174,10 +187,12 @@ def styles(model, placements: dict[str, Placement]) -> dict:
             out[path] = UclStyle(pls, "replicate" if column else row_input, "shard" if column and not gather else
                                  "replicate")
         else:  # experts stacked [E, ...]: computed with the local shards, the partial sums all-reduced
-            # (one [E, out, in] weight split on its output dim (jetmoe's input_linear) is column-parallel:
-            # its output stays local)
+            # (one [E, out, in] weight split on its output dim (jetmoe's input_linear) is column-parallel,
+            # and a module of per-head parameters without a weight (kimi_linear's forget gate) computes
+            # its heads: their outputs stay local)
             column = set(pls) == {"weight"} and weight.dim == 1 and type(module).__name__.endswith("ParallelExperts")
-            out[path] = LocalStyle(pls, reduce=not column)
+            per_head = set(pls) <= {"dt_bias", "A_log", "D"}
+            out[path] = LocalStyle(pls, reduce=not column and not per_head)
     return out
 
 
@@ -279,10 +294,14 @@ def localize(model, model_type: str, placements: dict[str, Placement], rank: int
     """The runtime's per-rank view: head counts and split sizes of the attention modules over tp, and
     ALiBi slopes sliced to the rank's heads (bloom, mpt build them for every head)."""
     split_parents = {n.rsplit(".", 2)[0] for n, p in placements.items() if p.dim is not None and n.count(".") >= 2}
-    split_parents = {p for p in split_parents if re.search("Attention|MoA$", type(model.get_submodule(p)).__name__)}
+    split_parents = {p for p in split_parents
+                     if re.search("Attention|MoA$|Experts$", type(model.get_submodule(p)).__name__)}
     for path in split_parents:
         m = model.get_submodule(path)
         for attr in LOCAL_ATTRS[model_type]:
+            cls, _, attr = attr.rpartition(".")
+            if cls and type(m).__name__ != cls:
+                continue
             v = getattr(m, attr, None)
             if isinstance(v, int) and not isinstance(v, bool):
                 assert v % TP == 0, (path, attr, v)
@@ -311,11 +330,11 @@ def check_rank(model_type: str, placements, local, rank: int, mesh) -> list[str]
     import torch
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
-    cfg = Z.tiny_config(model_type)
+    cfg = config(model_type)
     model = build(cfg)
     ids = torch.randint(3, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = model(ids).logits
+        want = model(ids, use_cache=False).logits
     plan = styles(model, placements)
     parallelize_module(model, mesh, plan)
     localize(model, model_type, placements, rank)
@@ -331,7 +350,7 @@ def check_rank(model_type: str, placements, local, rank: int, mesh) -> list[str]
             problems.append(f"{name}: rank {rank}'s shard {tuple(got.shape)} differs from ucl's "
                             f"{local[rank][name].shape}")
     with torch.no_grad():
-        logits = model(ids).logits
+        logits = model(ids, use_cache=False).logits
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     if not torch.allclose(logits, want, rtol=1e-4, atol=1e-5):

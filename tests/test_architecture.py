@@ -115,10 +115,6 @@ def test_layers_import_only_layers_before_them():
 ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("ucl.lang.spec", "ucl.layout.bind"): "Spec.bind and Spec.synthesize_params are the public face of the layout "
                                           "layer, which imports ucl.lang (whose __init__ re-exports Spec)",
-    # not the point of a lazy import: a real circle in the drafter, left to the work on issue 29 that owns
-    # those files (moving the one builder of meta-device models out of draft.py removes it)
-    ("ucl.formats.hf.draft_dims", "ucl.formats.hf.draft"): "draft imports draft_dims, which calls back "
-                                                           "draft.meta_model",
 }
 
 

@@ -10,6 +10,7 @@ from ...errors import StoreError, did_you_mean
 from ...model_config import read_raw_config
 from .draft_dims import ShapeWriter, layer_count_key, recognised_dims
 from .draft_tp import derive
+from .meta import meta_model
 
 
 # ---- drafting a spec from a transformers model ---------------------------------------------------
@@ -32,22 +33,6 @@ def _style(name: str, plan: Mapping[str, str]) -> str | None:
         return plan[g]
     parent = g.rsplit(".", 1)[0] if "." in g else None
     return plan.get(parent) if parent else None
-
-
-def meta_model(config):
-    """(config, model on the meta device) from a PretrainedConfig, a config dict or a path."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-
-    if not isinstance(config, PretrainedConfig):
-        if isinstance(config, Mapping):
-            fields = dict(config)
-            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        else:
-            config = AutoConfig.from_pretrained(str(config))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return config, model
 
 
 def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
@@ -230,6 +215,11 @@ def _pattern(name: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)", lambda m: "{" + next(caps) + "}", name)
 
 
+# modules registered before the layers but applied after them (OPT's decoder registers
+# final_layer_norm and project_out ahead of its layers): their stage is the last
+_AFTER_LAYERS = re.compile(r"^final_|^project_out$")
+
+
 def _entries_by_pattern(facts: _Facts, second_shapes) -> dict[str, dict]:
     """Parameters and persistent buffers grouped by pattern, in model order, with their stage."""
     entries: dict[str, dict] = {}
@@ -238,8 +228,9 @@ def _entries_by_pattern(facts: _Facts, second_shapes) -> dict[str, dict]:
         pat = _pattern(n)
         in_layers = facts.layer_prefix is not None and n.startswith(facts.layer_prefix) and pat != n
         seen_layers |= in_layers
+        after = seen_layers or _AFTER_LAYERS.search(n.rsplit(".", 1)[0].rsplit(".", 1)[-1])
         e = entries.setdefault(pat, dict(names=[], shapes=set(), shapes2=set(), buffer=False, in_layers=in_layers,
-                                         stage=None if in_layers else ("last" if seen_layers else "first")))
+                                         stage=None if in_layers else ("last" if after else "first")))
         e["names"].append(n)
         e["shapes"].add(shape)
         if n in second_shapes:
@@ -268,9 +259,10 @@ def _rule_line(pat: str, e: dict, facts: _Facts, shapes: ShapeWriter) -> tuple[s
                                                         shapes.second_model, shapes.value)
             if note and style is not None:
                 note = f"not a style this drafter knows; derived: {note}"
-        if (_generic(first) in facts.ep_keys or ep) and ndim >= 1:
+        if (_generic(first) in facts.ep_keys or ep) and ndim >= 1 and not any("over ep" in x for x in splits):
             t.append("split 0 over ep")
             uses_ep = True
+        uses_ep |= any("over ep" in x for x in splits)
         t = view + t + splits
         if ndim >= 1:
             if packed_dim == 0:

@@ -10,6 +10,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .meta import meta_model
 from .names import Shapes
 
 # canonical transformers field -> the short dim name drafts use for it
@@ -96,7 +97,6 @@ def _layer_types_length(cfg: Mapping) -> int | None:
 
 
 def _build(model_type: str, fields: dict):
-    from .draft import meta_model  # one builder of meta-device models
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return meta_model({"model_type": model_type, **fields})[1]

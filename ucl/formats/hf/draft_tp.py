@@ -27,6 +27,8 @@ _REPLICATED = re.compile(r"(^|_)a_proj|^gate$|router|^x_proj$|indexer|weights_pr
 # rank routes every token
 _REPLICATED_INSIDE = re.compile(r"router")
 
+# the up projection of a low-rank pair (kimi_linear's f_b_proj, g_b_proj after f_a_proj, g_a_proj): by heads
+_LOW_RANK_UP = re.compile(r"^[a-z]+_b_proj$")
 Value = Callable[[object], int]  # a size read off a module (the model's or the perturbed one's)
 
 
@@ -44,11 +46,15 @@ def derive(name: str, shape: tuple[int, ...], model, model2, size) -> tuple[list
         return [], ["split 0 over tp uneven"], None, "vocab-parallel", False
     kind = type(module).__name__
     if "experts" in path.split(".") or mname == "experts" or kind.endswith("Experts"):
-        return _experts(f"{mname}.{leaf}", shape, module2, size, _in_attention(model, path))
+        return _experts(f"{mname}.{leaf}", shape, module2, size, _in_attention(model, path), module)
     parent = path.rsplit(".", 1)[0] if "." in path else ""
     for mixer_path, rest in ((path, leaf), (parent, f"{mname}.{leaf}")):
         mixer = _submodule(model, mixer_path)
         found = None if mixer is None else mixer_layout(rest, shape, mixer, _submodule(model2, mixer_path), size)
+        if found is not None:
+            return (*found, False)
+    for found in (_short_conv(path, leaf, shape, model, model2, size),
+                  _linear_attention(path, leaf, shape, model, model2, size)):
         if found is not None:
             return (*found, False)
     if kind == "Embedding" or ndim > 2:
@@ -68,10 +74,10 @@ def derive(name: str, shape: tuple[int, ...], model, model2, size) -> tuple[list
         return _kv_proj(model, model2, parent, module, is_bias, size, name)
     if _out_features(module, kind) == 1:  # a scalar gate per token (qwen2_moe's shared_expert_gate): nothing to split
         return [], [], None, "one output: replicated", False
-    if mname in _ROW or (mname not in _COL and _out_features(module, kind) == _hidden(model)
+    if mname in _ROW or (mname not in _COL and not _LOW_RANK_UP.search(mname) and _out_features(module, kind) == _hidden(model)
                          and _in_features(module, kind) != _hidden(model)):
         return [], ([] if is_bias else [f"split {in_dim} over tp uneven"]), None, "row-parallel", False
-    if mname in _COL or _in_features(module, kind) == _hidden(model):
+    if mname in _COL or _LOW_RANK_UP.search(mname) or _in_features(module, kind) == _hidden(model):
         if re.search(r"qkv|in_proj", mname):  # a fused input projection of unknown order: left whole
             return [], [], None, "fused projection of unknown order: replicated over tp", False
         return [], [f"split {0 if is_bias else out_dim} over tp uneven"], None, "column-parallel", False
@@ -115,6 +121,9 @@ def _fused_qkv(model, model2, attn, attn2, module, d: int, size):
     def heads_of(a, c):
         h = getattr(a, "num_heads", None) or getattr(a, "n_heads", None) or getattr(c, "num_attention_heads", None)
         hd = getattr(a, "head_dim", None) or getattr(a, "head_size", None)
+        if not hd and h:  # openai-gpt keeps only the width of one of q, k, v (split_size)
+            width = getattr(a, "split_size", None)
+            hd = width // h if isinstance(width, int) and width % h == 0 else None
         kv = getattr(a, "num_key_value_heads", None) or getattr(a, "num_kv_heads", None) \
             or getattr(a, "kv_n_heads", None)
         if kv is None:
@@ -153,10 +162,26 @@ def _packed(shape, d: int, name: str, model2, size):
     return [f"view {d} as [2, {size(v, v2)}]"], [f"split {d}.1 over tp uneven"], d, "packed [gate; up]", False
 
 
-def _experts(leaf: str, shape, module2, size, attention: bool):
+def _glu_experts(shape, module, module2, size):
+    """dbrx's ``experts.mlp.w1/v1/w2``: [E * ffn, hidden] each, read per expert as ``view(E, ffn, hidden)``
+    (w1, v1 as ``x @ w[e].T``, w2 as ``h @ w2[e]``): experts over ep, each expert's ffn rows over tp
+    (column-parallel w1, v1; row-parallel w2, whose input is the ffn)."""
+    experts, ffn = getattr(module, "moe_num_experts", None), getattr(module, "ffn_hidden_size", None)
+    if not experts or not ffn or len(shape) != 2 or shape[0] != experts * ffn:
+        return None
+    e_ = size(*_two(module, module2, lambda m: m.moe_num_experts))
+    f_ = size(*_two(module, module2, lambda m: m.ffn_hidden_size))
+    return [f"view 0 as [{e_}, {f_}]"], ["split 0.0 over ep", "split 0.1 over tp uneven"], 0, \
+        "experts [E * ffn, hidden]: ep by experts, tp by ffn rows", True
+
+
+def _experts(leaf: str, shape, module2, size, attention: bool, module=None):
     """Experts stacked as [E, ...]: over ep on dim 0; gate_up column-parallel (packed), down row-parallel.
     ``leaf`` is ``module.param``. Experts of an attention module (jetmoe's mixture of attention heads)
     project to heads, with no [gate; up] halves: their input projection is column-parallel by heads."""
+    glu = _glu_experts(shape, module, module2, size)
+    if glu is not None:
+        return glu
     if len(shape) != 3:
         return [], [], None, "", False
     if re.search(r"gate_up|w13|input|w1|fc1", leaf):
@@ -191,6 +216,60 @@ def _kv_proj(model, model2, parent: str, module, is_bias: bool, size, name: str)
     if head_dim and kv and out == 2 * kv * head_dim:
         return _packed((out, module.in_features), 0, name, model2, size)[:3] + ("packed [K; V] (chunk(2))", False)
     return [], ["split 0 over tp uneven"], None, "column-parallel", False
+
+
+def _short_conv(path: str, leaf: str, shape, model, model2, size):
+    """LFM's short convolution (``*ShortConv``): ``in_proj`` = [B; C; x] read with ``.chunk(3)``, a
+    depthwise ``conv`` and the products per channel, ``out_proj`` back: every channel on one rank, so
+    ``in_proj`` is split packed (each rank its channels of B, C and x), ``conv`` by channels."""
+    parts = path.rsplit(".", 1)
+    for block_path, child in ((path, ""), (parts[0], parts[-1])) if len(parts) == 2 else ((path, ""),):
+        block = _submodule(model, block_path)
+        if block is not None and type(block).__name__.endswith("ShortConv"):
+            break
+    else:
+        return None
+    channels = size(*_two(block, _submodule(model2, block_path), lambda m: m.conv.in_channels))
+    if child == "in_proj" and shape[0] == 3 * block.conv.in_channels:
+        return [f"view 0 as [3, {channels}]"], ["split 0.1 over tp uneven"], 0, "packed [B; C; x] (chunk(3))"
+    if child == "conv" and shape[0] == block.conv.in_channels:
+        return [], ["split 0 over tp uneven"], None, "depthwise, by channels"
+    return None
+
+
+def _linear_attention(path: str, leaf: str, shape, model, model2, size):
+    """A linear attention with separate q/k/v projections whose outputs a depthwise ``conv1d`` reads
+    concatenated (kimi_linear: ``cat([q, k, v])``), split by heads like them: ``conv1d`` part by part,
+    per-head parameters (``dt_bias`` [heads * head_dim], ``A_log`` [1, 1, heads, 1]) on their heads' rank."""
+    parts = path.split(".")
+    for cut in (len(parts), len(parts) - 1):
+        attn_path = ".".join(parts[:cut])
+        attn = _submodule(model, attn_path)
+        q, k, v, conv = (getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "conv1d"))
+        if None not in (q, k, v, conv) and hasattr(attn, "num_heads"):
+            break
+    else:
+        return None
+    widths = [getattr(m, "out_features", None) for m in (q, k, v)]
+    if getattr(conv, "groups", None) != conv.out_channels or sum(w or 0 for w in widths) != conv.out_channels:
+        return None
+    attn2 = _submodule(model2, attn_path)
+    rest = path[len(attn_path) + 1:] if len(path) > len(attn_path) else ""
+    if rest == "conv1d":
+        names = ("q", "k", "v")
+        sizes = [size(*_two(getattr(attn, n + "_proj"), getattr(attn2, n + "_proj", None), lambda m: m.out_features))
+                 for n in names]
+        concat = ", ".join(f"{n} = {s}" for n, s in zip(names, sizes))
+        return [f"concat 0 as [{concat}]"], ["split 0 over tp"], None, "depthwise conv of [q; k; v] by heads"
+    if leaf in ("weight", "bias"):
+        return None
+    heads = attn.num_heads
+    if len(shape) == 1 and shape[0] in (heads, widths[0]):
+        return [], ["split 0 over tp"], None, "per head"
+    big = [d for d, n in enumerate(shape) if n != 1]
+    if len(big) == 1 and shape[big[0]] == heads:
+        return [], [f"split {big[0]} over tp"], None, "per head"
+    return None
 
 
 def mixer_layout(path_leaf: str, shape, mixer, mixer2, size):
