@@ -23,9 +23,9 @@ _PACKED = {"gate_up_proj", "input_linear", "w13", "fc1_glu"}  # [gate; up] rows,
 _FUSED_QKV = {"qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv", "W_pack"}
 _PER_HEAD = {"bloom", "gpt_neox", "gpt_neox_japanese", "persimmon", "minimax"}
 _REPLICATED = re.compile(r"(^|_)a_proj|^gate$|router|^x_proj$|indexer|weights_proj|norm|^conv")
-# a module inside one of these is replicated whatever its own name (jetmoe's `router.layer`): every
-# rank routes every token
-_REPLICATED_INSIDE = re.compile(r"router")
+# the one linear of a router module is replicated whatever its own name (jetmoe's `router.layer`,
+# longcat's `router.classifier`): top-k needs every expert's logit on every rank
+_ROUTER = re.compile(r"router")
 
 # the up projection of a low-rank pair (kimi_linear's f_b_proj, g_b_proj after f_a_proj, g_a_proj): by heads
 _LOW_RANK_UP = re.compile(r"^[a-z]+_b_proj$")
@@ -68,7 +68,7 @@ def derive(name: str, shape: tuple[int, ...], model, model2, size) -> tuple[list
     if mname in _PACKED:
         d = 0 if is_bias else out_dim
         return _packed(shape, d, name, model2, size)
-    if _REPLICATED.search(mname) or any(_REPLICATED_INSIDE.search(s) for s in path.split(".")[:-1]):
+    if _REPLICATED.search(mname) or _router_logits(model, path):
         return [], [], None, "", False
     if mname == "kv_proj":
         return _kv_proj(model, model2, parent, module, is_bias, size, name)
@@ -196,6 +196,18 @@ def _experts(leaf: str, shape, module2, size, attention: bool, module=None):
     if re.search(r"down|w2|output|fc2", leaf):
         return [], ["split 2 over tp uneven"], None, "experts: row-parallel", True
     return [], [], None, "experts", True
+
+
+def _router_logits(model, path: str) -> bool:
+    """Whether the module on ``path`` is the only linear of a router around it (a router that is an
+    MLP (zaya's ``router_mlp``) is split column then row like any MLP: its logits come out whole)."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if _ROUTER.search(parts[i - 1]):
+            router = _submodule(model, ".".join(parts[:i]))
+            linears = [m for m in router.modules() if type(m).__name__ in ("Linear", "Conv1D")]
+            return len(linears) == 1
+    return False
 
 
 def _in_attention(model, path: str) -> bool:
