@@ -8,6 +8,9 @@ import sys
 import numpy as np
 import pytest
 
+# tiny models: a tp=2 split of one KV head or one SSM group is `shared` on purpose (a MeshFitWarning)
+pytestmark = pytest.mark.filterwarnings("ignore::ucl.layout.fit.MeshFitWarning")
+
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.dirname(__file__))
