@@ -58,24 +58,33 @@ def decoder_types() -> list[tuple[str, str | None]]:
 
 def tiny_config(model_type: str):
     """hf_zoo's tiny config (size 0), with MoE models given a dense first layer where the config can
-    say so (``first_k_dense_replace``, ``mlp_only_layers``) and MLA models no GQA (else their forward fails)."""
+    say so (``first_k_dense_replace``, ``mlp_only_layers``), and sizes the model's forward accepts:
+    MLA without GQA and with rope's head_dim the rotary part, a rotary_dim within a head (codegen,
+    gptj), DBRX's qkv clipping set (its forward clamps with both bounds None otherwise)."""
     import hf_zoo
     config = hf_zoo.tiny_config(model_type)
     fields = config.to_dict()
-    if not any(fields.get(k) for k in _EXPERTS):
-        return config
     changed = {}
-    if isinstance(fields.get("first_k_dense_replace"), int):
-        changed.update(first_k_dense_replace=1, num_hidden_layers=MOE_LAYERS)
-    elif "mlp_only_layers" in fields:
-        changed.update(mlp_only_layers=[0], num_hidden_layers=MOE_LAYERS)
+    hybrid = any(isinstance(v, list) and k.endswith(("layer_types", "block_type")) for k, v in fields.items())
+    if any(fields.get(k) for k in _EXPERTS) and not hybrid:
+        if isinstance(fields.get("first_k_dense_replace"), int):
+            changed.update(first_k_dense_replace=1, num_hidden_layers=MOE_LAYERS)
+        elif "mlp_only_layers" in fields:
+            changed.update(mlp_only_layers=[0], num_hidden_layers=MOE_LAYERS)
+    if any(fields.get(k) for k in _EXPERTS) and isinstance(fields.get("n_group"), int):
+        changed.update(n_group=2, topk_group=1)  # expert groups that divide the tiny expert count
     if fields.get("kv_lora_rank") is not None and "num_key_value_heads" in fields:
         changed["num_key_value_heads"] = fields.get("num_attention_heads")
-    if isinstance(fields.get("n_group"), int):
-        changed.update(n_group=2, topk_group=1)  # expert groups that divide the tiny expert count
-    if fields.get("qk_rope_head_dim") is not None and "head_dim" in fields:
+    if fields.get("kv_lora_rank") is not None and fields.get("qk_rope_head_dim") is not None and "head_dim" in fields:
         changed["head_dim"] = fields["qk_rope_head_dim"]  # MLA: the rotary part is the head_dim rope sees
-    if not changed or any(isinstance(v, list) and k.endswith(("layer_types", "block_type")) for k, v in fields.items()):
+    heads = fields.get("n_head") or fields.get("num_attention_heads")
+    width = fields.get("n_embd") or fields.get("hidden_size")
+    if isinstance(fields.get("rotary_dim"), int) and heads and width and fields["rotary_dim"] > width // heads:
+        changed["rotary_dim"] = width // heads // 2
+    if isinstance(fields.get("attn_config"), dict) and "clip_qkv" in fields["attn_config"] \
+            and fields["attn_config"]["clip_qkv"] is None:
+        changed["attn_config"] = {**fields["attn_config"], "clip_qkv": 8.0}
+    if not changed:
         return config
     fields.update(changed)
     for k in ("architectures", "transformers_version", "model_type", "dtype", "torch_dtype"):
