@@ -252,6 +252,19 @@ def test_ucl_save_of_a_live_tied_model(tmp_path):
         assert torch.equal(model(TOKENS).logits, _load(tmp_path / "out")(TOKENS).logits)
 
 
+def test_tied_config_with_a_head_of_another_shape_keeps_it(tmp_path):
+    """CPM-Ant: tie_word_embeddings is true, but its head (vocab rows) is a slice of a larger input
+    embedding, so transformers ties nothing and the head must be written (refused before)."""
+    import hf_every as E
+    model = E.build("cpmant")
+    assert model.config.tie_word_embeddings
+    model.save_pretrained(tmp_path / "src")
+    stats = export_hf(tmp_path / "src", tmp_path / "out")
+    assert stats.details["tied_dropped"] is None and "lm_head.weight" in _tensors(tmp_path / "out")
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS[:, :8]).logits, _load(tmp_path / "out")(TOKENS[:, :8]).logits)
+
+
 def test_tied_config_with_a_different_head_is_refused(tmp_path):
     src = _save("llama", tmp_path / "src")  # untied, lm_head differs from the embedding
     cfg = json.loads((src / "config.json").read_text())
