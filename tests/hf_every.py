@@ -24,6 +24,7 @@ import sys
 import tempfile
 import traceback
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import torch
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+SEEDING = "by-name"  # in the folder cache's key: a change of how values are drawn is another folder
 MOE_LAYERS = 3  # a MoE model gets a dense first layer where its config can say so
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -104,10 +106,11 @@ def build(model_type: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # seeded, and no zero-init tensor hides a swapped copy
-        for p in model.parameters():  # (buffers keep their values: non-persistent ones are not saved)
+    with torch.no_grad():  # seeded by name: no zero-init tensor, nor two of one shape, hides a swapped copy
+        for name, p in model.named_parameters():  # (buffers keep their values: non-persistent ones are not saved)
             if p.is_floating_point():
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05
+                seed = zlib.crc32(name.encode())
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.05
                         + torch.arange(p.numel()).reshape(p.shape) * 1e-6)
     return model.eval()
 
@@ -115,7 +118,7 @@ def build(model_type: str):
 def saved(model_type: str) -> tuple[Path, object]:
     """The save_pretrained folder of the tiny model (cached) and the model itself."""
     model = build(model_type)
-    digest = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:12]
+    digest = hashlib.sha256((SEEDING + model.config.to_json_string()).encode()).hexdigest()[:12]
     folder = cache_dir() / f"{model_type}-{digest}"  # a changed tiny config is another folder
     if not (folder / "config.json").is_file():
         tmp = Path(tempfile.mkdtemp(dir=cache_dir().parent if cache_dir().parent.exists() else None))

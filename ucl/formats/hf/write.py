@@ -271,8 +271,8 @@ def _tied_head(raw: dict, entries: list[_Entry]) -> str | None:
     head = next((e for e in entries if e.name == _TIED_HEAD), None)
     if head is None or not any(e.shape == head.shape for e in entries if e.name != _TIED_HEAD):
         return None
-    try:
-        tied = load_config(raw).get("tie_word_embeddings", True)
+    try:  # transformers 5 ties only where the config class has the field and it is true
+        tied = load_config(raw).get("tie_word_embeddings", False)
     except UclError:
         tied = raw.get("tie_word_embeddings", True)
     return _TIED_HEAD if tied else None
