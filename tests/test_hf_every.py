@@ -131,12 +131,33 @@ def test_aliases_bind_their_stdlib_spec(tmp_path):
 
 
 SWEEP = [t for t, skip in E.decoder_types() if skip is None]
+TP_SHARE_LIMIT = 0.6  # no tp=2 rank above this share of the bytes
+# Types the sweep still fails, each with why; strict, so a fix flips the test (XPASS fails: take the
+# type off the list) and any other type that regresses fails as usual.
+KNOWN_FAILURES = {
+    "youtu": "transformers' own save_pretrained -> from_pretrained changes its tied embedding (logits differ "
+             "without ucl), so the export's logits cannot match",
+    **{t: f"derived TP layout: one tp=2 rank holds more than {TP_SHARE_LIMIT:.0%} of the bytes (the drafter's "
+          "draft_tp does not split this family's attention or experts yet)"
+       for t in ("axk2", "bamba", "dbrx", "deepseek_v32", "glm_moe_dsa", "hy_v4", "jetmoe", "kimi_linear",
+                 "lara_mini", "lfm3", "minimax", "openai-gpt")},
+}
+
+
+def _sweep_params():
+    return [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[t])) if t in KNOWN_FAILURES
+            else t for t in SWEEP]
+
+
+def test_known_failures_are_swept_types():
+    assert set(KNOWN_FAILURES) <= set(SWEEP)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", SWEEP)
+@pytest.mark.parametrize("model_type", _sweep_params())
 def test_every_decoder_type(model_type, tmp_path):
     row = E.check(model_type, tmp_path / "work")
     if row.reason.startswith("cannot build"):
         pytest.skip(row.reason)
     assert (row.in_place, row.round_trip, row.export) == ("ok", "ok", "ok"), row.reason
+    assert row.tp_share is not None and row.tp_share <= TP_SHARE_LIMIT, f"tp share {row.tp_share}"
