@@ -161,3 +161,28 @@ def test_every_decoder_type(model_type, tmp_path):
         pytest.skip(row.reason)
     assert (row.in_place, row.round_trip, row.export) == ("ok", "ok", "ok"), row.reason
     assert row.tp_share is not None and row.tp_share <= TP_SHARE_LIMIT, f"tp share {row.tp_share}"
+
+
+@pytest.mark.parametrize("model_type", ["kimi_linear", "sarvam_moe"])
+def test_saved_in_parts_or_fused_opens_in_place(model_type, tmp_path):
+    """kimi_linear's conv1d is saved as q/k/v_conv1d, sarvam_moe's q/k/v_proj as one query_key_value
+    (refused before: transformers' save conversion was not followed past renames)."""
+    folder = _save(E.build(model_type), tmp_path / "m")
+    desc = registry.describe(folder)
+    fused = {"kimi_linear": "model.layers.0.self_attn.conv1d.weight",
+             "sarvam_moe": "model.layers.0.self_attn.q_proj.weight"}[model_type]
+    assert fused in desc.state["hf"]["joined"] or fused in desc.state["hf"]["renamed"].values()
+    row = E.check(model_type, tmp_path / "work", export=False)
+    assert (row.in_place, row.round_trip) == ("ok", "ok"), row.reason
+
+
+def test_a_transposed_saved_form_is_refused_by_name():
+    from ucl.formats.hf import saved_form
+    t = saved_form.Sym((2, 3), (("w", 0, 6),))
+    with pytest.raises(saved_form.Unsupported, match="transpose"):
+        t.transpose(0, 1)
+    a, b = torch.chunk(saved_form.Sym((4, 2), (("w", 0, 8),)), 2, dim=1)  # columns: one run per row
+    assert a.runs == (("w", 0, 1), ("w", 2, 1), ("w", 4, 1), ("w", 6, 1))
+    back = saved_form.invert({"x": a, "y": b}, {"w": (4, 2)})
+    assert back["w"] == (("x", 0, 1), ("y", 0, 1), ("x", 1, 1), ("y", 1, 1), ("x", 2, 1), ("y", 2, 1),
+                         ("x", 3, 1), ("y", 3, 1))
