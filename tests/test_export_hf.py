@@ -252,6 +252,33 @@ def test_ucl_save_of_a_live_tied_model(tmp_path):
         assert torch.equal(model(TOKENS).logits, _load(tmp_path / "out")(TOKENS).logits)
 
 
+def test_tied_config_with_a_head_of_another_shape_keeps_it(tmp_path):
+    """CPM-Ant: tie_word_embeddings is true, but its head (vocab rows) is a slice of a larger input
+    embedding, so transformers ties nothing and the head must be written (refused before)."""
+    import hf_every as E
+    model = E.build("cpmant")
+    assert model.config.tie_word_embeddings
+    model.save_pretrained(tmp_path / "src")
+    stats = export_hf(tmp_path / "src", tmp_path / "out")
+    assert stats.details["tied_dropped"] is None and "lm_head.weight" in _tensors(tmp_path / "out")
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS[:, :8]).logits, _load(tmp_path / "out")(TOKENS[:, :8]).logits)
+
+
+def test_config_class_without_tie_field_keeps_the_head(tmp_path):
+    """inkling_text's config class has no tie_word_embeddings (transformers 5 then ties nothing); its
+    head equal to the embedding by value was dropped as tied before: reloaded, the head was
+    left at random init and the logits differed."""
+    import hf_every as E
+    model = E.build("inkling_text")
+    assert not hasattr(model.config, "tie_word_embeddings")
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.get_input_embeddings().weight)
+    model.save_pretrained(tmp_path / "src")
+    stats = export_hf(tmp_path / "src", tmp_path / "out")
+    assert stats.details["tied_dropped"] is None and "lm_head.weight" in _tensors(tmp_path / "out")
+
+
 def test_tied_config_with_a_different_head_is_refused(tmp_path):
     src = _save("llama", tmp_path / "src")  # untied, lm_head differs from the embedding
     cfg = json.loads((src / "config.json").read_text())

@@ -131,12 +131,58 @@ def test_aliases_bind_their_stdlib_spec(tmp_path):
 
 
 SWEEP = [t for t, skip in E.decoder_types() if skip is None]
+TP_SHARE_LIMIT = 0.6  # no tp=2 rank above this share of the bytes
+# Types the sweep still fails, each with why; strict, so a fix flips the test (XPASS fails: take the
+# type off the list) and any other type that regresses fails as usual.
+KNOWN_FAILURES = {
+    "youtu": "transformers' own save_pretrained -> from_pretrained changes its tied embedding (logits differ "
+             "without ucl), so the export's logits cannot match",
+    **{t: f"derived TP layout: one tp=2 rank holds more than {TP_SHARE_LIMIT:.0%} of the bytes (the drafter's "
+          "draft_tp does not split this family's attention or experts yet)"
+       for t in ("axk2", "bamba", "dbrx", "deepseek_v32", "glm_moe_dsa", "hy_v4", "jetmoe", "kimi_linear",
+                 "lara_mini", "lfm3", "minimax", "openai-gpt")},
+}
+
+
+def _sweep_params():
+    return [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[t])) if t in KNOWN_FAILURES
+            else t for t in SWEEP]
+
+
+def test_known_failures_are_swept_types():
+    assert set(KNOWN_FAILURES) <= set(SWEEP)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", SWEEP)
+@pytest.mark.parametrize("model_type", _sweep_params())
 def test_every_decoder_type(model_type, tmp_path):
     row = E.check(model_type, tmp_path / "work")
     if row.reason.startswith("cannot build"):
         pytest.skip(row.reason)
     assert (row.in_place, row.round_trip, row.export) == ("ok", "ok", "ok"), row.reason
+    assert row.tp_share is not None and row.tp_share <= TP_SHARE_LIMIT, f"tp share {row.tp_share}"
+
+
+@pytest.mark.parametrize("model_type", ["kimi_linear", "sarvam_moe"])
+def test_saved_in_parts_or_fused_opens_in_place(model_type, tmp_path):
+    """kimi_linear's conv1d is saved as q/k/v_conv1d, sarvam_moe's q/k/v_proj as one query_key_value
+    (refused before: transformers' save conversion was not followed past renames)."""
+    folder = _save(E.build(model_type), tmp_path / "m")
+    desc = registry.describe(folder)
+    fused = {"kimi_linear": "model.layers.0.self_attn.conv1d.weight",
+             "sarvam_moe": "model.layers.0.self_attn.q_proj.weight"}[model_type]
+    assert fused in desc.state["hf"]["joined"] or fused in desc.state["hf"]["renamed"].values()
+    row = E.check(model_type, tmp_path / "work", export=False)
+    assert (row.in_place, row.round_trip) == ("ok", "ok"), row.reason
+
+
+def test_a_transposed_saved_form_is_refused_by_name():
+    from ucl.formats.hf import saved_form
+    t = saved_form.Sym((2, 3), (("w", 0, 6),))
+    with pytest.raises(saved_form.Unsupported, match="transpose"):
+        t.transpose(0, 1)
+    a, b = torch.chunk(saved_form.Sym((4, 2), (("w", 0, 8),)), 2, dim=1)  # columns: one run per row
+    assert a.runs == (("w", 0, 1), ("w", 2, 1), ("w", 4, 1), ("w", 6, 1))
+    back = saved_form.invert({"x": a, "y": b}, {"w": (4, 2)})
+    assert back["w"] == (("x", 0, 1), ("y", 0, 1), ("x", 1, 1), ("y", 1, 1), ("x", 2, 1), ("y", 2, 1),
+                         ("x", 3, 1), ("y", 3, 1))

@@ -152,6 +152,19 @@ GPT2_PLAN = {"transformer.wte": "col", "transformer.h.*.attn.c_attn": "qkv_conv1
              "transformer.h.*.mlp.c_proj": "row_conv1d"}
 
 
+# Where transformers' plan says nothing, a stdlib spec follows Megatron-core (the layout a TP runtime
+# uses): DeepSeek's MLA splits its up-projections by head and its output by row, the low-rank
+# down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms stay whole.
+MLA_PLAN = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.q_b_proj": "colwise",
+            "model.layers.*.self_attn.kv_b_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
+PLAN_ADDITIONS = {"deepseek_v3": MLA_PLAN}
+
+
+def plan_of(arch, m):
+    """The plan a stdlib spec follows: transformers' ``_tp_plan`` plus PLAN_ADDITIONS (gpt2: GPT2_PLAN)."""
+    return GPT2_PLAN if arch == "gpt2" else {**m._tp_plan, **PLAN_ADDITIONS.get(arch, {})}
+
+
 def hf_style(name, plan):
     """transformers' lookup: layer numbers -> '*', then the parameter's key or its module's key."""
     g = re.sub(r"\.\d+(?=\.|$)", ".*", name)
@@ -176,7 +189,7 @@ def expected_tp_local(arch, name, x, tp, r, cfg):
             parts = np.split(x, 3, axis=x.ndim - 1)
             return np.concatenate([chunk(p, tp, r, x.ndim - 1) for p in parts], axis=x.ndim - 1)
         return x
-    style = HF_STYLE.get(hf_style(name, m._tp_plan))
+    style = HF_STYLE.get(hf_style(name, plan_of(arch, m)))
     if arch == "phi3" and "qkv_proj" in name:
         # transformers: colwise_gather_output = dim 0. The spec splits it per part and per head
         # (vLLM/Megatron convention; see stdlib_patterns/phi3.ucl): [Q_r; K_r; V_r].
@@ -219,7 +232,7 @@ def test_tp_splits_agree_with_hf_plan(arch):
             assert g.shape == want.shape and np.array_equal(g, want), f"{arch} {n} rank {r}: {g.shape} vs {want.shape}"
         split_dims[n] = [d for d in range(len(s)) if got[0][f"param/{n}"].shape[d] != s[d]]
     # the dims actually split are exactly the plan's (a summary that reads like the plan)
-    plan = GPT2_PLAN if arch == "gpt2" else m._tp_plan
+    plan = plan_of(arch, m)
     for n, dims in split_dims.items():
         style = hf_style(n, plan)
         if style is None or style in ("replicated_with_grad_allreduce",):
@@ -271,7 +284,7 @@ def _dtensor_worker(rank, world, port, outdir):
             for n in names:
                 x = sd[n].detach().contiguous()
                 leaf = n.rsplit(".", 1)[-1]
-                style = HF_STYLE.get(hf_style(n, m._tp_plan))
+                style = HF_STYLE.get(hf_style(n, plan_of(arch, m)))
                 tpp = tp_place(style, leaf, x.ndim)
                 # mesh (dp=2, tp=2): TP, then FSDP2 = Shard(0) of the TP-local tensor
                 if n in bufs:  # FSDP2 does not shard buffers

@@ -47,7 +47,10 @@ def layer_kinds(config: Mapping, layers: int) -> list[str] | None:
 
 
 def needs_defaults(config: Mapping) -> bool:
-    """Does deciding the layer kinds need class defaults the file leaves out?"""
+    """Does deciding the layer kinds need class defaults the file leaves out? (Then the reader asks
+    transformers for them: save_pretrained writes every field, so only a hand-written config.json of a
+    stdlib MoE type without ``first_k_dense_replace``/``mlp_only_layers`` costs that import; copying
+    the classes' defaults here would go stale with transformers.)"""
     if not any(isinstance(config.get(k), int) for k in _EXPERT_COUNTS):
         return False
     mt = str(config.get("model_type", ""))

@@ -37,6 +37,7 @@ from ...errors import BindError, ForeignFormatError, StoreError
 from ...files import check_inside
 from ...lang.spec import Spec
 from ...model_config import CONFIG_NAME, json_config, load_config, read_raw_config
+from ...dtypes import itemsize
 from ...store.extents import Extent, Piece
 from ..base import Description, UserSpec
 from . import specs
@@ -103,17 +104,20 @@ def _describe(path: str, config_file: str, raw: dict, choice: specs.Choice, user
     base = Spec.from_text(choice.text, filename=choice.name, name=choice.name)
     dims = dict(user.dims) if user is not None and user.dims else config_dims(base, config_file, raw)
 
-    saved = read_saved_tensors(path)  # every header entry checked against its file here
-    held = dict(choice.saved_renames)  # the names transformers gives these tensors in memory
-    renamed = {n: held[n] for n in saved if n in held}
-    saved = {held.get(n, n): v for n, v in saved.items()}
-    shapes = {n: e.shape for n, (_, e) in saved.items()}
-    fused, problems = fuse_saved_experts(shapes)
-    if problems:
-        raise ForeignFormatError(f"{path}: the per-expert tensors cannot be fused into the tensors {spec_name} describes:\n  "
-                     + "\n  ".join(problems[:8]))
-    saved = _fused(saved, fused, fused_expert_parts(shapes), path)
-    names = _in_memory_names(base, list(saved)) if not held else {n: n for n in saved}
+    on_disk = read_saved_tensors(path)  # every header entry checked against its file here
+    traced = _by_saved_form(choice, on_disk, path)
+    if traced is not None:  # the derived model's own save conversion, inverted
+        saved, renamed, joined = traced
+        names = {n: n for n in saved}
+    else:
+        renamed, joined = {}, []
+        shapes = {n: e.shape for n, (_, e) in on_disk.items()}
+        fused, problems = fuse_saved_experts(shapes)
+        if problems:
+            raise ForeignFormatError(f"{path}: the per-expert tensors cannot be fused into the tensors {spec_name} "
+                                     "describes:\n  " + "\n  ".join(problems[:8]) + _why_not_traced(choice))
+        saved = _fused(on_disk, fused, fused_expert_parts(shapes), path)
+        names = _in_memory_names(base, list(saved))
     for n in names.values():
         if not _NAME.match(n):
             raise ForeignFormatError(f"{path}: tensor name {n[:200]!r} cannot be written in a spec")
@@ -126,7 +130,8 @@ def _describe(path: str, config_file: str, raw: dict, choice: specs.Choice, user
     bad = check_against(spec, dims, params, frozen=frozen)
     if bad:
         raise ForeignFormatError(f"{path}: the tensors do not fit {spec_name} ({choice.source}) with the dims of "
-                                 f"config.json ({len(bad)} problem{'s' * (len(bad) != 1)}):\n  " + "\n  ".join(bad[:8]))
+                                 f"config.json ({len(bad)} problem{'s' * (len(bad) != 1)}):\n  " + "\n  ".join(bad[:8])
+                                 + _why_not_traced(choice))
     incomplete = _incomplete(choice, spec, dims, params, raw, config_file)
     if incomplete:
         raise ForeignFormatError(f"{path} {'; '.join(incomplete)}; an incomplete save_pretrained folder is not read")
@@ -136,6 +141,7 @@ def _describe(path: str, config_file: str, raw: dict, choice: specs.Choice, user
     read = (CONFIG_NAME,) + ((INDEX_NAME,) if sharded else ()) + tuple(files)
     state = {"format": "hf", "hf": {"spec_source": choice.source, "spec": spec_name, "model_type": raw.get("model_type"),
                                     "renamed": {**renamed, **{n: m for n, m in names.items() if n != m}},
+                                    "joined": joined,
                                     "config": json_config(raw)}}
     return Description("hf", spec_text, spec_name, dims, (), params, frozen, ({k: extents[k] for k in
                        sorted(extents)},), (INDEX_NAME if sharded else SINGLE_NAME,), state, read)
@@ -152,6 +158,43 @@ def _incomplete(choice: specs.Choice, spec: Spec, dims: dict, params: dict, raw:
     fields = load_config(config_file) if needs_defaults(raw) else raw
     layers = int(dims.get("layers", 0) or 0)
     return completeness(spec, dims, params, layer_kinds(fields, layers) if layers else None)
+
+
+def _by_saved_form(choice: specs.Choice, on_disk: dict, path: str):
+    """(in-memory name -> Extent, {saved: held} renames, [names joined from parts]) by the saved form
+    traced from the derived model class, or None where it does not apply: no trace, or the folder is
+    not what save_pretrained writes (a saved name missing or of another shape, a name the model does
+    not hold: a folder written under the in-memory names, or without the base model's prefix)."""
+    if choice.model_names is None or choice.form_problem:
+        return None
+    for name, shape in choice.saved_shapes:
+        if name not in on_disk or on_disk[name][1].shape != shape:
+            return None
+    used = {n for n, _ in choice.saved_shapes}
+    held = set(choice.model_names)
+    if any(n not in used and n not in held for n in on_disk):
+        return None
+    out: dict[str, Extent] = {n: Extent(f, e.offset, e.dtype, e.shape) for n, (f, e) in on_disk.items() if n not in used}
+    renamed: dict[str, str] = {}
+    joined: list[str] = []
+    for name, shape, runs in choice.saved_form:
+        dtypes = {on_disk[s][1].dtype for s, _, _ in runs}
+        if len(dtypes) > 1:
+            raise ForeignFormatError(f"{path}: {name} is saved in parts of several dtypes {sorted(dtypes)}")
+        dtype = dtypes.pop() if dtypes else "float32"
+        size = itemsize(dtype)
+        pieces = [Piece(on_disk[s][0], on_disk[s][1].offset + start * size, count * size) for s, start, count in runs]
+        if len(runs) == 1 and runs[0][1] == 0 and tuple(on_disk[runs[0][0]][1].shape) == tuple(shape):
+            renamed[runs[0][0]] = name
+            out[name] = Extent(pieces[0].file, pieces[0].offset, dtype, tuple(shape))
+        else:
+            joined.append(name)
+            out[name] = Extent.joined(pieces, dtype, tuple(shape))
+    return out, renamed, joined
+
+
+def _why_not_traced(choice: specs.Choice) -> str:
+    return f"\n  ({choice.form_problem})" if choice.form_problem else ""
 
 
 def _fused(saved: dict, fused: dict, parts: dict[str, list[str]], path: str) -> dict[str, Extent]:

@@ -5,13 +5,15 @@ alias table), else one derived on the fly from the model class by ``draft_spec_f
 A derived spec costs a transformers import and two meta-device models, so it is cached: in the
 process, and on disk under ``$UCL_CACHE_DIR`` (default ``~/.cache/ucl``) ``/hf-specs/DIGEST.json``,
 keyed by the config's fields, the transformers version and the drafter's source. The cache entry
-also holds the names the model class holds (its state dict), the completeness check's answer.
+also holds the names the model class holds (its state dict), the completeness check's answer, and
+where save_pretrained puts the tensors it does not write as held (``saved_form``).
 ``ucl spec from-hf FOLDER`` prints the same draft.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from importlib import metadata
@@ -36,13 +38,17 @@ ALIASES = {
 class Choice:
     """The spec a folder is read with: its text, its name (``stdlib:llama``, ``derived:olmo``,
     the user's file), where it came from (one of SOURCES), and for a derived spec the names the model
-    class holds (None otherwise: the spec's own rules say what is expected) and the names
-    ``save_pretrained`` gives some of them."""
+    class holds (None otherwise: the spec's own rules say what is expected) and where
+    ``save_pretrained`` puts the tensors it does not write as held (``ucl.formats.hf.saved_form``):
+    ``(in-memory name, shape, runs over saved names)``, the saved names' shapes, and why that could
+    not be found (``form_problem``; then the folder's names are taken as they are)."""
     text: str
     name: str
     source: str
     model_names: tuple[str, ...] | None = None
-    saved_renames: tuple[tuple[str, str], ...] = ()  # (name as saved, name as held) where save_pretrained renames
+    saved_form: tuple[tuple[str, tuple[int, ...], tuple[tuple[str, int, int], ...]], ...] = ()
+    saved_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    form_problem: str = ""
 
 
 def known_model_types() -> list[str]:
@@ -93,12 +99,13 @@ def _draft(config_file, model_type: str) -> Choice:
         raise StoreError(f"{config_file}: model_type {model_type!r} has no standard spec, and deriving one needs "
                          "transformers (pip install transformers), or give the spec: --spec", code="UCL501") from None
     text = draft_spec_from_hf(config_file, name=model_type)
-    names, renames = _model_names(config_file)
-    return Choice(text, f"derived:{model_type}", "derived", names, tuple(sorted(renames.items())))
+    names, form, shapes, problem = _model_names(config_file)
+    return Choice(text, f"derived:{model_type}", "derived", names, form, shapes, problem)
 
 
-def _model_names(config_file) -> tuple[str, ...]:
-    """The names a meta-device instance of the model class holds (parameters, persistent buffers)."""
+def _model_names(config_file):
+    """The names a meta-device instance of the model class holds (parameters, persistent buffers),
+    and where save_pretrained puts them (:func:`_saved_form`)."""
     import warnings
 
     import torch
@@ -110,34 +117,26 @@ def _model_names(config_file) -> tuple[str, ...]:
             model = AutoModelForCausalLM.from_config(config)
     own = dict(model.named_parameters())
     every = dict(model.named_parameters(remove_duplicate=False))
+    sd = model.state_dict()
     # a tied alias (the head sharing the embedding) is saved once, under the name kept here
-    names = tuple(k for k in model.state_dict() if k in own or k not in every)
-    return names, _saved_renames(model, names)
+    names = tuple(k for k in sd if k in own or k not in every)
+    return (names,) + _saved_form(model, {n: tuple(sd[n].shape) for n in names})
 
 
-def _saved_renames(model, names: tuple[str, ...]) -> dict[str, str]:
-    """{name save_pretrained writes: name the model holds} for the tensors transformers renames on save
-    (it reverses its load-time conversion mapping: gpt_neox's ``embed_out``, nemotron_h's ``backbone.``),
-    found the way ``revert_weight_conversion`` finds them. Tensors a converter reshapes on save (experts
-    written one by one) are left to ``fuse_saved_experts``."""
+def _saved_form(model, shapes: dict[str, tuple[int, ...]]):
+    """(form, saved shapes, problem): the in-memory tensors save_pretrained does not write as held,
+    each as runs of saved tensors, found by running transformers' own reversal of its conversion
+    mapping on symbolic tensors (``ucl.formats.hf.saved_form``)."""
+    from . import saved_form
     try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (PrefixChange, WeightConverter, WeightRenaming, apply_converters,
-                                                     apply_renamings)
-        transforms = [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
-        reverse = [t.reverse_transform() for t in transforms[::-1]]
-    except Exception:  # noqa: BLE001 - an older transformers without conversion mappings: names as held
-        return {}
-    renamings = [t for t in reverse if isinstance(t, WeightRenaming)]
-    converters = [t for t in reverse if isinstance(t, WeightConverter)]
-    out = {}
-    for name in names:
-        if apply_converters(name, converters)[1] is not None:
-            continue
-        saved = apply_renamings(name, renamings)
-        if saved != name:
-            out[saved] = name
-    return out
+        saved = saved_form.trace(model, shapes)
+        runs = saved_form.invert(saved, shapes)
+    except Exception as e:  # noqa: BLE001 - a transpose, an older transformers: names as held, and why
+        return (), (), f"save_pretrained's form of these tensors is not byte ranges of them ({' '.join(str(e).split())[:200]})"
+    held = {n: ((n, 0, math.prod(s)),) if math.prod(s) else () for n, s in shapes.items()}
+    form = tuple((n, shapes[n], r) for n, r in runs.items() if r != held[n])  # written as held: left out
+    used = {s for _, _, r in form for s, _, _ in r}
+    return form, tuple((s, saved[s].shape) for s in sorted(used)), ""
 
 
 def _versions() -> list[str]:
@@ -146,7 +145,7 @@ def _versions() -> list[str]:
     except metadata.PackageNotFoundError:
         tv = None
     here = Path(__file__).parent
-    code = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("draft.py", "specs.py"))).hexdigest()
+    code = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("draft.py", "specs.py", "saved_form.py"))).hexdigest()
     return [str(tv), code]
 
 
@@ -163,8 +162,11 @@ def cache_dir() -> Path:
 def _read_cache(key: str) -> Choice | None:
     try:
         data = json.loads((cache_dir() / f"{key}.json").read_text())
-        return Choice(data["text"], data["name"], "derived", tuple(data["model_names"]),
-                      tuple((str(a), str(b)) for a, b in data["saved_renames"]))
+        form = tuple((str(n), tuple(int(x) for x in shape), tuple((str(a), int(b), int(c)) for a, b, c in runs))
+                     for n, shape, runs in data["saved_form"])
+        shapes = tuple((str(n), tuple(int(x) for x in shape)) for n, shape in data["saved_shapes"])
+        return Choice(data["text"], data["name"], "derived", tuple(data["model_names"]), form, shapes,
+                      str(data["form_problem"]))
     except (OSError, ValueError, KeyError, TypeError):  # no entry, or one that is not ours: draft again
         return None
 
@@ -176,8 +178,10 @@ def _write_cache(key: str, choice: Choice) -> None:
         tmp = folder / f".{key}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps({"text": choice.text, "name": choice.name,
                                    "model_names": list(choice.model_names or ()),
-                                   "saved_renames": [list(p) for p in choice.saved_renames]}))
+                                   "saved_form": [[n, list(shape), [list(r) for r in runs]]
+                                                  for n, shape, runs in choice.saved_form],
+                                   "saved_shapes": [[n, list(shape)] for n, shape in choice.saved_shapes],
+                                   "form_problem": choice.form_problem}))
         os.replace(tmp, folder / f"{key}.json")
     except OSError:  # a read-only home: the in-process cache still holds it
         pass
-

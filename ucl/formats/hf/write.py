@@ -265,11 +265,14 @@ def _check_config(raw: dict, entries: list[_Entry]) -> None:
 
 
 def _tied_head(raw: dict, entries: list[_Entry]) -> str | None:
-    """``lm_head.weight`` when the config ties it to the input embedding and the checkpoint stores it."""
-    if not any(e.name == _TIED_HEAD for e in entries):
+    """``lm_head.weight`` when the config ties it to the input embedding and the checkpoint stores it
+    beside a tensor of its shape (transformers ties only equal shapes: CPM-Ant's head, a slice of a
+    larger input embedding, stays in the folder although its config says tie_word_embeddings)."""
+    head = next((e for e in entries if e.name == _TIED_HEAD), None)
+    if head is None or not any(e.shape == head.shape for e in entries if e.name != _TIED_HEAD):
         return None
-    try:
-        tied = load_config(raw).get("tie_word_embeddings", True)
+    try:  # transformers 5 ties only where the config class has the field and it is true
+        tied = load_config(raw).get("tie_word_embeddings", False)
     except UclError:
         tied = raw.get("tie_word_embeddings", True)
     return _TIED_HEAD if tied else None
