@@ -332,3 +332,10 @@ def test_a_config_with_infinity_as_transformers_writes_it(tmp_path):
     config = load_config(tmp_path)
     assert config["time_step_limit"] == [0.0, math.inf] and config["n_groups"] == 2
     assert "state_size" in config  # a class default, not in the file
+    # the same fields as a manifest keeps them (a dict, tags included: ``ucl export hf`` reads them so)
+    import json
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # before: "transformers could not fill in the defaults"
+        from_dict = load_config(json.loads((tmp_path / "config.json").read_text()))
+    assert from_dict["time_step_limit"] == [0.0, math.inf] and "state_size" in from_dict

@@ -37,8 +37,8 @@ def config_path(source: str | os.PathLike) -> Path:
 
 def read_raw_config(config: Any) -> dict:
     """The fields as written: a plain dict from any accepted form (no defaults filled in)."""
-    if isinstance(config, Mapping):
-        return dict(config)
+    if isinstance(config, Mapping):  # a manifest keeps non-finite floats as transformers writes them
+        return _special_floats(dict(config))
     if hasattr(config, "to_dict"):
         return config.to_dict()
     path = config_path(config)
