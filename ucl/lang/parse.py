@@ -399,9 +399,10 @@ def _parse_recovering(source: str):
 MAX_SPEC_CHARS = 16 << 20  # as a spec file (ucl.lang.spec.MAX_SPEC_BYTES)
 MAX_SPEC_TOKENS = 150_000
 # A spec that comes with its parameter list (a manifest, a generated description of a foreign folder)
-# may be longer in proportion: a DCP folder of 90,000 per-expert tensors has a 1.2M-token spec, and its
-# parse is then bounded by the same list its bind walks anyway.
-TOKENS_PER_PARAM = 64
+# may be longer in proportion: a DCP folder of 90,000 per-expert tensors has a 1.2M-token spec. A hostile
+# manifest can list fake parameters cheaply, so the factor is kept near what generated specs need: parsing
+# still costs ~20x a bind of the same list (~0.3 ms a listed parameter), bounded by the manifest's size.
+TOKENS_PER_PARAM = 16  # a generated DCP or DeepSpeed spec takes ~13 a parameter
 # Counted before Lark runs, comments removed, in one regex match that stops at the cap (a refusal
 # costs ~50 ns a token): a run of word characters, dots and braces (a name, a number, a pattern
 # like layers.{i}.w) or any other visible character is one token. Never fewer than lark's, but

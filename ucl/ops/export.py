@@ -24,7 +24,7 @@ from ..formats.deepspeed.write import write_deepspeed_universal
 from ..formats.hf.write import export_dtype, parse_shard_size, plan_hf, write_hf
 from ..layout.mesh import UNIVERSAL
 from .load import iter_rank, tied_aliases
-from .prepare import expected_datasets, model_of, open_checkpoint
+from .prepare import expected_datasets, model_of, open_checkpoint, resolve_root
 from .stats import IOStats
 
 _WEIGHT_KINDS = ("param", "fp32")  # every other kind but step is optimizer state
@@ -88,7 +88,9 @@ def _done(stats: IOStats, written: Written, t0: float) -> IOStats:
 
 def survey(path: str | os.PathLike) -> ExportSource:
     """The tensors of ``path`` (a ucl checkpoint or a foreign folder read in place) sorted into what
-    exports write: weights, fp32 masters, optimizer state, frozen tensors, tied aliases, groups."""
+    exports write: weights, fp32 masters, optimizer state, frozen tensors, tied aliases, groups.
+    A checkpoint root is resolved to its latest step here, once: ``ExportSource.path`` is that step."""
+    path = resolve_root(path)
     with open_checkpoint(path) as ckpt:
         model = model_of(ckpt)
         state = ckpt.manifest.state if isinstance(ckpt.manifest.state, dict) else {}

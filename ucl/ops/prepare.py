@@ -41,10 +41,17 @@ def open_checkpoint(path: str | os.PathLike, format: str | None = None,
     A checkpoint root (``latest`` + ``step_*``, as ``Checkpointer`` writes) opens the step its
     ``latest`` names."""
     if format in (None, "ucl"):
-        path = follow_latest(path) or path
+        path = resolve_root(path)
     if format in (None, "ucl") and (format == "ucl" or os.path.lexists(os.path.join(os.fspath(path), MANIFEST_NAME))):
         return Checkpoint.open(path)
     return open_foreign(path, format, user)
+
+
+def resolve_root(path: str | os.PathLike) -> str:
+    """``path`` itself, or the step a checkpoint root's ``latest`` names now. An operation that opens
+    its source more than once (a reshard's workers, an export's survey and reads) resolves it once
+    first, so a trainer committing the next step meanwhile cannot mix two steps."""
+    return follow_latest(path) or os.fspath(path)
 
 
 def model_of(ckpt: CheckpointLike) -> Model:

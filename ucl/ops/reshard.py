@@ -25,7 +25,7 @@ from ..store.source import StoreSource
 from ..store.writer import CheckpointWriter, Filled
 from .collective import commit_collectively
 from .dist import allgather_json, gloo_group, initialized_dist
-from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for
+from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for, resolve_root
 from .stats import IOStats
 from . import streamed
 from .workers import run_forked
@@ -121,6 +121,8 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     process; ``progress`` sees this process's bytes, from a helper thread."""
     t0 = time.perf_counter()
     to = as_mesh(to)
+    if format in (None, "ucl"):
+        src = resolve_root(src)  # once: the workers reopen src by path, and a root's latest may move
     if workers is not None and (not isinstance(workers, (int, np.integer)) or isinstance(workers, bool)
                                 or workers < 1):
         raise UclError(f"workers must be a positive integer, got {workers!r}", code="UCL009")
