@@ -332,3 +332,20 @@ def test_user_placements_travel_in_the_call_and_the_workers_job(tmp_path, loaded
     with pytest.raises(StoreError, match="--spec"):
         registry.forget()
         ucl.reshard(ck, tmp_path / "v", "universal")  # nothing left behind by the calls above
+
+
+def test_user_placements_reach_load_rank_iter_rank_and_exports(tmp_path, loaded):
+    """A folder whose files do not record its placements is read in place from Python with them too:
+    ``load_rank``, ``iter_rank`` and the exports take ``user=`` (before: only ``reshard`` did, and the
+    docs pointed at a context manager that no longer exists)."""
+    from ucl.ops.convert import user_spec
+    from ucl.ops.export import export_deepspeed_universal
+    ck = _with_info(tmp_path, lambda info: None)
+    user = user_spec(USER_SPEC, DIMS)
+    want = loaded[NAMES[0]]
+    got = ucl.load_rank(ck, mesh="universal", rank=0, user=user)
+    assert got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
+    streamed = dict(ucl.iter_rank(ck, user=user))
+    assert streamed.keys() == want.keys() and all(_same(streamed[k], want[k]) for k in want)
+    stats = export_deepspeed_universal(ck, tmp_path / "ds", user=user)
+    assert stats.datasets_written > 0 and (tmp_path / "ds").is_dir()

@@ -65,6 +65,7 @@ class ExportSource:
     hyperparameters: tuple[dict, ...]  # per optimizer param group, without "params"
     groups: tuple[tuple[str, ...], ...] | None  # trainable names per group, None when unknown
     state: dict = field(default_factory=dict)  # the manifest's non-tensor state
+    user: "UserSpec | None" = None  # placements a foreign folder does not record (reads pass them on)
 
     def step_key(self, name: str) -> str | None:
         key = f"step/{name}"

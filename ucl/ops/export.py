@@ -18,7 +18,7 @@ import time
 from typing import Any, Iterator
 
 from ..errors import ForeignFormatError
-from ..formats.base import ExportSource, Written, check_target
+from ..formats.base import ExportSource, UserSpec, Written, check_target
 from ..formats.dcp.write import check_style, write_dcp
 from ..formats.deepspeed.write import write_deepspeed_universal
 from ..formats.hf.write import export_dtype, parse_shard_size, plan_hf, write_hf
@@ -32,7 +32,7 @@ _WEIGHT_KINDS = ("param", "fp32")  # every other kind but step is optimizer stat
 
 def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = None,
               max_shard_size: int | str = "5GB", config: Any = None, verify: bool = True,
-              durable: bool = True) -> IOStats:
+              durable: bool = True, user: UserSpec | None = None) -> IOStats:
     """Write checkpoint ``ckpt`` (ucl, or a Hugging Face/DeepSpeed/... folder read in place) as a
     Hugging Face ``save_pretrained`` folder ``out`` (see ``ucl.formats.hf.write``). ``out`` appears
     atomically and must not exist. Returns the statistics; ``details`` names the files and what was
@@ -41,7 +41,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = N
     target = export_dtype(dtype)
     limit = parse_shard_size(max_shard_size)
     out = check_target(out)
-    src = survey(ckpt)
+    src = survey(ckpt, user)
     plan = plan_hf(src, dtype=target, max_shard_size=limit, config=config)
     stats = IOStats()
     written = write_hf(plan, out, universal_tensors(src, list(plan.keys), verify, stats, reuse=True), durable=durable)
@@ -49,7 +49,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = N
 
 
 def export_dcp(ckpt: str | os.PathLike, out: str | os.PathLike, *, style: str = "state_dict",
-               verify: bool = True) -> IOStats:
+               verify: bool = True, user: UserSpec | None = None) -> IOStats:
     """Write checkpoint ``ckpt`` (ucl, or a DeepSpeed/DCP/... folder read in place) as a PyTorch DCP
     checkpoint ``out`` (see ``ucl.formats.dcp.write`` for the keys), through
     ``torch.distributed.checkpoint``'s ``FileSystemWriter`` in this one process. ``out`` appears
@@ -57,21 +57,21 @@ def export_dcp(ckpt: str | os.PathLike, out: str | os.PathLike, *, style: str = 
     t0 = time.perf_counter()
     check_style(style)
     out = check_target(out)
-    src = survey(ckpt)
+    src = survey(ckpt, user)
     stats = IOStats()
     written = write_dcp(src, out, universal_tensors(src, src.training_keys(), verify, stats), style=style)
     return _done(stats, written, t0)
 
 
 def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
-                               verify: bool = True, durable: bool = True) -> IOStats:
+                               verify: bool = True, durable: bool = True, user: UserSpec | None = None) -> IOStats:
     """Write checkpoint ``ckpt`` (ucl, or a DeepSpeed/DCP/... folder read in place) as a DeepSpeed
     universal checkpoint folder ``out`` (see ``ucl.formats.deepspeed.write``), ``tag`` defaulting to
     ``global_step<global_steps>``. Resume with ``engine.load_checkpoint(out)`` and
     ``"checkpoint": {"load_universal": true}``. ``out`` appears atomically; it must not exist."""
     t0 = time.perf_counter()
     out = check_target(out)
-    src = survey(ckpt)
+    src = survey(ckpt, user)
     stats = IOStats()
     tensors = universal_tensors(src, src.training_keys(), verify, stats, reuse=True, as_torch=False)
     written = write_deepspeed_universal(src, out, tensors, tag=tag, durable=durable)
@@ -86,12 +86,13 @@ def _done(stats: IOStats, written: Written, t0: float) -> IOStats:
     return stats
 
 
-def survey(path: str | os.PathLike) -> ExportSource:
+def survey(path: str | os.PathLike, user: UserSpec | None = None) -> ExportSource:
     """The tensors of ``path`` (a ucl checkpoint or a foreign folder read in place) sorted into what
     exports write: weights, fp32 masters, optimizer state, frozen tensors, tied aliases, groups.
-    A checkpoint root is resolved to its latest step here, once: ``ExportSource.path`` is that step."""
+    A checkpoint root is resolved to its latest step here, once: ``ExportSource.path`` is that step.
+    ``user``: the placements a foreign folder's files do not record (``ops.convert.user_spec``)."""
     path = resolve_root(path)
-    with open_checkpoint(path) as ckpt:
+    with open_checkpoint(path, user=user) as ckpt:
         model = model_of(ckpt)
         state = ckpt.manifest.state if isinstance(ckpt.manifest.state, dict) else {}
     datasets = {k: (tuple(s), d) for k, (s, d) in expected_datasets(model, UNIVERSAL, 0).items()}
@@ -115,7 +116,7 @@ def survey(path: str | os.PathLike) -> ExportSource:
     hyper = tuple({k: v for k, v in g.items() if k not in ("params", "names")} for g in raw)
     return ExportSource(os.fspath(path), datasets, trainable, frozen, master,
                         {n: moments[n] for n in trainable}, aliases, hyper,
-                        _groups(model, state, raw, trainable), state)
+                        _groups(model, state, raw, trainable), state, user)
 
 
 def _groups(model, state: dict, raw: list[dict], trainable: tuple[str, ...]):
@@ -146,4 +147,4 @@ def universal_tensors(src: ExportSource, keys: list[str], verify: bool, stats: I
     """``iter_rank`` over the universal layout, one tensor at a time (torch tensors, or storage arrays
     when not ``as_torch``; with ``reuse``, each valid only until the next: see ``iter_rank``)."""
     yield from iter_rank(src.path, mesh="universal", rank=0, keys=keys, as_torch=as_torch, verify=verify,
-                         stats=stats, reuse=reuse)
+                         stats=stats, reuse=reuse, user=src.user)

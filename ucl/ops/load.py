@@ -11,8 +11,9 @@ import numpy as np
 
 from ..dtypes import logical_of_torch_dtype, storage_dtype, storage_view, to_torch
 from ..errors import MeshError, StoreError, UclError
-from ..layout.mesh import Mesh, as_mesh
+from ..formats.base import UserSpec
 from ..layout.bind import Model
+from ..layout.mesh import Mesh, as_mesh
 from ..plan.buffers import Arena
 from ..plan.execute import covered_elements, rank_datasets, rank_rows, run_copies
 from ..plan.ranksets import sorted_distinct
@@ -24,7 +25,8 @@ from .stats import IOStats
 
 def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Model | None = None,
               as_torch: bool = False, verify: bool = True, stats: IOStats | None = None,
-              out: Mapping[str, Any] | None = None, read_once: bool = False, group: Any = None) -> dict[str, Any]:
+              out: Mapping[str, Any] | None = None, read_once: bool = False, group: Any = None,
+              user: UserSpec | None = None) -> dict[str, Any]:
     """Rank ``rank``'s tensors for layout ``mesh`` (a Mesh or a string like ``"tp=4"``), resharded
     on the fly from whatever layout the checkpoint has: only the hyperslabs this rank needs are read
     (with ``verify``, rounded out to the checksum chunks around them, each verified). Keys are
@@ -44,7 +46,10 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
     that several ranks hold identically (replicas in the target layout) are read from storage by
     one of them, shared out evenly, and sent to the others over ``group`` (a gloo group of
     ``mesh.size`` processes; default: one made over the whole world on first use, 300 s timeout). A
-    failure on any process (a checksum mismatch...) raises on every one (docs/distributed.md)."""
+    failure on any process (a checksum mismatch...) raises on every one (docs/distributed.md).
+
+    ``user``: the parameter placements a foreign folder's files do not record
+    (``ucl.ops.convert.user_spec(spec, dims)``; docs/interop.md)."""
     t0 = time.perf_counter()
     link = connect(group) if read_once else None
     failure = ident = share = None
@@ -55,7 +60,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
                 raise MeshError(f"rank {rank} is outside {mesh} ({mesh.size} ranks)", code="UCL303")
             if link is not None:
                 link.check_size(mesh)
-            ckpt = stack.enter_context(open_checkpoint(path))
+            ckpt = stack.enter_context(open_checkpoint(path, user=user))
             source_model = model_of(ckpt)
             if model is None:
                 target = source_model
@@ -119,16 +124,18 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
 
 def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: int = 0,
               keys: Iterable[str] | None = None, as_torch: bool = False, verify: bool = True,
-              stats: IOStats | None = None, reuse: bool = False) -> Iterator[tuple[str, Any]]:
+              stats: IOStats | None = None, reuse: bool = False,
+              user: UserSpec | None = None) -> Iterator[tuple[str, Any]]:
     """``load_rank`` one dataset at a time: yields ``(key, array)`` for each dataset rank ``rank`` of
     ``mesh`` holds (default: every tensor consolidated), or only for ``keys`` (one key or several), in plan order, so an
     export holds one tensor in memory, not the model. Each array is new (safe to keep), unless
     ``reuse``: then all are views of one warm buffer, valid until the next item (no fresh pages to
-    fault in per tensor: several times faster reads for a consumer that writes each one out)."""
+    fault in per tensor: several times faster reads for a consumer that writes each one out).
+    ``user``: as for :func:`load_rank`."""
     mesh = as_mesh(mesh)
     if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < mesh.size:
         raise MeshError(f"rank {rank} is outside {mesh} ({mesh.size} ranks)", code="UCL303")
-    with open_checkpoint(path) as ckpt:
+    with open_checkpoint(path, user=user) as ckpt:
         model = model_of(ckpt)
         plan = plan_for(model, mesh_of(ckpt), mesh, ranks=[rank])
         check_stored(ckpt, model, sorted_distinct(plan.copies["src_rank"]))
