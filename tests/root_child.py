@@ -61,7 +61,8 @@ def resave_killed_at(root: str, where: str, conn) -> None:
         def exchange(a, b):
             if real(a, b):
                 die()
-            raise AssertionError("no atomic swap on this file system")
+            _send(conn, "no swap")  # this file system cannot swap: the test skips
+            return False
         root_module.exchange_dirs = exchange
     elif where in ("gap", "gap_no_older"):
         root_module.exchange_dirs = lambda a, b: False

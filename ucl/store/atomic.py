@@ -30,6 +30,7 @@ _TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-z-]+$")
 LOCK_NAME = ".ucl-writer.lock"
 DOOMED_TAG = "del-"  # a folder renamed out of sight to be deleted (pruning): removable once its writer is gone
 SET_ASIDE_TAG = "old-"  # a committed checkpoint a re-save set aside: never collected (CheckpointRoot.recover)
+NEW_TAG = "new-"  # a writer's temp folder before its lock file is in place: collected only once dead or an hour old
 STALE_AGE_S = 3600.0  # a temp entry without a lock file counts as abandoned after this long untouched
 
 
@@ -156,11 +157,16 @@ class TempDir:
         _remove_dead(parent, name)
         self.path = os.path.join(parent, tmp_name(name))
         self._fd: int | None = None
-        os.mkdir(self.path)
+        # born under a NEW_TAG name and renamed once its lock file is in place: gc never sees this
+        # directory without a lock file under a name it would take for an abandoned one
+        born = os.path.join(parent, tmp_name(name, NEW_TAG))
+        os.mkdir(born)
         try:
-            self._fd = _hold_lock(self.path)
+            self._fd = _hold_lock(born)
+            os.rename(born, self.path)
         except BaseException:
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(born, ignore_errors=True)
+            self.release()
             raise
 
     def discard(self) -> None:
@@ -345,7 +351,9 @@ def _scan(folder: str, name: str | None, max_age_s: float, force: bool, dry_run:
             if tag_of(n).startswith(SET_ASIDE_TAG):
                 out.append(Leftover(p, "set aside", _usage(p)[0]))
                 continue
-            entry, fd, _ = _check(p, now, max_age_s)
+            entry, fd, newest = _check(p, now, max_age_s)
+            if tag_of(n).startswith(NEW_TAG) and entry.state in ("stale", "recent"):  # a writer being born
+                entry = Leftover(p, "stale" if now - newest >= STALE_AGE_S else "in use", entry.nbytes)
             if root_holder and entry.state in ("stale", "recent"):
                 entry = Leftover(p, "root held", entry.nbytes, root_holder)
             go = entry.removable or (force and entry.state == "recent")
@@ -426,6 +434,8 @@ def cleanup_stale(root: str, min_age_s: float = 0.0) -> list[str]:
             entry, fd, newest = _check(p, now, min_age_s)
             if entry.state == "dead" and now - newest < min_age_s:
                 continue
+            if tag_of(n).startswith(NEW_TAG) and entry.state == "stale" and now - newest < STALE_AGE_S:
+                continue  # a writer being born
             if entry.state in ("dead", "stale"):
                 _remove(p)
                 removed.append(p)
