@@ -158,7 +158,7 @@ def test_next_write_removes_dead_leftovers_of_its_name_only(tmp_path):
     _age(old_legacy, 7200)
     new_legacy = tmp_path / ".ck.tmp-ba9876543210"
     new_legacy.mkdir()
-    aside = tmp_path / ".ck.tmp-del-0123456789ab"  # a checkpoint set aside while it is written anew
+    aside = tmp_path / ".ck.tmp-old-0123456789ab"  # a checkpoint set aside while it is written anew
     aside.mkdir()
     _age(aside, 7200)
     with CheckpointWriter(tmp_path / "ck", 1) as live:  # a live writer of the same name, then another one

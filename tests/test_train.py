@@ -581,8 +581,9 @@ def test_a_tier_mirrors_a_rewind_of_the_run(tmp_path, kind):
 
 
 def test_a_checkpoint_committed_but_not_promoted_is_promoted_on_restart(tmp_path):
-    """A job killed after committing step 3 in tier 1 but before promoting it: the next Checkpointer
-    promotes it to the tiers that are behind, and leaves a tier that is ahead alone."""
+    """A job killed after committing step 3 in tier 1 but before promoting it: the next Checkpointer,
+    when it takes the root (its first save; a Checkpointer that only loads changes nothing), promotes
+    it to the tiers that are behind, and leaves a tier that is ahead alone."""
     from ucl.store import CheckpointRoot
     from ucl.train.tiers import promote
     local, behind, ahead = tmp_path / "local", CheckpointRoot(tmp_path / "behind"), CheckpointRoot(tmp_path / "ahead")
@@ -596,5 +597,11 @@ def test_a_checkpoint_committed_but_not_promoted_is_promoted_on_restart(tmp_path
     model, optimizer = make()
     with ucl.Checkpointer(local, model, optimizer, keep=5, tiers=[behind.root, ahead.root]) as ck:
         ck.wait()
-    assert behind.steps() == [1, 3] and behind.latest_step() == 3
-    assert ahead.steps() == [1, 3, 5] and ahead.latest_step() == 5
+        assert behind.steps() == [1] and ahead.steps() == [1, 3, 5]  # a reader so far
+        assert ck.load()[0] == 3
+        ck.save(4)
+        ck.wait()
+        promoted = sorted((e["step"], e["tier"]) for e in ck.trace.events() if e["phase"] == "promote")
+    assert promoted == [(3, 2), (4, 2), (4, 3)]  # step 3 caught up where it was missing only
+    assert behind.steps() == [1, 3, 4] and behind.latest_step() == 4
+    assert ahead.steps() == [1, 3, 4] and ahead.latest_step() == 4  # step 5 belonged to the abandoned run

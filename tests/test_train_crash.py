@@ -19,8 +19,9 @@ Then, in this process:
 * ``load()`` (and ``load(step)`` for every other committed step) into a fresh, differently initialised
   model gives bit for bit the parameters, Adam state and torch RNG state of a replay of the same
   seeded run without checkpointing, and ``extra == {"i": step}``; with nothing committed, UCL404;
-* the next ``Checkpointer`` on the root removes the leftover temp entries, keeps every committed step
-  and points ``latest`` at the newest one.
+* loading (a ``Checkpointer`` that only reads) changes nothing in the root; the next writer
+  (``CheckpointRoot.take_over``, what a ``Checkpointer``'s first save does under the root lock)
+  removes the leftover temp entries, keeps every committed step and points ``latest`` at the newest one.
 
 Trial processes are forked by a forkserver that has torch and ucl imported already (started from
 ``sys.executable``): a trial costs a fraction of a second instead of the seconds ``import torch`` and
@@ -51,7 +52,9 @@ torch = pytest.importorskip("torch")
 
 import ucl  # noqa: E402
 from ucl.store import CheckpointRoot, cleanup_stale  # noqa: E402
+from ucl.store import rootlock  # noqa: E402
 from ucl.store.atomic import is_committed, is_tmp_name  # noqa: E402
+from ucl.store.rootlock import ROOT_LOCK_NAME  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # pytest's rootdir-relative import usually put it there already
@@ -240,7 +243,7 @@ def _check(trial: Trial) -> Trial:
     names = sorted(os.listdir(trial.root)) if os.path.isdir(trial.root) else []
     tmp = [n for n in names if is_tmp_name(n)]
     step_dirs = [n for n in names if STEP_DIR.match(n)]
-    other = [n for n in names if n not in tmp and n not in step_dirs and n != "latest"
+    other = [n for n in names if n not in tmp and n not in step_dirs and n not in ("latest", ROOT_LOCK_NAME)
              and not re.match(r"^trace-rank\d+\.jsonl$", n)]
     if other:
         p.append(f"unexpected entries in the root: {other}")
@@ -336,15 +339,23 @@ def _check(trial: Trial) -> Trial:
             if e.code != "UCL404":
                 p.append(f"load() with no checkpoint raised {e.code}, expected UCL404: {e}")
 
-    # leftovers: the next Checkpointer removed the temp entries, kept every committed step and
-    # pointed `latest` at the newest one
+    # the loads above (Checkpointers that only read) changed nothing in the root
+    if sorted(os.listdir(trial.root)) != names:
+        p.append(f"loading changed the root: {names} -> {sorted(os.listdir(trial.root))}")
+    # leftovers: the next writer (a Checkpointer's first save takes the root so) removes the temp
+    # entries, keeps every committed step and points `latest` at the newest one
+    lock = rootlock.acquire(trial.root, "test")
+    try:
+        root.take_over()
+    finally:
+        lock.release()
     removed = sorted(os.path.basename(x) for x in cleanup_stale(trial.root))
     if removed:
-        p.append(f"temp entries left after a Checkpointer opened the root: {removed} (there were {tmp})")
+        p.append(f"temp entries left after the root was taken over: {removed} (there were {tmp})")
     if root.steps() != steps:
         p.append(f"opening the root changed the committed steps: {steps} -> {root.steps()}")
     if steps and root.latest_step() != steps[-1]:
-        p.append(f"`latest` is {root.latest_name()} after a Checkpointer opened the root, expected step {steps[-1]}")
+        p.append(f"`latest` is {root.latest_name()} after the root was taken over, expected step {steps[-1]}")
     return trial
 
 
@@ -470,8 +481,9 @@ def test_sigkill_during_promotion_leaves_only_whole_checkpoints_in_the_tier(tmp_
     root = CheckpointRoot(trial.root)
     newest = root.latest_step()  # K, or K+1 where the flusher committed it while the promoter copied K
     assert K in root.steps() and newest >= K
-    with _GlobalRng(), ucl.Checkpointer(trial.root, *child.build(0), keep=child.KEEP, tiers=[tier_dir]):
-        pass
+    with _GlobalRng(), ucl.Checkpointer(trial.root, *child.build(0), keep=child.KEEP, tiers=[tier_dir]) as ck:
+        assert ck.load()[0] == newest
+        ck.save(newest + 1)  # the first save takes the root: it cleans up and catches the tier up
     assert not [n for n in os.listdir(tier_dir) if is_tmp_name(n)]
     assert not [n for n in os.listdir(trial.root) if is_tmp_name(n)]
-    assert tier.steps() == whole[1:] + [newest] and tier.latest_step() == newest and K in root.steps()
+    assert tier.steps() == (whole + [newest, newest + 1])[-child.KEEP:] and tier.latest_step() == newest + 1

@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Remove the temp entries (.NAME.tmp-*) directly in each ROOT that writers killed "
                        "mid-write left behind: a directory whose writer's lock is free (the writer is gone), or one "
                        "without a lock file (older ucl, a copy) untouched for --max-age. A directory a live writer "
-                       "holds is never removed, nor anything through a symlink.")
+                       "holds is never removed, nor anything through a symlink, nor (in a root a live Checkpointer "
+                       "holds) an entry without a lock file, nor a checkpoint set aside by a killed re-save.")
     p.add_argument("roots", nargs="+", metavar="ROOT", help="a checkpoint root, or the folder a reshard writes into")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     p.add_argument("--max-age", type=seconds, default=3600.0, metavar="SECONDS",

@@ -102,9 +102,13 @@ def cmd_gc(args) -> int:
                                                                force=args.force)]
     why = {"dead": "its writer{} is gone", "stale": f"no lock file, untouched for {age_text(args.max_age)}",
            "recent": "no lock file" + ("" if args.force else f", changed within {age_text(args.max_age)}; --force removes it"),
-           "in use": "a live writer{} holds it", "link": "a symlink, never followed", "unknown": "cannot be examined"}
+           "in use": "a live writer{} holds it", "link": "a symlink, never followed", "unknown": "cannot be examined",
+           "root held": "no lock file, in a root a live writer holds: {}",
+           "set aside": "a checkpoint a killed re-save set aside; the root's next writer puts it back"}
 
-    def owner(e) -> str:  # the lock file's "pid host"
+    def owner(e) -> str:  # the lock file's "pid host"; the root holder's description
+        if e.state == "root held":
+            return e.owner
         pid, _, host = e.owner.partition(" ")
         return f" (pid {pid} on {host})" if pid.isdigit() and host else ""
 

@@ -16,12 +16,14 @@ def commit_collectively(path: str, nranks: int, fields: dict,
                         group=None, share: Any = None,
                         before_commit: Callable[[CheckpointWriter, list], None] | None = None,
                         prepare: Callable[[], None] | None = None,
+                        publish: Callable[[str, str], None] | None = None,
                         heartbeat: float | None = None, cancel: threading.Event | None = None,
                         durable: bool = True, write_behind: bool = False) -> str:
     """Called by every process of ``group``. Rank 0 runs ``prepare()`` and creates the writer for
     ``path`` (``nranks`` files, manifest ``fields``); each process calls ``write(writer)``, which
     writes its files and returns the ranks it wrote, or ``{rank: entries}`` of files already
-    finished (by its own forked workers) for rank 0 to adopt. ``share`` (JSON) of every process
+    finished (by its own forked workers) for rank 0 to adopt. ``publish``: rank 0's writer's (see
+    ``CheckpointWriter``). ``share`` (JSON) of every process
     reaches ``before_commit(writer, shares)`` on rank 0. Returns the committed path on every process.
 
     ``durable=False`` skips the fsync of the rank files (still atomic against a killed process).
@@ -37,7 +39,7 @@ def commit_collectively(path: str, nranks: int, fields: dict,
         try:
             if prepare is not None:
                 prepare()
-            owner = CheckpointWriter(path, nranks, durable=durable, write_behind=write_behind, **fields)
+            owner = CheckpointWriter(path, nranks, durable=durable, write_behind=write_behind, publish=publish, **fields)
             tmp = owner.tmp_path
         except (UclError, OSError) as e:
             error = str(e)

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from ..errors import StoreError, UclError
 from ..layout.bind import Model
 from ..layout.mesh import Mesh, as_mesh
+from ..store.rootlock import holding_parent
 from ..store.writer import CheckpointWriter
 from .collective import commit_collectively
 from .dist import allgather_json, initialized_dist
@@ -17,7 +18,8 @@ from .prepare import expected_datasets, manifest_fields, normalise
 def save(path: str | os.PathLike, shards: Mapping[int, Mapping[str, Any]], *, model: Model, mesh: Mesh,
          state: Any = None, durable: bool = True) -> str:
     """Write every rank of a layout from one process (``shards``: rank -> key -> array/tensor) and
-    commit atomically. Returns the checkpoint path. ``durable=False`` skips fsync of the rank files:
+    commit atomically; into a checkpoint root another writer holds, UCL414. Returns the checkpoint
+    path. ``durable=False`` skips fsync of the rank files:
     the commit stays atomic against a killed process, not against a power loss."""
     mesh = as_mesh(mesh)
     nranks = mesh.size
@@ -27,8 +29,10 @@ def save(path: str | os.PathLike, shards: Mapping[int, Mapping[str, Any]], *, mo
                          f"{'...' if len(shards) > 8 else ''}", code="UCL421")
     checked = {r: normalise(model, mesh, r, shards[r]) for r in range(nranks)}
     want = {r: expected_datasets(model, mesh, r) for r in range(nranks)}
-    # write_behind: the arrays stay untouched until commit() returns
-    with CheckpointWriter(path, nranks, durable=durable, write_behind=True, **manifest_fields(model, mesh, state)) as w:
+    # write_behind: the arrays stay untouched until commit() returns. Into a checkpoint root
+    # (store.rootlock) only while no Checkpointer writes it.
+    with holding_parent(path, "ucl.save"), CheckpointWriter(path, nranks, durable=durable, write_behind=True,
+                                                            **manifest_fields(model, mesh, state)) as w:
         for r in range(nranks):
             for key, arr in checked[r].items():
                 w.write(r, key, arr, dtype=want[r][key][1])

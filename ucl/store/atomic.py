@@ -24,9 +24,13 @@ except ImportError:  # no flock (Windows): every temp directory counts as one wi
 
 from ..errors import StoreError
 from .manifest import MANIFEST_NAME
+from .rootlock import RootLock, holder_text, try_acquire
 
 _TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-z-]+$")
 LOCK_NAME = ".ucl-writer.lock"
+DOOMED_TAG = "del-"  # a folder renamed out of sight to be deleted (pruning): removable once its writer is gone
+SET_ASIDE_TAG = "old-"  # a committed checkpoint a re-save set aside: never collected (CheckpointRoot.recover)
+NEW_TAG = "new-"  # a writer's temp folder before its lock file is in place: collected only once dead or an hour old
 STALE_AGE_S = 3600.0  # a temp entry without a lock file counts as abandoned after this long untouched
 
 
@@ -42,6 +46,11 @@ def is_tmp_name(name: str) -> bool:
 def final_name_of(tmp: str) -> str:
     """``NAME`` of a temp name ``.NAME.tmp-...``."""
     return tmp[1:tmp.rindex(".tmp-")]
+
+
+def tag_of(tmp: str) -> str:
+    """What follows ``.tmp-`` in a temp name: the tag (``del-``, ``old-``) and the random part."""
+    return tmp[tmp.rindex(".tmp-") + 5:]
 
 
 def fsync_path(path: str) -> None:
@@ -83,17 +92,56 @@ def write_atomic(path: str, data: bytes) -> None:
 
 def publish_dir(tmp: str, final: str) -> None:
     """Make a fully written temp directory visible as ``final`` (must not exist yet). Its lock file
-    goes first: the writer still holds the lock on the unlinked file until after the rename, and the
-    unlink makes the directory look freshly modified to anyone checking it without a lock."""
-    try:
-        os.unlink(os.path.join(tmp, LOCK_NAME))
-    except FileNotFoundError:
-        pass
+    travels with it and goes only after the rename: until then ``ucl gc`` finds the folder locked by a
+    live writer, whatever its age and with ``--force`` too (the writer holds the lock until after
+    this returns)."""
     fsync_dir(tmp)
     if os.path.lexists(final):  # rename() would silently replace an empty directory
         raise StoreError(f"cannot commit: {final} already exists", code="UCL405")
     os.rename(tmp, final)
     fsync_dir(os.path.dirname(os.path.abspath(final)))
+    drop_lock_file(final)
+
+
+def drop_lock_file(folder: str) -> None:
+    """Remove a published folder's writer lock file (a kill before this leaves it there: readers and
+    copies ignore it)."""
+    try:
+        os.unlink(os.path.join(folder, LOCK_NAME))
+    except FileNotFoundError:
+        pass
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _renameat2():
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange_dirs(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``): neither name
+    is ever missing. False (nothing done) where the platform or the file system cannot (NFS, Lustre,
+    macOS): the caller falls back to two renames."""
+    import ctypes
+    fn = _renameat2() if hasattr(os, "uname") and os.uname().sysname == "Linux" else None
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), a)
 
 
 # ---- the writer's side: a locked temp directory ----------------------------------------------------
@@ -109,11 +157,16 @@ class TempDir:
         _remove_dead(parent, name)
         self.path = os.path.join(parent, tmp_name(name))
         self._fd: int | None = None
-        os.mkdir(self.path)
+        # born under a NEW_TAG name and renamed once its lock file is in place: gc never sees this
+        # directory without a lock file under a name it would take for an abandoned one
+        born = os.path.join(parent, tmp_name(name, NEW_TAG))
+        os.mkdir(born)
         try:
-            self._fd = _hold_lock(self.path)
+            self._fd = _hold_lock(born)
+            os.rename(born, self.path)
         except BaseException:
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(born, ignore_errors=True)
+            self.release()
             raise
 
     def discard(self) -> None:
@@ -134,14 +187,14 @@ class TempDir:
 
 
 @contextlib.contextmanager
-def staged_dir(final: str):
+def staged_dir(final: str, publish=None):
     """A locked temp folder beside ``final`` (yields its path) that becomes ``final`` by one atomic
-    rename when the block ends without error, and is removed when it raises: ``final`` appears
-    whole or not at all."""
+    rename (or ``publish(tmp, final)``) when the block ends without error, and is removed when it
+    raises: ``final`` appears whole or not at all."""
     tmp = TempDir(final)
     try:
         yield tmp.path
-        publish_dir(tmp.path, final)
+        (publish or publish_dir)(tmp.path, final)
     except BaseException:
         tmp.discard()
         raise
@@ -179,8 +232,10 @@ class Leftover:
 
     ``state`` is ``dead`` (its writer's lock is free: the writer is gone), ``in use`` (a live writer
     holds the lock), ``stale`` (no lock file, untouched for ``max_age_s``), ``recent`` (no lock file,
-    touched more recently), ``link`` (a symlink: never followed, never removed) or ``unknown`` (it
-    could not be examined). ``nbytes`` is the disk space it takes, ``owner`` the ``pid host`` its
+    touched more recently), ``root held`` (no lock file, in a root a live writer holds: its own;
+    ``owner`` names that writer), ``set aside`` (a committed checkpoint a killed re-save set aside:
+    the root's next writer puts it back), ``link`` (a symlink: never followed, never removed) or
+    ``unknown`` (it could not be examined). ``nbytes`` is the disk space it takes, ``owner`` the ``pid host`` its
     writer recorded, ``removed`` whether it was removed, ``error`` why examining or removing it failed."""
 
     path: str
@@ -278,7 +333,9 @@ def _remove(path: str) -> None:
 
 
 def _scan(folder: str, name: str | None, max_age_s: float, force: bool, dry_run: bool,
-          skip_tags: tuple[str, ...] = ()) -> list[Leftover]:
+          root_holder: str = "") -> list[Leftover]:
+    """``root_holder``: the live writer holding ``folder`` as a checkpoint root; the entries without a
+    lock file are then its own (a ``latest`` being replaced, a checkpoint being re-saved) and stay."""
     out = []
     now = time.time()
     try:
@@ -288,12 +345,17 @@ def _scan(folder: str, name: str | None, max_age_s: float, force: bool, dry_run:
     for n in names:
         if not is_tmp_name(n) or (name is not None and final_name_of(n) != name):
             continue
-        if any(n[len(final_name_of(n)) + 6:].startswith(t) for t in skip_tags):
-            continue
         p = os.path.join(folder, n)
         fd = None
         try:
-            entry, fd, _ = _check(p, now, max_age_s)
+            if tag_of(n).startswith(SET_ASIDE_TAG):
+                out.append(Leftover(p, "set aside", _usage(p)[0]))
+                continue
+            entry, fd, newest = _check(p, now, max_age_s)
+            if tag_of(n).startswith(NEW_TAG) and entry.state in ("stale", "recent"):  # a writer being born
+                entry = Leftover(p, "stale" if now - newest >= STALE_AGE_S else "in use", entry.nbytes)
+            if root_holder and entry.state in ("stale", "recent"):
+                entry = Leftover(p, "root held", entry.nbytes, root_holder)
             go = entry.removable or (force and entry.state == "recent")
             if go and not dry_run:
                 try:
@@ -319,7 +381,9 @@ def collect_garbage(folder: str | os.PathLike[str], *, dry_run: bool = False, ma
     """Remove the temp entries (``.NAME.tmp-*``) directly in ``folder`` that killed writers left:
     directories whose writer's lock is free, and entries without a lock file (written by ucl before
     lock files, or by a plain copy) untouched for ``max_age_s`` seconds, or whatever their age with
-    ``force``. A directory a live writer holds is never removed, nor anything through a symlink.
+    ``force``. A directory a live writer holds is never removed, nor anything through a symlink, nor
+    (in a checkpoint root a live writer holds: ``store.rootlock``) an entry without a lock file, nor a
+    checkpoint set aside by a re-save. A root nobody holds is held while it is collected.
     ``dry_run`` removes nothing. Returns every temp entry found, with what happened to it."""
     folder = os.path.abspath(os.fspath(folder))
     if not os.path.exists(folder):
@@ -329,15 +393,20 @@ def collect_garbage(folder: str | os.PathLike[str], *, dry_run: bool = False, ma
                          code="UCL401")
     if not isinstance(max_age_s, (int, float)) or isinstance(max_age_s, bool) or max_age_s < 0:
         raise StoreError(f"max_age_s must be a non-negative number, got {max_age_s!r}", code="UCL413")
-    return _scan(folder, None, float(max_age_s), force, dry_run)
+    got = try_acquire(folder, "ucl gc", create=False, probe=dry_run)
+    try:
+        held = holder_text(got) if isinstance(got, dict) else ""
+        return _scan(folder, None, float(max_age_s), force, dry_run, held)
+    finally:
+        if isinstance(got, RootLock):
+            got.release()
 
 
 def _remove_dead(parent: str, name: str) -> None:
     """Before writing ``parent/name``: remove dead writers' temp directories of that name (never a
-    ``del-`` one: a checkpoint set aside while it is written anew). Best effort; a failure here must
-    not stop the write."""
+    checkpoint set aside by a re-save). Best effort; a failure here must not stop the write."""
     try:
-        _scan(parent, name, STALE_AGE_S, False, False, skip_tags=("del-",))
+        _scan(parent, name, STALE_AGE_S, False, False)
     except OSError:
         pass
 
@@ -346,7 +415,9 @@ def cleanup_stale(root: str, min_age_s: float = 0.0) -> list[str]:
     """Remove temp directories/files left in ``root`` by killed writers.
 
     Only entries matching the temp pattern and untouched for ``min_age_s`` seconds are removed, and
-    never a directory whose writer is alive (it holds its lock). Returns removed paths.
+    never a directory whose writer is alive (it holds its lock), nor a checkpoint set aside by a
+    re-save (``CheckpointRoot.recover``). Only the root's holder calls it: entries without a lock
+    file are taken for dead. Returns removed paths.
     """
     now = time.time()
     removed = []
@@ -355,7 +426,7 @@ def cleanup_stale(root: str, min_age_s: float = 0.0) -> list[str]:
     except FileNotFoundError:
         return removed
     for n in names:
-        if not is_tmp_name(n):
+        if not is_tmp_name(n) or tag_of(n).startswith(SET_ASIDE_TAG):
             continue
         p = os.path.join(root, n)
         fd = None
@@ -363,6 +434,8 @@ def cleanup_stale(root: str, min_age_s: float = 0.0) -> list[str]:
             entry, fd, newest = _check(p, now, min_age_s)
             if entry.state == "dead" and now - newest < min_age_s:
                 continue
+            if tag_of(n).startswith(NEW_TAG) and entry.state == "stale" and now - newest < STALE_AGE_S:
+                continue  # a writer being born
             if entry.state in ("dead", "stale"):
                 _remove(p)
                 removed.append(p)

@@ -9,8 +9,9 @@ from typing import Any
 
 from ..errors import StoreError
 from ..files import read_bounded
-from .atomic import (STALE_AGE_S, Leftover, cleanup_stale, collect_garbage, fsync_dir, is_committed, is_tmp_name,
-                     tmp_name, write_atomic)
+from .atomic import (DOOMED_TAG, SET_ASIDE_TAG, STALE_AGE_S, Leftover, cleanup_stale, collect_garbage, drop_lock_file,
+                     exchange_dirs, final_name_of, fsync_dir, is_committed, is_tmp_name, publish_dir, tag_of, tmp_name,
+                     write_atomic)
 from .manifest import MANIFEST_NAME
 from .reader import Checkpoint
 from .writer import CheckpointWriter
@@ -125,7 +126,7 @@ class CheckpointRoot:
             if name == protected:
                 continue
             path = os.path.join(self.root, name)
-            doomed = os.path.join(self.root, tmp_name(name, "del-"))
+            doomed = os.path.join(self.root, tmp_name(name, DOOMED_TAG))
             os.rename(path, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
             removed.append(path)
@@ -148,24 +149,82 @@ class CheckpointRoot:
             self.set_latest(steps[-1])
         return steps[-1]
 
-    def set_aside(self, step: int) -> str | None:
-        """Hide committed checkpoint ``step`` (one rename to a temp name) so it can be written anew;
-        ``latest`` is first moved to the newest older step if it named it. Returns the hidden path
-        (delete it once the new checkpoint is published), or None if there was none."""
-        path = self.path_for(step)
-        if not os.path.lexists(path):
-            return None
-        if self.latest_name() == self.dir_name(step):
-            older = [s for s in self.steps() if s < step]
+    def newest(self) -> str | None:
+        """The checkpoint a reader should take as the latest, without changing anything: what
+        ``latest`` names, unless it is missing, dangling or older than the newest committed step (a
+        writer killed between a commit and moving ``latest``): then the newest committed step."""
+        steps = self.steps()
+        try:
+            path, current = self.latest(), self.latest_step()
+        except StoreError:  # dangling or corrupt pointer
+            path = current = None
+        if steps and (path is None or current is None or current < steps[-1]):
+            return self.path_for(steps[-1])
+        return path
+
+    def publish(self, tmp: str, final: str) -> None:
+        """Move a writer's finished, durable temp folder ``tmp`` to ``final``, a folder of this root,
+        replacing the committed checkpoint there if there is one (a step saved again): the old copy
+        stays committed under its name until the new one takes it, so a kill at any point leaves one
+        of the two loadable and ``latest`` valid. Where the file system swaps two folders atomically
+        the old copy is swapped out and deleted; elsewhere it is renamed aside (``latest`` first moved
+        to an older step, if it named it), the new one renamed in, and a kill between the two is
+        undone by ``recover`` (the root's next writer, or ``ucl gc``)."""
+        if not os.path.lexists(final):
+            return publish_dir(tmp, final)
+        fsync_dir(tmp)
+        if exchange_dirs(tmp, final):
+            fsync_dir(self.root)
+            drop_lock_file(final)
+            self._drop(tmp)  # the old copy now
+            return
+        name = os.path.basename(final)
+        moved = False
+        if self.latest_name() == name:
+            older = [s for s in self.steps() if s < (self.step_of(name) or 0)]
             if older:
                 self.set_latest(older[-1])
-            else:
-                os.unlink(os.path.join(self.root, LATEST_NAME))
-        hidden = os.path.join(self.root, tmp_name(self.dir_name(step), "del-"))
-        os.rename(path, hidden)
-        os.utime(hidden)  # freshly set aside, not an abandoned temp entry: gc goes by mtime
+                moved = True
+        aside = os.path.join(self.root, tmp_name(name, SET_ASIDE_TAG))
+        os.rename(final, aside)
         fsync_dir(self.root)
-        return hidden
+        publish_dir(tmp, final)
+        if moved:
+            self.set_latest(name)
+        self._drop(aside)
+
+    def _drop(self, path: str) -> None:
+        """Delete a folder of this root out of sight: renamed to a doomed temp name first, so a kill
+        part-way leaves nothing that looks like a checkpoint or a set-aside copy."""
+        name = os.path.basename(path)
+        doomed = os.path.join(self.root, tmp_name(final_name_of(name) if is_tmp_name(name) else name, DOOMED_TAG))
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:
+            return
+        fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def recover(self) -> list[str]:
+        """Undo re-saves killed between their two renames (``publish`` without an atomic swap): a
+        set-aside copy returns to its name when no committed checkpoint has it, and is deleted when
+        one has. Only the root's holder calls it. Returns the paths put back."""
+        try:
+            names = sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return []
+        back = []
+        for n in names:
+            if not is_tmp_name(n) or not tag_of(n).startswith(SET_ASIDE_TAG):
+                continue
+            p, final = os.path.join(self.root, n), os.path.join(self.root, final_name_of(n))
+            if is_committed(final) or not os.path.isfile(os.path.join(p, MANIFEST_NAME)):
+                self._drop(p)
+            elif not os.path.lexists(final):
+                os.rename(p, final)
+                fsync_dir(self.root)
+                back.append(final)
+        return back
 
     def discard_after(self, step: int) -> list[str]:
         """Delete committed steps newer than ``step`` (a run resumed from an older checkpoint has
@@ -175,12 +234,21 @@ class CheckpointRoot:
         for s in self.steps():
             name = self.dir_name(s)
             if s > step and name != protected:
-                doomed = os.path.join(self.root, tmp_name(name, "del-"))
+                doomed = os.path.join(self.root, tmp_name(name, DOOMED_TAG))
                 os.rename(os.path.join(self.root, name), doomed)
                 shutil.rmtree(doomed, ignore_errors=True)
                 removed.append(os.path.join(self.root, name))
         if removed:
             fsync_dir(self.root)
+        return removed
+
+    def take_over(self) -> list[str]:
+        """What the root's new holder does first (``store.rootlock``; the caller holds the lock): put
+        back steps a killed re-save set aside, remove killed writers' temp entries, and point
+        ``latest`` at the newest committed step. Returns the temp entries removed."""
+        self.recover()
+        removed = self.cleanup_stale()
+        self.adopt_newest()
         return removed
 
     def cleanup_stale(self, min_age_s: float = 0.0) -> list[str]:

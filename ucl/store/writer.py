@@ -8,7 +8,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -60,9 +60,12 @@ class CheckpointWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
-                 durable: bool = True, direct: bool | None = None, write_behind: bool = False, **fields: Any):
+                 durable: bool = True, direct: bool | None = None, write_behind: bool = False,
+                 publish: Callable[[str, str], None] | None = None, **fields: Any):
         self.path: str | None = os.path.abspath(os.fspath(path))
-        if os.path.lexists(self.path):  # checked before anything is written
+        # publish(tmp, path) replaces the rename of commit(): CheckpointRoot.publish replaces a step
+        self._publish = publish or publish_dir
+        if publish is None and os.path.lexists(self.path):  # checked before anything is written
             raise StoreError(f"cannot write checkpoint: {self.path} already exists", code="UCL405")
         if not isinstance(nranks, int) or nranks < 1:
             raise StoreError(f"nranks must be a positive integer, got {nranks!r}", code="UCL411")
@@ -85,7 +88,7 @@ class CheckpointWriter:
         """A participant (another process) writing some ranks' files into an owner's ``tmp_path``.
         It calls ``finish()`` and hands the result to the owner's ``adopt()``; it cannot commit."""
         self = cls.__new__(cls)
-        self.path, self.manifest, self._tmp = None, None, None  # type: ignore[assignment]
+        self.path, self.manifest, self._tmp, self._publish = None, None, None, publish_dir  # type: ignore[assignment]
         self.tmp_path = os.path.abspath(os.fspath(tmp_path))
         if not os.path.isdir(self.tmp_path):
             raise StoreError(f"temp directory {self.tmp_path} does not exist", code="UCL404")
@@ -528,7 +531,7 @@ class CheckpointWriter:
                 text = self.manifest.to_json().encode()
                 with self._io():
                     write_atomic(os.path.join(self.tmp_path, MANIFEST_NAME), text)
-                    publish_dir(self.tmp_path, self.path)
+                    self._publish(self.tmp_path, self.path)
             except BaseException:
                 self.abort()
                 raise

@@ -16,11 +16,12 @@ import time
 from typing import Any
 
 from ..dtypes import to_numpy
-from ..errors import StoreError, UclError
+from ..errors import StoreError, UclError, code_agrees
 from ..ops.dist import allgather_json, initialized_dist
 from ..store.checksum import checksum_of
 from ..store.manifest import plain_json
 from ..store.root import CheckpointRoot
+from ..store.rootlock import RootLock, acquire
 from . import restore, rng
 from .copier import Copier
 from .derive import TrainLayout
@@ -72,19 +73,17 @@ class Checkpointer:
         if self._dist:
             self._check_same_root()
         rank = self._process_rank()
-        if rank == 0:
-            # a killed job may have left temp directories, or a commit that `latest` does not name yet
-            for tier in [self.root] + [t for t in self.tiers if isinstance(t, CheckpointRoot)]:
-                if os.path.isdir(tier.root):
-                    tier.cleanup_stale()
-                    tier.adopt_newest()
-        if self._dist:
-            self._dist.barrier(group=self._group)
+        # The root lock (store.rootlock) is taken by the first save(), by process rank 0 for the job:
+        # until then this is a reader, which changes nothing in the root (an evaluation job may load
+        # from a root a training job is writing).
+        self._lock: RootLock | None = None
+        self._holding = False
         self._closed = False
         self._last: Snapshot | None = None  # the snapshot the next fence waits for
         self._unwritten = 0  # saves since the last one written to disk (persist_every)
         # the newest step saved in root (load() sets it to the step it restored: a rollback)
-        self._newest = self.root.latest_step() if os.path.isdir(self.root.root) else None
+        newest = self.root.newest() if os.path.isdir(self.root.root) else None
+        self._newest = self.root.step_of(os.path.basename(newest)) if newest else None
         self._progress = Progress()
         self._snapshots = Snapshots()
         self.trace = Trace(self.root.root, rank)
@@ -92,8 +91,6 @@ class Checkpointer:
             if self.tiers and rank == 0 else None
         self._flusher = Flusher(self.root, self._layouts, self._snapshots, self._progress, self.trace, keep=keep,
                                 dist=self._dist, group=self._group, promoter=self._promoter, tiles=tile_checksums)
-        if self._promoter is not None:
-            self._catch_up_tiers()
         self._copier = Copier(self._snapshots, self._progress, self.trace, rank, device=self._device,
                               then=self._flusher.submit, stored=self._layouts.stored, tiles=tile_checksums)
         self._hook = optimizer.register_step_pre_hook(lambda *a: self._fence()) if optimizer is not None else None
@@ -120,6 +117,7 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UclError(f"step must be a non-negative integer, got {step!r}", code="UCL430")
         extra = _frozen_json(step, extra)
+        self._hold()
         if self._newest is not None and step < self._newest:
             raise UclError(f"step {step}: {self.root.root} already holds step {self._newest}; saving an older step "
                            "would delete the newer ones once it is durable (they would belong to an abandoned "
@@ -157,6 +155,42 @@ class Checkpointer:
         self._last = snap
         self._copier.submit(snap)
         self.trace.add("blocked", t0, time.perf_counter(), step=step, waited_for_pool=waited)
+
+    def _hold(self) -> None:
+        """Before the job's first write: process rank 0 takes the root lock on the job's behalf (a
+        root another job holds raises UCL414 on every process, naming the holder), puts back what a
+        killed job left half-done (a step set aside by a re-save, a commit ``latest`` does not name
+        yet), removes its temp folders, and promotes the newest checkpoint to tiers that lack it."""
+        if self._holding:
+            return
+        problem = ["", ""]
+        if self._process_rank() == 0:
+            try:
+                lock = acquire(self.root.root, "Checkpointer")
+                try:
+                    for tier in [self.root] + [t for t in self.tiers if isinstance(t, CheckpointRoot)]:
+                        if os.path.isdir(tier.root):
+                            tier.take_over()
+                    if self._promoter is not None:
+                        self._catch_up_tiers()
+                except BaseException:
+                    lock.release()
+                    raise
+                self._lock = lock
+            except (UclError, OSError) as e:
+                if not self._dist:
+                    raise
+                problem = [str(e), getattr(e, "code", "UCL410")]
+        if self._dist:
+            problems = [p for p in allgather_json(problem, group=self._group) if p[0]]
+            if problems:
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
+                text, code = problems[0]
+                cls = StoreError if code_agrees(StoreError, code) else UclError
+                raise cls(f"process rank 0: {text}" if self._process_rank() else text, code=code)
+        self._holding = True
 
     def fence(self) -> None:
         """Wait until the last snapshot's copy is done (on CUDA: the current stream waits on the GPU,
@@ -202,7 +236,7 @@ class Checkpointer:
         restored = restore.from_memory(target, self._snapshots, self.root, step, self.trace,
                                        usable=not self._progress.failed)
         if restored is None:
-            path = self.root.latest() if step is None else self.root.path_for(step)
+            path = self.root.newest() if step is None else self.root.path_for(step)
             if path is None:
                 raise StoreError(f"no checkpoint in {self.root.root}", code="UCL404")
             if step is not None and not os.path.isdir(path):
@@ -228,7 +262,11 @@ class Checkpointer:
                 self._promoter.stop()
             if self._hook is not None:
                 self._hook.remove()
-            self.trace.flush()
+            if self._holding:  # a reader writes nothing into the root, not even its trace
+                self.trace.flush()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -5,7 +5,6 @@ promoter. h5py releases the GIL while it writes."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 
 from ..dtypes import logical_of_torch_dtype
@@ -32,7 +31,6 @@ class Flusher(Stage):
         self.keep, self.dist, self.group, self.promoter, self.tiles = keep, dist, group, promoter, tiles
         self.rank = dist.get_rank() if dist else 0
         self.world = dist.get_world_size() if dist else 1
-        self._hidden: str | None = None  # a checkpoint of the step being rewritten, hidden until replaced
         self._templates: dict = {}  # (rank, datasets) -> RankTemplate, most recently used last
         super().__init__("ucl-flush")  # unbounded: bounded by the pool, save() waits for a region first
 
@@ -50,7 +48,6 @@ class Flusher(Stage):
             if go:
                 self._persist(snap)
         except BaseException as e:
-            self._unhide(snap.step)
             ours = isinstance(e, UclError)  # named again with the rank and step it happened at
             error = StoreError(f"rank {self.rank} step {snap.step}: " + (str(e) if ours else f"writing failed: {e}"),
                                code=e.code if ours else "UCL410")
@@ -91,9 +88,9 @@ class Flusher(Stage):
                       params={n: list(s) for n, s in model.params.items()}, frozen=sorted(model.frozen),
                       state=snap.state)
         path = self.root.path_for(snap.step)
-        if self.world == 1:
-            self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
-            with CheckpointWriter(path, layout.mesh.size, write_behind=True, **fields) as w:  # the pool holds still
+        if self.world == 1:  # the same step saved again replaces it (root.publish: the old copy until then)
+            with CheckpointWriter(path, layout.mesh.size, write_behind=True, publish=self.root.publish,
+                                  **fields) as w:  # the pool holds still
                 writers.append(w)
                 self._write(w, snap)
                 w.commit()
@@ -102,9 +99,6 @@ class Flusher(Stage):
         if self.rank == 0:
             self.root.set_latest(snap.step)
             self.root.discard_after(snap.step)  # after load(step=k), later steps belong to an abandoned run
-            if self._hidden is not None:
-                shutil.rmtree(self._hidden, ignore_errors=True)
-                self._hidden = None
             self.root.prune(self.keep)
         cpu = time.thread_time() - cpu0 + sum(w.write_cpu_seconds for w in writers)
         self.trace.add("flush", t0, time.perf_counter(), step=snap.step, bytes=snap.region.stop - snap.region.start,
@@ -114,14 +108,6 @@ class Flusher(Stage):
         if self.world > 1:
             self.dist.barrier(group=self.group)  # every rank's wait() returns after `latest` moved
         self.trace.flush()
-
-    def _unhide(self, step: int) -> None:
-        """A failed rewrite of ``step`` puts the checkpoint it was to replace back."""
-        hidden, self._hidden = self._hidden, None
-        path = self.root.path_for(step)
-        if hidden is not None and not os.path.lexists(path):
-            os.rename(hidden, path)
-            self.root.adopt_newest()
 
     def _write(self, writer: CheckpointWriter, snap: Snapshot) -> None:
         """The rank's file, replayed from its layout's template (store.template: the HDF5 structure
@@ -156,10 +142,7 @@ class Flusher(Stage):
             for rng_states in shares:  # every process's generators, by process rank
                 writer.manifest.state["rng"].update(rng_states)
 
-        def prepare() -> None:
-            self._hidden = self.root.set_aside(snap.step)  # the same step saved again replaces it
-
         commit_collectively(path, layout.mesh.size, fields, write, group=self.group,
-                            share=snap.state["rng"], before_commit=before_commit, prepare=prepare,
+                            share=snap.state["rng"], before_commit=before_commit, publish=self.root.publish,
                             write_behind=True)
 

@@ -32,19 +32,14 @@ def promote(path: str, tier: CheckpointRoot, step: int, keep: int, files=None) -
     files = committed_files(path) if files is None else files
     os.makedirs(tier.root, exist_ok=True)
     final = tier.path_for(step)
-    hidden = None
-    if os.path.exists(final):
-        if os.path.isfile(os.path.join(final, MANIFEST_NAME)) and _manifest(final) == _manifest(path):
-            return
-        hidden = tier.set_aside(step)
-    with staged_dir(final) as folder:
+    if os.path.isfile(os.path.join(final, MANIFEST_NAME)) and _manifest(final) == _manifest(path):
+        return
+    with staged_dir(final, publish=tier.publish) as folder:  # an abandoned run's copy stays until replaced
         for name in files:
             shutil.copyfile(os.path.join(path, name), os.path.join(folder, name))
             fsync_path(os.path.join(folder, name))
     tier.set_latest(step)
     tier.discard_after(step)
-    if hidden is not None:
-        shutil.rmtree(hidden, ignore_errors=True)
     tier.prune(keep)
 
 
