@@ -19,7 +19,7 @@ import hf_models as H  # noqa: E402
 import ucl  # noqa: E402
 from ucl.errors import UclError  # noqa: E402
 from ucl.formats import registry  # noqa: E402
-from ucl.formats.hf import specs  # noqa: E402
+from ucl.formats.hf import spec_cache, specs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,7 +96,7 @@ def test_derived_spec_is_cached_and_printable(tmp_path):
         "embed_out.weight" in desc.state["hf"]["renamed"]
     from ucl.formats.hf import draft_spec_from_hf
     assert desc.spec.startswith(draft_spec_from_hf(os.path.join(folder, "config.json"), name="gpt_neox").rstrip("\n"))
-    assert len(list(specs.cache_dir().glob("*.json"))) == 1
+    assert len(list(spec_cache.cache_dir().glob("*.json"))) == 1
     # a fresh process reads the cached spec: no transformers import at all
     code = "import sys, ucl; ucl.load_rank(sys.argv[1], mesh='tp=2', rank=1); print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True,
@@ -191,3 +191,74 @@ def test_a_transposed_saved_form_is_refused_by_name():
     back = saved_form.invert({"x": a, "y": b}, {"w": (4, 2)})
     assert back["w"] == (("x", 0, 1), ("y", 0, 1), ("x", 1, 1), ("y", 1, 1), ("x", 2, 1), ("y", 2, 1),
                          ("x", 3, 1), ("y", 3, 1))
+
+
+def _half(model, dtype: str):
+    """The model in bfloat16 / float16, or ``mixed``: bfloat16 with its norms kept in float32."""
+    model = model.to(torch.float16 if dtype == "float16" else torch.bfloat16)
+    if dtype == "mixed":
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "final_layer_norm" in name:
+                p.data = p.data.float()
+    return model
+
+
+def _same_bytes(got: dict, model) -> list[str]:
+    """The names whose values differ (dtype or any bit) from the model's state dict."""
+    ref = model.state_dict()
+    return [k for k, v in got.items() if v.dtype != ref[k.split("/", 1)[1]].dtype
+            or not torch.equal(v.contiguous().view(torch.uint8), ref[k.split("/", 1)[1]].contiguous().view(torch.uint8))]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "mixed"])
+def test_a_derived_folder_opens_in_any_saved_dtype(dtype, tmp_path):
+    """A folder needing a derived spec, saved in bf16 / fp16 / mixed, opens bit-exact (refused before:
+    the draft's `state param : dtype` line and the reader's own declared it twice, UCL208); and the
+    cached draft serves a float32 folder of the same config (it held the first folder's dtype)."""
+    model = _half(E.build("gpt_neox"), dtype)
+    folder = _save(model, tmp_path / "half")
+    got = ucl.load_rank(folder, mesh="universal", rank=0, as_torch=True)
+    assert got and not _same_bytes(got, model)
+    assert registry.describe(folder).state["hf"]["spec_source"] == "derived"
+    registry.forget()
+    full = E.build("gpt_neox")
+    folder32 = _save(full, tmp_path / "full")
+    got = ucl.load_rank(folder32, mesh="universal", rank=0, as_torch=True)
+    assert not _same_bytes(got, full) and {v.dtype for v in got.values()} == {torch.float32}
+
+
+def test_from_hf_spec_round_trip_in_bf16(tmp_path, capsys):
+    """`ucl spec from-hf DIR` of a bf16 folder, given back with --spec: it says the folder's dtype, which
+    the reader's own dtype lines replace (declared twice before, UCL208). (olmo: a derived type that
+    saves its tensors under their in-memory names; a user's spec gets no saved-form renames.)"""
+    from ucl.cli import main
+    model = _half(E.build("olmo"), "bfloat16")
+    folder = _save(model, tmp_path / "m")
+    assert main(["spec", "from-hf", folder]) == 0
+    text = capsys.readouterr().out
+    assert "state param : dtype bfloat16" in text
+    (tmp_path / "spec.ucl").write_text(text)
+    assert main(["reshard", folder, str(tmp_path / "tp2"), "--to", "tp=2", "--spec", str(tmp_path / "spec.ucl"),
+                 "--quiet"]) == 0
+    ucl.reshard(str(tmp_path / "tp2"), str(tmp_path / "u"), to="universal", workers=1, durable=False)
+    got = ucl.load_rank(str(tmp_path / "u"), mesh="universal", rank=0, as_torch=True)
+    assert got and not _same_bytes(got, model)
+
+
+def test_a_derived_spec_builds_its_model_once_through_meta(tmp_path, monkeypatch):
+    """The reader's names and saved form come from the drafter's own model, built by hf.meta (a second
+    one was built apart from it, outside hf.meta)."""
+    import transformers
+
+    import ucl.formats.hf.draft as D
+    import ucl.formats.hf.draft_dims as DD
+    folder = _save(E.build("gpt_neox"), tmp_path / "m")
+    D._DRAFTS.clear()
+    every, through_meta = [], []
+    real_build, real_meta = transformers.AutoModelForCausalLM.from_config, D.meta_model
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config",
+                        lambda *a, **k: every.append(1) or real_build(*a, **k))
+    monkeypatch.setattr(D, "meta_model", lambda c: through_meta.append("main") or real_meta(c))
+    monkeypatch.setattr(DD, "meta_model", lambda c: through_meta.append("perturbed") or real_meta(c))
+    registry.describe(folder)
+    assert through_meta.count("main") == 1 and len(every) == len(through_meta)

@@ -34,12 +34,15 @@ def check_inside(path: str | os.PathLike[str], folder: str | os.PathLike[str], w
 
 
 @contextlib.contextmanager
-def _regular_file(path: str, what: str, error: ErrorFactory) -> Iterator[tuple[int, os.stat_result]]:
+def _regular_file(path: str, what: str, error: ErrorFactory,
+                  follow: bool = True) -> Iterator[tuple[int, os.stat_result]]:
     """An open descriptor of the regular file ``path`` and its stat, taken on the descriptor (so
     what is checked is what is read). Opening never blocks (``O_NONBLOCK``: a FIFO cannot hang it);
-    anything but a regular file, and every OSError, is ``error(message)``."""
+    anything but a regular file, and every OSError, is ``error(message)``; so is a symbolic link
+    where ``follow`` is False (``O_NOFOLLOW``)."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+        fd = os.open(path, flags if follow else flags | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise error(f"{what} {path} does not exist") from None
     except IsADirectoryError:
@@ -71,14 +74,14 @@ def _read_upto(fd: int, n: int) -> bytes:
 
 
 def read_bounded(path: str | os.PathLike[str], *, limit: int, what: str, error: ErrorFactory,
-                 inside: str | os.PathLike[str] | None = None) -> bytes:
+                 inside: str | os.PathLike[str] | None = None, follow: bool = True) -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` of them; anything else is
     ``error(message)``: a missing file, a folder, a FIFO or device, a file over the cap, a path
-    resolving outside ``inside``."""
+    resolving outside ``inside``, a symbolic link where ``follow`` is False."""
     path = os.fspath(path)
     if inside is not None:
         check_inside(path, inside, what, error)
-    with _regular_file(path, what, error) as (fd, st):
+    with _regular_file(path, what, error, follow) as (fd, st):
         if st.st_size > limit:
             raise error(f"{what} {path} is {st.st_size:,} bytes, more than the {limit:,} a {what} may have")
         data = _read_upto(fd, limit + 1)  # the file may grow after fstat: never read past the cap

@@ -49,12 +49,28 @@ def draft_spec_from_hf(config_or_dir, *, name: str | None = None) -> str:
     states follow their parameter. Review the result: see docs/stdlib.md for what cannot be inferred.
     """
     raw = None if hasattr(config_or_dir, "to_dict") else read_raw_config(config_or_dir)
-    key = _digest(raw if raw is not None else config_or_dir.to_dict(), name)
-    draft = _DRAFTS.pop(key, None) or _draft(config_or_dir, raw, name)
+    draft = _remember(_digest(raw if raw is not None else config_or_dir.to_dict(), name),
+                      lambda: _draft(_build_model(config_or_dir, raw), name))
+    return _assemble(draft, [*draft.lines, *_saved_dtypes(config_or_dir)])
+
+
+def draft_with_model(config_file, *, name: str | None = None) -> tuple[str, object]:
+    """The HF reader's draft of a folder's ``config.json``: the text without the folder's saved dtypes
+    (the reader gives every tensor the dtype its header says, and caches the text by config, not by
+    folder), and the meta-device model it is drafted from (the names it holds, how it saves them),
+    built once for both."""
+    raw = read_raw_config(config_file)
+    built = _build_model(config_file, raw)
+    draft = _remember(_digest(raw, name), lambda: _draft(built, name))
+    return _assemble(draft, draft.lines), built[2]
+
+
+def _remember(key: str, make) -> "_Draft":
+    draft = _DRAFTS.pop(key, None) or make()
     _DRAFTS[key] = draft  # most recent last
     while len(_DRAFTS) > _DRAFTS_KEPT:
         del _DRAFTS[next(iter(_DRAFTS))]
-    return _assemble(draft, [*draft.lines, *_saved_dtypes(config_or_dir)])
+    return draft
 
 
 @dataclass(frozen=True)
@@ -87,8 +103,8 @@ def _digest(fields: Mapping, name: str | None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _draft(config_or_dir, raw: dict | None, name: str | None) -> _Draft:
-    raw, config, model = _build_model(config_or_dir, raw)
+def _draft(built: tuple, name: str | None) -> _Draft:
+    raw, config, model = built
     dims = recognised_dims(config)
     facts = _model_facts(config, model)
     shapes = ShapeWriter(config, dims)

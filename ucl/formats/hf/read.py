@@ -33,11 +33,12 @@ import os
 import re
 from collections import Counter
 
+from ...dtypes import itemsize
 from ...errors import BindError, ForeignFormatError, StoreError
 from ...files import check_inside
+from ...lang import ast
 from ...lang.spec import Spec
 from ...model_config import CONFIG_NAME, json_config, load_config, read_raw_config
-from ...dtypes import itemsize
 from ...store.extents import Extent, Piece
 from ..base import Description, UserSpec
 from . import specs
@@ -123,7 +124,7 @@ def _describe(path: str, config_file: str, raw: dict, choice: specs.Choice, user
             raise ForeignFormatError(f"{path}: tensor name {n[:200]!r} cannot be written in a spec")
 
     dtypes = {names[n]: e.dtype for n, e in saved.items()}
-    spec_text = choice.text.rstrip("\n") + "\n" + _dtype_lines(dtypes)
+    spec_text = _without_param_dtypes(base).rstrip("\n") + "\n" + _dtype_lines(dtypes)
     spec = Spec.from_text(spec_text, filename=f"{path} [{spec_name} + dtypes]", name=spec_name)
     params = {names[n]: e.shape for n, e in sorted(saved.items(), key=lambda kv: _natural(names[kv[0]]))}
     frozen = tuple(params)
@@ -226,6 +227,20 @@ def _in_memory_names(spec: Spec, saved: list[str]) -> dict[str, str]:
     if any(n.startswith(prefix) for n in saved):
         return {n: n for n in saved}
     return {n: n if n.startswith("lm_head.") else prefix + n for n in saved}
+
+
+def _without_param_dtypes(spec: Spec) -> str:
+    """The spec's text without its ``state param [for ...] : dtype T`` statements: the headers say
+    each tensor's dtype, and their lines replace these (a spec from ``ucl spec from-hf`` says the
+    folder's dtype; both would declare it twice). Lines are kept, so messages point where they did."""
+    lines = spec.text.split("\n")
+    for st in reversed(spec.module.statements):
+        if isinstance(st, ast.StateDecl) and [k.name for k in st.kinds] == ["param"] and st.transforms \
+                and all(isinstance(t, ast.Dtype) for t in st.transforms):
+            a, b = st.span, st.span
+            head, tail = lines[a.line - 1][:a.col - 1], lines[b.end_line - 1][b.end_col - 1:]
+            lines[a.line - 1:b.end_line] = [head + tail] + [""] * (b.end_line - a.line)
+    return "\n".join(lines)
 
 
 def _dtype_lines(dtypes: dict[str, str]) -> str:

@@ -3,24 +3,25 @@ library's for the config's ``model_type``, the standard spec of a type with the 
 alias table), else one derived on the fly from the model class by ``draft_spec_from_hf``.
 
 A derived spec costs a transformers import and two meta-device models, so it is cached: in the
-process, and on disk under ``$UCL_CACHE_DIR`` (default ``~/.cache/ucl``) ``/hf-specs/DIGEST.json``,
-keyed by the config's fields, the transformers version and the drafter's source. The cache entry
-also holds the names the model class holds (its state dict), the completeness check's answer, and
-where save_pretrained puts the tensors it does not write as held (``saved_form``).
-``ucl spec from-hf FOLDER`` prints the same draft.
+process (the last 64), and on disk (``ucl.formats.hf.spec_cache``: under ``$UCL_CACHE_DIR``, keyed
+by the config's fields, the source of this package and the ucl, torch and transformers versions).
+An entry holds the draft without the folder's dtypes (the reader adds each tensor's own, so one
+entry serves every folder of a config), the names the model class holds (its state dict), the
+completeness check's answer, and where save_pretrained puts the tensors it does not write as held
+(``saved_form``).
+``ucl spec from-hf FOLDER`` prints the same draft (with a `state param : dtype` line for a folder whose
+tensors share one dtype other than float32).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 
-from ...errors import StoreError
+from ...errors import StoreError, UclError
+from ...lang.spec import Spec
 from ...lang.stdlib import stdlib_names
+from . import spec_cache
 
 SOURCES = ("user", "stdlib", "alias", "derived")
 _NOT_HF = ("megatron",)  # stdlib specs that describe another framework's names, not a model_type
@@ -73,7 +74,9 @@ def _stdlib_text(name: str) -> str:
     return load_spec(f"stdlib:{name}").text
 
 
+# derived specs by cache key, most recent last (a long-lived process opening many types stays small)
 _MEMO: dict[str, Choice] = {}
+_MEMO_KEPT = 64
 
 
 def derived(config_file: str | os.PathLike, raw: dict) -> Choice:
@@ -82,39 +85,32 @@ def derived(config_file: str | os.PathLike, raw: dict) -> Choice:
     if not isinstance(model_type, str) or not model_type:
         raise StoreError(f"{config_file} has no model_type; ucl reads Hugging Face folders whose config.json names "
                          "one (or give the spec: --spec)", code="UCL501")
-    key = _digest(raw)
-    hit = _MEMO.get(key) or _read_cache(key)
-    if hit is None:
+    key = spec_cache.key(raw)
+    hit = _MEMO.pop(key, None) or _from_entry(spec_cache.read(key), model_type)
+    if hit is None:  # no entry, or one that does not hold up: draft again and rewrite it
         hit = _draft(config_file, model_type)
-        _write_cache(key, hit)
+        spec_cache.write(key, _to_entry(hit))
     _MEMO[key] = hit
+    while len(_MEMO) > _MEMO_KEPT:
+        del _MEMO[next(iter(_MEMO))]
     return hit
 
 
 def _draft(config_file, model_type: str) -> Choice:
-    from .draft import draft_spec_from_hf
     try:
         import transformers  # noqa: F401 - the drafter needs it; say so plainly when it is missing
     except ImportError:
         raise StoreError(f"{config_file}: model_type {model_type!r} has no standard spec, and deriving one needs "
                          "transformers (pip install transformers), or give the spec: --spec", code="UCL501") from None
-    text = draft_spec_from_hf(config_file, name=model_type)
-    names, form, shapes, problem = _model_names(config_file)
+    from .draft import draft_with_model
+    text, model = draft_with_model(config_file, name=model_type)
+    names, form, shapes, problem = _model_names(model)
     return Choice(text, f"derived:{model_type}", "derived", names, form, shapes, problem)
 
 
-def _model_names(config_file):
+def _model_names(model):
     """The names a meta-device instance of the model class holds (parameters, persistent buffers),
     and where save_pretrained puts them (:func:`_saved_form`)."""
-    import warnings
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = AutoConfig.from_pretrained(str(Path(config_file).parent))
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
     own = dict(model.named_parameters())
     every = dict(model.named_parameters(remove_duplicate=False))
     sd = model.state_dict()
@@ -139,49 +135,48 @@ def _saved_form(model, shapes: dict[str, tuple[int, ...]]):
     return form, tuple((s, saved[s].shape) for s in sorted(used)), ""
 
 
-def _versions() -> list[str]:
+def _to_entry(choice: Choice) -> dict:
+    return {"text": choice.text, "name": choice.name, "model_names": list(choice.model_names or ()),
+            "saved_form": [[n, list(shape), [list(r) for r in runs]] for n, shape, runs in choice.saved_form],
+            "saved_shapes": [[n, list(shape)] for n, shape in choice.saved_shapes],
+            "form_problem": choice.form_problem}
+
+
+def _from_entry(doc: dict | None, model_type: str) -> Choice | None:
+    """The Choice a cache entry holds, if it holds up: the spec text parses like any spec, and every
+    run of the saved form lies inside its saved tensor and the runs of a tensor sum to its size (the
+    reader turns them into byte ranges of the folder's files); else None."""
+    if doc is None:
+        return None
     try:
-        tv = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        tv = None
-    here = Path(__file__).parent
-    code = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("draft.py", "specs.py", "saved_form.py"))).hexdigest()
-    return [str(tv), code]
-
-
-def _digest(raw: dict) -> str:
-    text = json.dumps([raw, _versions()], sort_keys=True, default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("UCL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ucl")
-    return Path(root) / "hf-specs"
-
-
-def _read_cache(key: str) -> Choice | None:
-    try:
-        data = json.loads((cache_dir() / f"{key}.json").read_text())
-        form = tuple((str(n), tuple(int(x) for x in shape), tuple((str(a), int(b), int(c)) for a, b, c in runs))
-                     for n, shape, runs in data["saved_form"])
-        shapes = tuple((str(n), tuple(int(x) for x in shape)) for n, shape in data["saved_shapes"])
-        return Choice(data["text"], data["name"], "derived", tuple(data["model_names"]), form, shapes,
-                      str(data["form_problem"]))
-    except (OSError, ValueError, KeyError, TypeError):  # no entry, or one that is not ours: draft again
+        if doc["name"] != f"derived:{model_type}" or not isinstance(doc["text"], str):
+            return None
+        names = tuple(_str(n) for n in doc["model_names"])
+        shapes = tuple((_str(n), _shape(s)) for n, s in doc["saved_shapes"])
+        form = tuple((_str(n), _shape(s), tuple((_str(a), _int(b), _int(c)) for a, b, c in runs))
+                     for n, s, runs in doc["saved_form"])
+        sizes = dict((n, math.prod(s)) for n, s in shapes)
+        for _, shape, runs in form:
+            if sum(c for _, _, c in runs) != math.prod(shape) or \
+                    any(s not in sizes or c <= 0 or b + c > sizes[s] for s, b, c in runs):
+                return None
+        Spec.from_text(doc["text"], filename="spec cache entry", name=doc["name"])
+        return Choice(doc["text"], doc["name"], "derived", names, form, shapes, _str(doc["form_problem"]))
+    except (UclError, KeyError, TypeError, ValueError):  # not ours, or not what we wrote: draft again
         return None
 
 
-def _write_cache(key: str, choice: Choice) -> None:
-    folder = cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{key}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"text": choice.text, "name": choice.name,
-                                   "model_names": list(choice.model_names or ()),
-                                   "saved_form": [[n, list(shape), [list(r) for r in runs]]
-                                                  for n, shape, runs in choice.saved_form],
-                                   "saved_shapes": [[n, list(shape)] for n, shape in choice.saved_shapes],
-                                   "form_problem": choice.form_problem}))
-        os.replace(tmp, folder / f"{key}.json")
-    except OSError:  # a read-only home: the in-process cache still holds it
-        pass
+def _str(x) -> str:
+    if not isinstance(x, str):
+        raise TypeError("not a string")
+    return x
+
+
+def _int(x) -> int:
+    if type(x) is not int or x < 0:
+        raise ValueError("not a count")
+    return x
+
+
+def _shape(s) -> tuple[int, ...]:
+    return tuple(_int(x) for x in s)
