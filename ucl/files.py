@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
 from typing import Any, Callable, Iterator
@@ -99,14 +100,21 @@ def read_prefix(path: str | os.PathLike[str], n: int, what: str, error: ErrorFac
 
 
 def parse_json(data: str | bytes, what: str, error: ErrorFactory) -> Any:
-    """JSON text as Python values; invalid UTF-8, invalid JSON, NaN/Infinity and nesting too deep
-    for the parser (``RecursionError``) are ``error(message)``."""
+    """JSON text as Python values; invalid UTF-8, invalid JSON, NaN/Infinity, a number too large for
+    a float (``1e400``, which Python reads as infinity) and nesting too deep for the parser
+    (``RecursionError``) are ``error(message)``."""
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if value in (math.inf, -math.inf):
+            raise ValueError(f"the number {text[:40]} is beyond a float's range")
+        return value
 
     try:
         if isinstance(data, bytes):
             data = data.decode("utf-8")
-        return json.loads(data, parse_constant=no_constants)
+        return json.loads(data, parse_constant=no_constants, parse_float=finite)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise error(f"{what} is not valid JSON: {e}") from None

@@ -57,7 +57,14 @@ def _safetensors_header(path: Path, inside: Path | None = None) -> Shapes:
     """Names and shapes from a .safetensors header (8-byte little-endian length + JSON), no data
     read; the length is checked against the file's size before the header is read."""
     meta, _, _ = _raw_safetensors_header(path, inside)
-    return {k: tuple(int(x) for x in v["shape"]) for k, v in meta.items() if k != "__metadata__"}
+    out: Shapes = {}
+    for k, v in meta.items():
+        shape = v.get("shape") if isinstance(v, dict) else None
+        if k != "__metadata__":
+            if not isinstance(shape, list) or len(shape) > 64 or not all(_is_count(x) for x in shape):
+                raise _error(f"{path}: tensor {k!r}: shape {str(shape)[:100]} is not a list of non-negative integers")
+            out[k] = tuple(shape)
+    return out
 
 
 @dataclass(frozen=True)
