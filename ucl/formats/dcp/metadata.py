@@ -4,15 +4,14 @@ every tensor's dtype, global shape and saved chunks (each with the file, offset 
 item), the other items, and each flattened key's path in the nested state dict (docs/interop.md)."""
 from __future__ import annotations
 
-import io
 import os
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...dtypes import DTYPES
-from ...errors import ForeignFormatError, StoreError, UclError
+from ...errors import ForeignFormatError, StoreError
 from ...files import read_bounded
+from ..torchzip.unpickle import BudgetedUnpickler, Call, brief
 
 METADATA = ".metadata"
 MAX_METADATA_BYTES = 256 << 20
@@ -39,7 +38,7 @@ class _Record:
         if isinstance(state, dict):
             for k, v in state.items():
                 if not isinstance(k, str) or k.startswith("__") or k in ("cls", "get", "args", "state"):
-                    raise _bad(f"{self.cls} carries a malformed attribute {str(k)[:40]!r}")
+                    raise _bad(f"{self.cls} carries a malformed attribute {brief(k)}")
                 self.__dict__[k] = v
         else:
             self.state = state
@@ -67,6 +66,9 @@ _OTHER_DTYPES = {"complex32", "complex64", "complex128", "uint16", "uint32", "ui
 class _Dtype:
     name: str
 
+    def __setstate__(self, state: Any) -> None:  # BUILD would write past frozen into __dict__
+        raise _bad("a pickle tried to set the state of a torch dtype")
+
 
 def _path(*parts: Any) -> str:
     if not all(isinstance(p, str) for p in parts):
@@ -80,31 +82,48 @@ def _layout(name: Any) -> str:
     return name
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+def _size(dims=()):
+    if not isinstance(dims, (tuple, list)) or len(dims) > 64 or \
+            any(isinstance(d, (tuple, list, dict)) for d in dims):  # numbers: checked where used
+        raise _bad(f"a pickled torch.Size holds {brief(dims)}")
+    return tuple(dims)
+
+
+def _dict(*args):
+    if args:  # an OrderedDict is pickled empty and filled by SETITEMS, whose keys the scan checked
+        raise _bad("a pickle asked for an OrderedDict built from arguments")
+    return {}
+
+
+# the callables the unpickler may call, as Call objects: no pickle can set their state
+_SIZE, _DICT, _LAYOUT, _PATH = Call(_size), Call(_dict), Call(_layout), Call(_path)
+_MEMORY_FORMAT = Call(lambda value: ("memory_format", value))
+
+
+class _MetadataUnpickler(BudgetedUnpickler):
     def __init__(self, data: bytes, where: str):
-        super().__init__(io.BytesIO(data))
-        self.where = where
+        super().__init__(data, where, _bad)
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _RECORDS:
             return _RECORDS[(module, name)]
         if (module, name) == _MEM_FORMAT:
-            return lambda value: ("memory_format", value)
+            return _MEMORY_FORMAT
         if module == "torch" and name == "Size":
-            return tuple
+            return _SIZE
         if module == "torch" and (name in DTYPES or name in _OTHER_DTYPES):
             return _Dtype(name)
         if module == "torch.serialization" and name == "_get_layout":
-            return _layout
+            return _LAYOUT
         if module in ("pathlib", "pathlib._local") and name in _PATHS:
-            return _path
+            return _PATH
         if module == "collections" and name == "OrderedDict":
-            return dict
+            return _DICT
         raise _bad(f"{self.where} needs the class {module}.{name}, which ucl does not load from a file "
                    "(only the DCP metadata classes, torch.Size and dtypes; docs/interop.md)")
 
     def persistent_load(self, pid: Any) -> Any:
-        raise _bad(f"{self.where} refers to a persistent object {str(pid)[:80]}; DCP metadata has none")
+        raise _bad(f"{self.where} refers to a persistent object {brief(pid)}; DCP metadata has none")
 
 
 @dataclass
@@ -138,9 +157,8 @@ class Metadata:
 
 
 def _ints(x: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(x, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                                   for v in x):
-        raise _bad(f"{what} is not a list of non-negative integers ({str(x)[:80]})")
+    if not isinstance(x, (tuple, list)) or len(x) > 64 or not all(type(v) is int and 0 <= v < 1 << 63 for v in x):
+        raise _bad(f"{what} is not a list of non-negative integers ({brief(x)})")
     return tuple(x)
 
 
@@ -154,13 +172,7 @@ def read_metadata(path: str) -> Metadata:
     """The ``.metadata`` of the DCP folder ``path``, as plain records (see the module doc)."""
     mpath = os.path.join(path, METADATA)
     data = read_bounded(mpath, limit=MAX_METADATA_BYTES, what="DCP metadata file", inside=path, error=_bad)
-    try:
-        md = _MetadataUnpickler(data, mpath).load()
-    except UclError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
-            RecursionError, MemoryError, UnicodeDecodeError, OverflowError) as e:
-        raise _bad(f"{mpath} is not a readable DCP metadata pickle: {type(e).__name__}: {e}") from None
+    md = _MetadataUnpickler(data, mpath).load_checked()
     md = _rec(md, "Metadata", mpath)
     sdm, storage = md.get("state_dict_metadata"), md.get("storage_data")
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
@@ -169,15 +181,15 @@ def read_metadata(path: str) -> Metadata:
     where: dict[tuple, tuple[str, int, int]] = {}
     for index, info in storage.items():
         index = _rec(index, "MetadataIndex", f"{mpath}: a storage_data key")
-        info = _rec(info, "_StorageInfo", f"{mpath}: storage_data[{index.get('fqn')!r}]")
+        info = _rec(info, "_StorageInfo", f"{mpath}: storage_data[{brief(index.get('fqn'))}]")
         fqn, off = index.get("fqn"), index.get("offset")
         rel, start, length = info.get("relative_path"), info.get("offset"), info.get("length")
         if not isinstance(fqn, str) or not isinstance(rel, str) or not isinstance(start, int) \
                 or not isinstance(length, int) or start < 0 or length < 0:
-            raise _bad(f"{mpath}: a malformed storage_data entry for {str(fqn)[:80]!r}")
+            raise _bad(f"{mpath}: a malformed storage_data entry for {brief(fqn)}")
         if info.get("transform_descriptors"):
             raise ForeignFormatError(f"{mpath}: {fqn!r} was written through stream transforms "
-                         f"{str(info.get('transform_descriptors'))[:80]} (compression); ucl reads only plain "
+                         f"{brief(info.get('transform_descriptors'))} (compression); ucl reads only plain "
                          "items in place")
         if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") or not rel or "\0" in rel:
             raise StoreError(f"{mpath}: item {fqn!r} lives in {rel!r}, outside the checkpoint folder", code="UCL416")

@@ -57,9 +57,11 @@ def optimizer_dict(tf: TorchFile, what: str) -> dict:
 
 def optimizer_state(stage: int, param_groups: list, names: list[list[str]], loss_scaler: Any) -> dict:
     """The manifest state's ``optimizer``: the hyperparameters of each group and the names it trains."""
-    return {"zero_stage": stage, "param_groups": [
-        {**{k: plain(v) for k, v in g.items() if k != "params"}, "names": names[i] if i < len(names) else []}
-        for i, g in enumerate(param_groups)], "loss_scaler": plain(loss_scaler)}
+    kept = plain({"groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups],
+                  "loss_scaler": loss_scaler})  # one call: one budget for all of them
+    return {"zero_stage": stage, "param_groups": [{**g, "names": names[i] if i < len(names) else []}
+                                                  for i, g in enumerate(kept["groups"])],
+            "loss_scaler": kept["loss_scaler"]}
 
 
 def step_extents(f: DsFolder, g: int, names: list[str], optims: list[TorchFile], osd: list[dict],

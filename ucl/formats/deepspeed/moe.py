@@ -280,7 +280,7 @@ def _extents(run: MoeRun, p: MoeParams, kinds: list[str]) -> tuple[dict[str, Ext
 
 
 def _state(run: MoeRun, p: MoeParams) -> dict:
-    return {"format": "deepspeed", "deepspeed": {k: plain(v) for k, v in run.at.ms.items() if k not in MOE_BULKY},
+    return {"format": "deepspeed", "deepspeed": plain({k: v for k, v in run.at.ms.items() if k not in MOE_BULKY}),
             "optimizer": optimizer_state(run.stage, run.opt_groups, p.global_groups, run.osd[0].get("loss_scaler")),
             "moe": {"ep": run.ep, "edp": run.edp, "num_experts": run.counts,
                     "layers": {pre.rstrip("."): {"layer_file": run.files_of[pre], "num_experts": run.experts_of[pre],

@@ -192,7 +192,7 @@ def _extents(run: PipelineRun, names: PipelineNames, kinds: list[str]) -> tuple[
 
 def _state(run: PipelineRun, names: PipelineNames, params: dict) -> dict:
     groups = as_dict(run.osd[0][0].get("base_optimizer_state"), "base optimizer state").get("param_groups", [])
-    return {"format": "deepspeed", "deepspeed": {k: plain(v) for k, v in run.first.items() if k not in BULKY},
+    return {"format": "deepspeed", "deepspeed": plain({k: v for k, v in run.first.items() if k not in BULKY}),
             "optimizer": optimizer_state(1, groups, [_group_members(run, names, i) for i in range(len(groups))],
                                          run.osd[0][0].get("loss_scaler")),
             "pipeline": {"layer_files": {n: f"layer_{names.where[n][0]:02d}" for n in params}}}

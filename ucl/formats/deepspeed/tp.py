@@ -83,7 +83,7 @@ def describe_autotp(f: DsFolder) -> Description:
 
     def extra(placements: dict[str, Placement]) -> tuple[str, dict]:
         return "autotp", {"tp": tp, "split_dims": {n: p.split_dim for n, p in placements.items()},
-                          **{k: plain(v) for k, v in uci.items() if k != "affine_map"}}
+                          **plain({k: v for k, v in uci.items() if k != "affine_map"})}
 
     return describe_tp(f, TpReader("AutoTP", "deepspeed-autotp", place, extra))
 
@@ -207,8 +207,8 @@ def _extents(run: TpRun, placements: dict[str, Placement], kinds: list[str]) -> 
 def _state(run: TpRun, how: TpReader, placements: dict[str, Placement]) -> dict:
     key, info = how.extra(placements)
     groups = as_dict(run.osd[0][0].get("base_optimizer_state"), "base optimizer state").get("param_groups", [])
-    return {"format": "deepspeed", "deepspeed": {k: plain(v, values=run.states[0]) for k, v in run.at.ms.items()
-                                                 if k not in BULKY},
+    return {"format": "deepspeed", "deepspeed": plain({k: v for k, v in run.at.ms.items() if k not in BULKY},
+                                                      values=run.states[0]),
             "optimizer": optimizer_state(run.stage, groups, run.groups, run.osd[0][0].get("loss_scaler")),
             key: info}
 

@@ -199,7 +199,7 @@ def _state(z: ZeroRun) -> dict:
     groups = as_dict(z.osd[0].get("base_optimizer_state") or z.osd[0].get("optimizer_state_dict"),
                      "base optimizer state").get("param_groups", [])
     return {"format": "deepspeed",
-            "deepspeed": {k: plain(v, values=z.at.states) for k, v in z.at.ms.items() if k not in BULKY},
+            "deepspeed": plain({k: v for k, v in z.at.ms.items() if k not in BULKY}, values=z.at.states),
             "optimizer": optimizer_state(z.stage, groups, z.groups, z.osd[0].get("loss_scaler"))}
 
 

@@ -16,11 +16,9 @@ import collections
 import io
 import math
 import os
-import pickle
 import stat
 import struct
 import zipfile
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +27,8 @@ import numpy as np
 from ...dtypes import DTYPES, itemsize, storage_dtype
 from ...errors import StoreError
 from ...files import check_inside
+from .numpy_values import NDARRAY, NumpyArray, NumpyDtype, np_dtype, np_reconstruct, np_scalar
+from .unpickle import PICKLE_ERRORS, BudgetedUnpickler, Call, brief
 
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl holds structure, not tensors; a bigger one is hostile
 
@@ -115,7 +115,7 @@ class Record:
         return default
 
     def __repr__(self) -> str:
-        return f"Record({self.cls}, {self.state!r})"
+        return f"Record({self.cls}, {brief(self.state)})"
 
 
 def _record_factory(cls: str):
@@ -128,12 +128,21 @@ def _record_factory(cls: str):
     return _New
 
 
+MAX_NDIM = 64  # torch's own limit on a tensor's dimensions
+
+
+def _count(x: Any) -> bool:
+    return type(x) is int and 0 <= x < 1 << 63
+
+
 def _rebuild_tensor(storage, offset, size, stride, *rest):
     if not isinstance(storage, StorageRef):
         raise _error(f"a tensor refers to {type(storage).__name__}, not a storage")
-    shape, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
-    if len(shape) != len(stride) or any(s < 0 for s in shape + stride) or offset < 0:
-        raise _error(f"a tensor has an invalid view: size {shape}, stride {stride}, offset {offset}")
+    if not (isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride) <= MAX_NDIM
+            and all(map(_count, size)) and all(map(_count, stride)) and _count(offset)):
+        raise _error(f"a tensor has an invalid view: size {brief(size)}, stride {brief(stride)}, "
+                     f"offset {brief(offset)}")
+    shape, stride = size, stride
     if all(shape):  # the last element it reaches must lie in its storage
         last = int(offset) + sum((s - 1) * t for s, t in zip(shape, stride))
         if last >= storage.numel:
@@ -145,7 +154,7 @@ def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtyp
     # torch's form for dtypes without a typed storage class (fp8): an UntypedStorage of bytes
     logical = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
     if not isinstance(storage, StorageRef) or storage.dtype != _UNTYPED or logical not in DTYPES:
-        raise _error(f"a tensor of {str(dtype)[:40]} refers to {type(storage).__name__}, not an untyped storage")
+        raise _error(f"a tensor of {brief(dtype)} refers to {type(storage).__name__}, not an untyped storage")
     size_of = itemsize(logical)
     if storage.numel % size_of:
         raise _error(f"an untyped storage of {storage.numel} bytes does not hold whole {logical} elements")
@@ -155,9 +164,12 @@ def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtyp
 _TENSOR_TYPE = ("tensor-type",)
 
 
+_REBUILD, _REBUILD_V3 = Call(_rebuild_tensor), Call(_rebuild_tensor_v3)
+
+
 def _rebuild_from_type(func, new_type, args, state=None):
     # a tensor saved with its Python type and attributes: the tensor is what matters
-    if func not in (_rebuild_tensor, _rebuild_tensor_v3) or new_type is not _TENSOR_TYPE:
+    if (func is not _REBUILD and func is not _REBUILD_V3) or new_type is not _TENSOR_TYPE or type(args) is not tuple:
         raise _error("a pickle asked to rebuild a tensor subclass ucl does not know")
     return func(*args)
 
@@ -166,64 +178,35 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *rest):
     return data
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, where: str):
-        import io
-        super().__init__(io.BytesIO(data))
-        self.where = where
+def _ordered_dict(*args):
+    if args:  # a pickled OrderedDict is made empty and filled by SETITEMS, whose keys are checked
+        raise _error("a pickle asked for an OrderedDict built from arguments")
+    return collections.OrderedDict()
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "collections" and name == "OrderedDict":
-            return collections.OrderedDict
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_tensor_v3
-        if module == "torch.storage" and name == "UntypedStorage":
-            return ("storage-type", _UNTYPED)
-        if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
-            return _rebuild_parameter
-        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
-            return _rebuild_from_type
-        if (module, name) in (("torch", "Tensor"), ("torch.nn.parameter", "Parameter")):
-            return _TENSOR_TYPE
-        if module == "torch" and name in _STORAGES:
-            return ("storage-type", _STORAGES[name])
-        if module == "torch" and name in _DTYPES:
-            return f"torch.{_DTYPES[name]}"
-        if module == "torch" and name == "Size":
-            return tuple
-        if module == "torch" and name == "device":
-            return lambda *a: "device:" + ":".join(str(x) for x in a)
-        if module == "builtins" and name in ("set", "frozenset", "slice", "complex", "bytearray"):
-            return {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex,
-                    "bytearray": _bytearray}[name]
-        if module == "_codecs" and name == "encode":
-            return _latin1_encode
-        if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "_reconstruct":
-            return _np_reconstruct
-        if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "scalar":
-            return _np_scalar
-        if module == "numpy" and name == "ndarray":
-            return _NDARRAY
-        if module == "numpy" and name == "dtype":
-            return _np_dtype
-        if (module, name) in RECORD_CLASSES:
-            return _record_factory(f"{module}.{name}")
-        if (module, name) in ENUM_CLASSES:
-            return lambda value: value
-        raise _error(f"{self.where} needs the class {module}.{name}, which ucl does not load from a file "
-                     "(only tensors, plain containers and a short allow-list of framework records; "
-                     "docs/interop.md)")
 
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], tuple) and pid[1][:1] == ("storage-type",)):
-            raise _error(f"{self.where} refers to an unsupported persistent object {str(pid)[:80]}")
-        _, (_, dtype), key, _location, numel = pid
-        if not isinstance(key, str) or not key.isalnum() or not isinstance(numel, int) or numel < 0:
-            raise _error(f"{self.where} has a malformed storage reference {str(pid)[:80]}")
-        return StorageRef(key, dtype, numel)
+def _size(dims=()):
+    if not isinstance(dims, (tuple, list)) or len(dims) > MAX_NDIM or \
+            any(isinstance(d, (tuple, list, dict, set, frozenset)) for d in dims):  # numbers: checked where used
+        raise _error(f"a pickled torch.Size holds {brief(dims)}, not up to {MAX_NDIM} sizes")
+    return tuple(dims)
+
+
+def _device(kind, index=None):
+    if not isinstance(kind, str) or len(kind) > 32 or not (index is None or type(index) is int):
+        raise _error(f"a pickle asked for the torch device {brief(kind)}, {brief(index)}")
+    return f"device:{kind}" if index is None else f"device:{kind}:{index}"
+
+
+def _complex(real=0.0, imag=0.0):
+    if not all(type(x) in (int, float) for x in (real, imag)):
+        raise _error(f"a pickle asked for a complex number of {brief(real)}, {brief(imag)}")
+    return complex(float(real), float(imag))  # an int beyond a float's range: OverflowError, refused
+
+
+def _slice(*args):
+    if not 1 <= len(args) <= 3 or not all(x is None or type(x) is int for x in args):
+        raise _error(f"a pickle asked for a slice of {brief(args)}")
+    return slice(*args)
 
 
 def _latin1_encode(text, encoding="latin1"):
@@ -235,74 +218,60 @@ def _latin1_encode(text, encoding="latin1"):
 def _bytearray(data=b"", *rest):
     if not isinstance(data, (bytes, str)):  # bytearray(n) would allocate n zeroed bytes
         raise _error("a pickle asked for a bytearray of a given size")
-    return bytearray(data, *rest) if isinstance(data, str) else bytearray(data)
+    if isinstance(data, str):  # pickled bytearrays are latin-1 text; any other codec is refused
+        if rest not in (("latin1",), ("latin-1",)):
+            raise _error(f"a pickle asked for a bytearray in the encoding {brief(rest)}")
+        return bytearray(data, "latin-1")
+    if rest:
+        raise _error("a pickle asked for a bytearray of bytes with an encoding")
+    return bytearray(data)
 
 
-# numpy objects (RNG states, metrics) are rebuilt as inert records of validated, plain numbers: a
-# real numpy dtype or array would let the pickle's BUILD install any state on it (fields out of
-# bounds, huge shapes) before ucl looks at it
-_NUMERIC = frozenset("biufc")
-_NDARRAY = ("numpy-ndarray",)
+_NUMPY = ("numpy.core.multiarray", "numpy._core.multiarray")
+# (module, name) -> what the unpickler gets: callables wrapped as Call (no pickle can set their state)
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): Call(_ordered_dict),
+    ("torch._utils", "_rebuild_tensor_v2"): _REBUILD,
+    ("torch._utils", "_rebuild_tensor_v3"): _REBUILD_V3,
+    ("torch._utils", "_rebuild_parameter"): Call(_rebuild_parameter),
+    ("torch._utils", "_rebuild_parameter_with_state"): Call(_rebuild_parameter),
+    ("torch._tensor", "_rebuild_from_type_v2"): Call(_rebuild_from_type),
+    ("torch.storage", "UntypedStorage"): ("storage-type", _UNTYPED),
+    ("torch", "Tensor"): _TENSOR_TYPE, ("torch.nn.parameter", "Parameter"): _TENSOR_TYPE,
+    ("torch", "Size"): Call(_size), ("torch", "device"): Call(_device),
+    ("builtins", "slice"): Call(_slice), ("builtins", "complex"): Call(_complex),
+    ("builtins", "bytearray"): Call(_bytearray), ("_codecs", "encode"): Call(_latin1_encode),
+    **{(m, "_reconstruct"): Call(np_reconstruct) for m in _NUMPY},
+    **{(m, "scalar"): Call(np_scalar) for m in _NUMPY},
+    ("numpy", "ndarray"): NDARRAY, ("numpy", "dtype"): Call(np_dtype),
+    **{("torch", name): ("storage-type", dtype) for name, dtype in _STORAGES.items()},
+    **{("torch", name): f"torch.{dtype}" for name, dtype in _DTYPES.items()},
+    **{key: _record_factory(f"{key[0]}.{key[1]}") for key in RECORD_CLASSES},
+    **{key: Call(lambda value: value) for key in ENUM_CLASSES},
+}
 
 
-class NumpyDtype:
-    """A numeric numpy dtype named by a pickle; its pickled state may only say the byte order."""
+class _Unpickler(BudgetedUnpickler):
+    def __init__(self, data: bytes, where: str):
+        super().__init__(data, where, _error)
+        self.sets = {("builtins", "set"): Call(self.checked_set), ("builtins", "frozenset"): Call(self.checked_frozenset)}
 
-    def __init__(self, spec):
-        if not isinstance(spec, str) or len(spec) > 8:
-            raise _error(f"a pickle asked for the numpy dtype {str(spec)[:40]!r}")
-        try:
-            dtype = np.dtype(spec)
-        except TypeError:
-            raise _error(f"a pickle asked for the numpy dtype {spec!r}") from None
-        if not dtype.isbuiltin or dtype.kind not in _NUMERIC:
-            raise _error(f"a pickle asked for the numpy dtype {spec!r}; ucl reads plain numeric ones only")
-        self.dtype = dtype
+    def find_class(self, module: str, name: str) -> Any:
+        found = _ALLOWED.get((module, name)) or self.sets.get((module, name))
+        if found is None:
+            raise _error(f"{self.where} needs the class {module}.{name}, which ucl does not load from a file "
+                         "(only tensors, plain containers and a short allow-list of framework records; "
+                         "docs/interop.md)")
+        return found
 
-    def __setstate__(self, state):
-        if not isinstance(state, tuple) or len(state) < 2 or state[1] not in ("<", "|", "=", ">"):
-            raise _error("a pickle holds a malformed numpy dtype state")
-        if any(x is not None for x in state[2:5]) if len(state) >= 5 else False:
-            raise _error("a pickle gives a numpy dtype fields or a subarray; ucl reads plain numeric ones only")
-        self.dtype = self.dtype.newbyteorder(state[1]) if state[1] == ">" else self.dtype
-
-
-def _np_dtype(spec, align=False, copy=False):
-    return NumpyDtype(spec)
-
-
-class NumpyArray:
-    """A numpy array a pickle holds, validated: ``array`` is its data, its size bounded by the
-    bytes the pickle really holds."""
-
-    def __init__(self):
-        self.array = None
-
-    def __setstate__(self, state):
-        try:
-            _version, shape, dtype, fortran, raw = state
-        except (TypeError, ValueError):
-            raise _error("a pickle holds a malformed numpy array state") from None
-        if not isinstance(dtype, NumpyDtype) or not isinstance(raw, (bytes, bytearray)) or \
-                not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
-            raise _error("a pickle holds a malformed numpy array")
-        if int(np.prod(shape, dtype=object)) * dtype.dtype.itemsize != len(raw):
-            raise _error(f"a pickled numpy array of shape {shape} holds {len(raw)} bytes")
-        flat = np.frombuffer(bytes(raw), dtype.dtype)
-        self.array = flat.reshape(shape, order="F" if fortran else "C")
-
-
-def _np_reconstruct(cls, shape, dtype_code):
-    # numpy pickles every array as _reconstruct(ndarray, (0,), b'b') followed by its state
-    if cls is not _NDARRAY or shape != (0,) or dtype_code not in (b"b", "b"):
-        raise _error("a pickle asked to build a numpy array other than the way numpy pickles one")
-    return NumpyArray()
-
-
-def _np_scalar(dtype, data=None):
-    if not isinstance(dtype, NumpyDtype) or not isinstance(data, bytes) or len(data) != dtype.dtype.itemsize:
-        raise _error("a pickle holds a malformed numpy scalar")
-    return np.frombuffer(data, dtype.dtype)[0].item()
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], tuple) and pid[1][:1] == ("storage-type",)):
+            raise _error(f"{self.where} refers to an unsupported persistent object {brief(pid)}")
+        _, (_, dtype), key, _location, numel = pid
+        if type(dtype) is not str or not isinstance(key, str) or not key.isalnum() or len(key) > 64 or not _count(numel):
+            raise _error(f"{self.where} has a malformed storage reference {brief(pid)}")
+        return StorageRef(key, dtype, numel)
 
 
 @dataclass(frozen=True)
@@ -349,14 +318,17 @@ def read_torch_file(path: str, inside: str | None = None, *, offset: int = 0, le
             prefix = pkl[0][:-len("data.pkl")]
             packed = [n for n, i in infos.items() if i.compress_type != zipfile.ZIP_STORED]
             if packed:  # torch.save stores every member; a compressed one could be a decompression bomb
-                raise _error(f"{where}: member {packed[0]} is compressed; torch.save files store every member")
+                raise _error(f"{where}: member {brief(packed[0])} is compressed; torch.save files store every member")
+            locked = [n for n, i in infos.items() if i.flag_bits & 0x1]
+            if locked:  # zipfile would ask for a password (RuntimeError); torch.save never encrypts
+                raise _error(f"{where}: member {brief(locked[0])} is marked encrypted; torch.save files never are")
             if infos[pkl[0]].file_size > MAX_PICKLE_BYTES:
                 raise _error(f"{where}: data.pkl is {infos[pkl[0]].file_size:,} bytes, beyond the limit")
             order = infos.get(prefix + "byteorder")
             if order is not None and (order.file_size > 16 or z.read(order).strip() not in (b"little",)):
                 raise _error(f"{where} was written big-endian; ucl reads little-endian files only")
             data = z.read(pkl[0])
-            obj = _Unpickler(data, where).load()
+            obj = _Unpickler(data, where).load_checked()
             offsets, sizes = {}, {}
             for name, info in infos.items():
                 if not name.startswith(prefix + "data/"):
@@ -375,10 +347,9 @@ def read_torch_file(path: str, inside: str | None = None, *, offset: int = 0, le
                 offsets[key], sizes[key] = offset + start, info.file_size
     except StoreError:
         raise
-    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
-            IndexError, AttributeError, struct.error, OSError, RecursionError, MemoryError, NotImplementedError,
-            zlib.error) as e:
-        raise _error(f"{where} is not a readable torch.save file: {type(e).__name__}: {e}") from None
+    except (zipfile.BadZipFile, OSError, *PICKLE_ERRORS) as e:
+        text = str(e) if isinstance(e, OSError) else e.args[0] if e.args and isinstance(e.args[0], str) else ""
+        raise _error(f"{where} is not a readable torch.save file: {type(e).__name__}: {text[:160]}") from None
     _check_storages(obj, offsets, sizes, where)
     return TorchFile(path, obj, offsets, sizes)
 
@@ -447,21 +418,81 @@ def _check_storages(obj: Any, offsets: dict, sizes: dict, where: str) -> None:
 
 
 MAX_PLAIN_DEPTH = 64  # nesting a manifest's state keeps; deeper is summarised, never recursed into
+MAX_PLAIN_NODES = 1 << 22  # values one plain() call may write out, shared references counted each time
 
 
 MAX_KEPT_TENSOR_BYTES = 64 << 10  # small tensors (RNG states, counters) a manifest's state keeps bit for bit
+_PLAIN_KEYS = (str, int, float, bool, type(None))
 
 
-def plain(obj: Any, depth: int = 0, values: "TorchFile | None" = None) -> Any:
+def plain(obj: Any, depth: int = 0, values: "TorchFile | None" = None, where: str | None = None) -> Any:
     """``obj`` as JSON-friendly data for a manifest's state: tensors become a short description,
     records their state, numpy values lists, non-finite floats None (JSON has none). With ``values``
     (the file ``obj`` was read from), a contiguous tensor of at most ``MAX_KEPT_TENSOR_BYTES`` keeps
-    its bytes too (base64): :func:`kept_tensor` gives it back bit for bit."""
-    if depth > MAX_PLAIN_DEPTH:
-        return "(nested too deep)"
-    if isinstance(obj, TensorRef):
-        out = {"tensor": list(obj.shape), "dtype": obj.dtype}
+    its bytes too (base64): :func:`kept_tensor` gives it back bit for bit. Each shared value is
+    converted once (its result shared); a value containing itself, or one writing out more than
+    ``MAX_PLAIN_NODES`` values, is an error naming ``where`` (default: ``values``' file)."""
+    return _Plain(values, where or (values.path if values is not None else "a pickled value")).value(obj, depth)
+
+
+class _Plain:
+    """One :func:`plain` call: its memo of converted values and its count of values written."""
+
+    def __init__(self, values: "TorchFile | None", where: str):
+        self.values, self.where, self.nodes = values, where, 0
+        self.done: dict[int, tuple[Any, int]] = {}  # id -> (result, values it writes out)
+        self.open: set[int] = set()
+        self.kept: list[Any] = []  # values made on the way (numpy's tolist) stay alive: ids not reused
+
+    def count(self, n: int) -> None:
+        self.nodes += n
+        if self.nodes > MAX_PLAIN_NODES:
+            raise _error(f"{self.where}: a value writes out more than {MAX_PLAIN_NODES:,} values (shared "
+                         "references expanded); docs/security.md")
+
+    def value(self, obj: Any, depth: int) -> Any:
+        if depth > MAX_PLAIN_DEPTH:
+            self.count(1)
+            return "(nested too deep)"
+        if not isinstance(obj, (TensorRef, Record, NumpyArray, dict, list, tuple, set, frozenset)):
+            self.count(1)
+            return self.leaf(obj, depth)
+        key = id(obj)
+        hit = self.done.get(key)
+        if hit is not None:
+            self.count(hit[1])
+            return hit[0]
+        if key in self.open:
+            raise _error(f"{self.where}: a value contains itself (a reference cycle); checkpoint state never does")
+        self.open.add(key)
+        self.kept.append(obj)
+        before = self.nodes
+        self.count(1)
+        out = self.container(obj, depth)
+        self.open.discard(key)
+        self.done[key] = (out, self.nodes - before)
+        return out
+
+    def container(self, obj: Any, depth: int) -> Any:
+        if isinstance(obj, TensorRef):
+            return self.tensor(obj)
+        if isinstance(obj, Record):
+            return {"class": obj.cls, "state": self.value(obj.state, depth + 1)} if obj.state is not None \
+                else {"class": obj.cls}
+        if isinstance(obj, dict):
+            return {(str(k) if type(k) in _PLAIN_KEYS else brief(k)): self.value(v, depth + 1)
+                    for k, v in obj.items()}
+        if isinstance(obj, NumpyArray):
+            a = obj.array
+            if a is None or a.size > 4096:
+                return {"array": [] if a is None else list(a.shape), "dtype": "" if a is None else str(a.dtype)}
+            return self.value(a.tolist(), depth + 1)
+        return [self.value(v, depth + 1) for v in obj]
+
+    def tensor(self, obj: TensorRef) -> dict:
+        out: dict[str, Any] = {"tensor": list(obj.shape), "dtype": obj.dtype}
         n = obj.numel * itemsize(obj.dtype)
+        values = self.values
         if values is not None and obj.contiguous and n <= MAX_KEPT_TENSOR_BYTES:
             with open(values.path, "rb") as f:
                 f.seek(values.byte_offset(obj))
@@ -470,31 +501,21 @@ def plain(obj: Any, depth: int = 0, values: "TorchFile | None" = None) -> Any:
                 raise _error(f"{values.path}: a tensor of {n} bytes runs past the end of the file")
             out["base64"] = base64.b64encode(data).decode("ascii")
         return out
-    if isinstance(obj, Record):
-        return {"class": obj.cls, "state": plain(obj.state, depth + 1, values)} if obj.state is not None \
-            else {"class": obj.cls}
-    if isinstance(obj, dict):
-        return {str(k): plain(v, depth + 1, values) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [plain(v, depth + 1, values) for v in obj]
-    if isinstance(obj, NumpyArray):
-        a = obj.array
-        if a is None or a.size > 4096:
-            return {"array": [] if a is None else list(a.shape), "dtype": "" if a is None else str(a.dtype)}
-        return plain(a.tolist(), depth + 1)
-    if isinstance(obj, NumpyDtype):
-        return str(obj.dtype)
-    if isinstance(obj, np.generic):
-        return plain(obj.item(), depth + 1)
-    if isinstance(obj, (bytes, bytearray)):
-        return {"bytes": len(obj)}
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, complex):
-        return [plain(obj.real), plain(obj.imag)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    return repr(obj)[:200]
+
+    def leaf(self, obj: Any, depth: int) -> Any:
+        if isinstance(obj, NumpyDtype):
+            return str(obj.dtype)
+        if isinstance(obj, np.generic):
+            return self.leaf(obj.item(), depth + 1)
+        if isinstance(obj, (bytes, bytearray)):
+            return {"bytes": len(obj)}
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return None
+        if isinstance(obj, complex):
+            return [self.leaf(obj.real, depth), self.leaf(obj.imag, depth)]
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        return brief(obj)
 
 
 def kept_tensor(value: Any) -> "tuple[np.ndarray, str] | None":
