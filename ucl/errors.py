@@ -178,7 +178,7 @@ ERROR_CODES: dict[str, tuple[type[UclError], ...]] = {
     "UCL300": (MeshError,), "UCL301": (MeshError,), "UCL302": (MeshError,), "UCL303": (MeshError,),
     "UCL304": (MeshError,), "UCL305": (MeshError,),
     "UCL310": (PlanError,), "UCL311": (PlanError,), "UCL312": (PlanError,), "UCL313": (PlanError,),
-    "UCL314": (PlanError,), "UCL315": (PlanError,), "UCL316": (PlanError,),
+    "UCL314": (PlanError,), "UCL315": (PlanError,), "UCL316": (PlanError,), "UCL317": (PlanError,),
     # checkpoints
     **{f"UCL{n}": (StoreError,) for n in (400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412,
                                           413, 414, 416, 417, 420, 421, 422, 423, 424, 425)},

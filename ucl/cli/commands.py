@@ -44,8 +44,11 @@ def cmd_plan(args) -> int:
     from ..lang.spec import load_spec
     spec = load_spec(args.spec)
     dims = parse_dims(spec, args.dims)
+    from ..ops.machine import check_plan_fits
     model = spec.bind(dims, params_of(spec, dims, args.params))
-    plan = compile(model, Mesh.parse(args.src), Mesh.parse(args.dst))
+    src, dst = Mesh.parse(args.src), Mesh.parse(args.dst)
+    check_plan_fits(model, src, dst)
+    plan = compile(model, src, dst)
     con = console()
     con.print(esc(plan.summary()))
     per = plan.bytes_read_per_rank()
@@ -70,7 +73,9 @@ def cmd_plan(args) -> int:
 def cmd_reshard(args) -> int:
     from ..layout.mesh import Mesh
     from ..ops.convert import user_spec
+    from ..ops.machine import check_workers
     to = Mesh.parse(args.to)
+    check_workers(args.workers)
     src = checkpoint_arg(args.src)
     spec, dims = _user_spec(args, src)
     return _reshard(args, src, to, user_spec(spec, dims))
@@ -148,7 +153,9 @@ def _user_spec(args, src: str):
 
 def cmd_import(args) -> int:
     from ..ops.convert import user_spec
+    from ..ops.machine import check_workers
     con = console()
+    check_workers(args.workers)
     src = checkpoint_arg(args.src)
     spec, dims = _user_spec(args, src)
     return _import(args, con, src, spec, dims, user_spec(spec, dims))

@@ -26,6 +26,7 @@ from ..store.like import CheckpointLike
 from ..store.manifest import MANIFEST_NAME
 from ..store.reader import Checkpoint
 from ..store.root import follow_latest
+from .machine import check_plan_fits
 
 _MODELS: OrderedDict[str, Model] = OrderedDict()  # manifest digest -> bound model
 _MAX_MODELS = 8
@@ -111,10 +112,18 @@ def _ranks_key(ranks) -> tuple[int, ...] | None:
     return None if ranks is None else tuple(sorted(int(r) for r in ranks))
 
 
+def _fits(model: Model, src: Mesh, dst: Mesh, ranks) -> Model:
+    """``model``, once a whole plan between ``src`` and ``dst`` is known to fit this machine
+    (``machine.check_plan_fits``; a plan cut down to ``ranks`` is smaller)."""
+    if ranks is None:
+        check_plan_fits(model, src, dst)
+    return model
+
+
 def plan_for(model: Model, src: Mesh, dst: Mesh, ranks=None) -> Plan:
     """``compile(model, src, dst, ranks)``, cached on the model."""
     return model.derived.of(_Plans).get(_PlanKey(src, dst, _ranks_key(ranks)),
-                                        lambda: compile(model, src, dst, ranks=ranks))
+                                        lambda: compile(_fits(model, src, dst, ranks), src, dst, ranks=ranks))
 
 
 def plan_between(source: Model, src: Mesh, model: Model, dst: Mesh, ranks=None) -> Plan:
@@ -124,7 +133,8 @@ def plan_between(source: Model, src: Mesh, model: Model, dst: Mesh, ranks=None) 
         return plan_for(source, src, dst, ranks)
     target = xxhash.xxh3_128_hexdigest(json.dumps([model.spec.text, model.fingerprint()], sort_keys=True).encode())
     return source.derived.of(_Plans).get(_PlanKey(src, dst, _ranks_key(ranks), target),
-                                         lambda: compile_between(source, src, model, dst, ranks=ranks))
+                                         lambda: compile_between(_fits(source, src, dst, ranks), src, model, dst,
+                                                                 ranks=ranks))
 
 
 def manifest_fields(model: Model, mesh: Mesh, state: Any = None) -> dict:

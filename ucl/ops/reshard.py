@@ -28,6 +28,7 @@ from .dist import allgather_json, gloo_group, initialized_dist
 from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for, resolve_root
 from .stats import IOStats
 from . import streamed
+from .machine import check_workers
 from .workers import run_forked
 
 
@@ -127,6 +128,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
                                 or workers < 1):
         raise UclError(f"workers must be a positive integer, got {workers!r}", code="UCL009")
     workers = None if workers is None else int(workers)
+    check_workers(workers)
     if distributed:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise UclError(f"timeout must be a positive number of seconds, got {timeout!r}", code="UCL009")
