@@ -245,3 +245,19 @@ def test_cli_import_detects_the_format(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "out")]) == 0
     for rank, t, p in _ranks("tp2_pp2"):
         _assert_rank_equals_truth("tp2_pp2", ucl.load_rank(tmp_path / "out", mesh="pp=2,tp=2", rank=rank), t, p)
+
+
+@pytest.mark.parametrize("size", [100000, 3])
+def test_args_naming_more_ranks_than_folders_are_refused_before_any_is_named(tmp_path, size):
+    """tp = pp = 100000 in args made 10**10 rank names (a MemoryError) before the folder was looked at."""
+    folder = tmp_path / "run"
+    shutil.copytree(FIXTURES / "tp2", folder)
+    for sub in ("mp_rank_00", "mp_rank_01"):
+        rewrite_pickle(folder / "iter_0000007" / sub / "model_optim_rng.pt",
+                       lambda d: d.replace(b"tensor_model_parallel_sizeq(K\x02", b"tensor_model_parallel_sizeq(J"
+                                           + size.to_bytes(4, "little"))
+                       .replace(b"pipeline_model_parallel_sizeq)K\x01", b"pipeline_model_parallel_sizeq)J"
+                                + size.to_bytes(4, "little")))
+    with pytest.raises(StoreError, match=f"tensor_model_parallel_size={size:,}") as e:
+        describe(folder)
+    assert e.value.code == "UCL502" and "holds 2 mp_rank_* folder(s)" in str(e.value)

@@ -227,6 +227,11 @@ def _locate(path: str) -> LegacyFolder:
 def _rank_files(lf: LegacyFolder) -> list[LegacyRank]:
     """The rank files Megatron-LM names from args; never inferred from the folder listing."""
     folder, tp, pp = lf.folder, lf.tp, lf.pp
+    present = sorted(n for n in os.listdir(folder) if _RANK_DIR.match(n))
+    if tp * pp != len(present):  # before anything per rank is named: args may say 10**10 ranks
+        raise ForeignFormatError(f"{folder}: args say tensor_model_parallel_size={tp:,}, pipeline_model_parallel_size="
+                                 f"{pp:,} ({tp * pp:,} rank folders), the folder holds {len(present):,} mp_rank_* "
+                                 f"folder(s) ({', '.join(present[:4])}); the folder contradicts its args")
     names = {(p, t): _rank_dir(t, p, pp) for p in range(pp) for t in range(tp)}
     missing = [n for n in names.values() if not os.path.isfile(os.path.join(folder, n, MODEL_FILE))]
     if missing:
