@@ -308,3 +308,23 @@ def test_mutated_files_give_ucl_errors_only(tmp_path):
             ucl.load_rank(folder, mesh="universal", rank=0)
         except UclError:
             pass
+
+
+def test_a_layout_of_more_ranks_than_writers_is_refused_before_it_is_built(tmp_path):
+    """Chunk grids that multiply to more ranks than the processes whose __R_S.distcp files the
+    folder holds (a 700 KB .metadata made 9 million) are refused before anything per rank."""
+    folder = _copy("fsdp2_dp2", tmp_path)
+
+    def edit(md):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+        import torch
+        for key in ("model.fc1.weight", "optim.state.fc1.weight.exp_avg", "optim.state.fc1.weight.exp_avg_sq"):
+            info = md.storage_data[MetadataIndex(key, [0, 0])]
+            md.state_dict_metadata[key].chunks = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 10]))
+                                                  for i in range(8)]
+            for i in range(8):
+                md.storage_data[MetadataIndex(key, [i, 0])] = info
+    _edit_metadata(folder, edit)
+    with pytest.raises(StoreError, match=r"layout of 8 ranks.*written by 2 process") as e:
+        describe(folder)
+    assert e.value.code == "UCL502"

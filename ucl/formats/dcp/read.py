@@ -56,6 +56,7 @@ _MAX_ENTRIES = 20_000_000  # ranks x datasets of one description
 _NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
 _KIND = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ZIP = b"PK\x03\x04"
+_WRITER = re.compile(r"^__(\d{1,9})_\d+\.distcp$")  # torch's FileSystemWriter: __{rank}_{n}.distcp
 
 
 
@@ -99,6 +100,7 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
             raise ForeignFormatError(f"{t.key!r} is chunked at {_offsets(t)}, its parameter {params[fqn].key!r} at "
                          f"{_offsets(params[fqn])}; ucl reads optimizer states laid out like their parameter")
     chosen, axes = _choose_mesh(params, layouts)
+    _check_writers(path, md, math.prod(s for _, s in axes))
     spec = _spec(os.path.basename(os.path.normpath(path)), params, states, kinds, frozen, chosen, axes)
     shapes = {n: t.shape for n, t in params.items()}
     model = Spec.from_text(spec, filename=f"{os.path.join(path, METADATA)}[generated spec]", name="dcp",
@@ -116,6 +118,22 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
     files = sorted({c.file for t in md.tensors.values() for c in t.chunks} | {f for f, _, _ in md.objects.values()})
     return Description(format, spec, "dcp", {}, tuple((a, s) for a, s in axes), shapes, tuple(frozen),
                        tuple(extents), (), st, (METADATA, *files))
+
+
+def _check_writers(path: str, md: Metadata, ranks: int) -> None:
+    """A derived layout of ``ranks`` ranks needs as many processes to have saved: refused, before
+    anything per rank is made, when the folder's ``__R_S.distcp`` files (and Megatron's saved plans)
+    show fewer (a small ``.metadata`` can make the chunk grids multiply to millions of ranks)."""
+    world = md.ranks or 0
+    with os.scandir(path) as it:
+        for entry in it:
+            m = _WRITER.match(entry.name)
+            if m:
+                world = max(world, int(m.group(1)) + 1)
+    if world and ranks > world:
+        raise ForeignFormatError(f"{path}: the chunks in {METADATA} make a layout of {ranks:,} ranks, but the folder's "
+                                 f"files were written by {world:,} process(es) (__R_S.distcp up to R = {world - 1:,}); "
+                                 f"the metadata contradicts the files")
 
 
 def _check_items(path: str, md: Metadata) -> None:
