@@ -393,3 +393,24 @@ def test_a_tied_alias_loads_by_its_own_name(name, tmp_path):
             ucl.load_rank(path, mesh="universal", rank=0, out={"param/lm_head.weight": want[:1].copy()})
     with pytest.raises(StoreError, match="holds no 'fp32/lm_head.weight'"):  # a kind its tensor lacks
         list(ucl.iter_rank(FIXTURES / name, keys="fp32/lm_head.weight"))
+
+
+@pytest.mark.parametrize("dp, mp", [(10**12, 1), (2, 10**9)])
+def test_world_sizes_beyond_the_files_are_refused_before_any_rank_is_named(tmp_path, dp, mp):
+    """dp_world_size x mp_world_size is checked against the files the folder holds (10**12 made a
+    list of every rank: a MemoryError)."""
+    folder = _copy("z1_fp32_dp2", tmp_path)
+    _edit_model_states(folder, lambda st: st.update(dp_world_size=dp, mp_world_size=mp))
+    with pytest.raises(StoreError, match=f"dp_world_size={dp:,} x mp_world_size={mp:,} ranks, but the folder") as e:
+        describe(folder)
+    assert e.value.code == "UCL502" and "2 zero_pp_rank_*_optim_states.pt" in str(e.value)
+
+
+def test_a_weights_only_folder_with_a_huge_dp_is_one_error(tmp_path):
+    folder = _copy("z1_fp32_dp2", tmp_path)
+    for r in (0, 1):
+        (folder / "global_step3" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").unlink()
+    _edit_model_states(folder, lambda st: st.update(dp_world_size=10**12))
+    with pytest.raises(StoreError, match=r"dp_world_size=1000000000000\), found ranks \[\]") as e:
+        describe(folder)
+    assert e.value.code == "UCL502"

@@ -18,6 +18,18 @@ NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec langua
 ALIGN = 2  # DeepSpeed pads each ZeRO-1/2 group to a multiple of 2 * dp (nccl_start_alignment_factor)
 
 
+def check_world(folder: str, names: tuple[str, ...], dp: int, mp: int, optimizer: bool = False) -> None:
+    """``dp`` x ``mp`` ranks, as a model-states file says, against the files the folder holds, before
+    anything is named per rank (dp_world_size=10**12 listed every rank: a MemoryError): each model-
+    parallel rank writes a file, and with ZeRO optimizer files (``optimizer``: a layout that needs
+    them) each rank does. A few missing files are named by the reader's own checks."""
+    optim = sum(1 for n in names if OPTIM.match(n))
+    if mp > len(names) or ((optim or optimizer) and dp * mp > len(names)):
+        raise ForeignFormatError(f"{folder}: dp_world_size={dp:,} x mp_world_size={mp:,} ranks, but the folder holds "
+                                 f"{len(names):,} file(s) ({optim:,} zero_pp_rank_*_optim_states.pt); the files "
+                                 f"contradict what the rank-0 file says")
+
+
 BULKY = {"module", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "optimizer",
           "universal_checkpoint_info"}
 

@@ -114,7 +114,7 @@ def _read_groups(f: DsFolder) -> MoeRun:
     """The optimizer files and the param groups, each dense or expert."""
     counts = [int(n) for n in as_list(f.ms.get("num_experts"), f"{f.states_name}: num_experts")]
     optim = {int(m.group(2)): n for n in f.names if (m := OPTIM.match(n)) and int(m.group(3)) == 0}
-    if sorted(optim) != list(range(f.dp)):
+    if len(optim) != f.dp or sorted(optim) != list(range(f.dp)):
         raise ForeignFormatError(f"{f.folder} should hold optimizer files for dp ranks 0..{f.dp - 1} (dp_world_size={f.dp}), "
                      f"found ranks {sorted(optim)}")
     names = [optim[r] for r in range(f.dp)]

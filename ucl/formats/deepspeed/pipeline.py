@@ -14,7 +14,7 @@ from ...errors import ForeignFormatError
 from ...store.extents import Extent
 from ..base import Description
 from ..torchzip.read import plain, TorchFile
-from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, DsFolder, extent, optimizer_dict, optimizer_state,
+from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, check_world, DsFolder, extent, optimizer_dict, optimizer_state,
                      state_line, step_extents, zero12_group)
 
 
@@ -71,6 +71,7 @@ def _read(f: DsFolder) -> PipelineRun:
     if not all(isinstance(x, int) and x >= 1 for x in (dp, mp, pp)) or mp != pp:
         raise ForeignFormatError(f"{f.folder}: a pipeline checkpoint with dp={dp!r}, mp_world_size={mp!r}, pp_degree={pp!r}; ucl "
                      "reads pipeline checkpoints without tensor parallelism (mp_world_size == pp_degree)")
+    check_world(f.folder, f.names, dp, pp, optimizer=True)
     stages = [f.open(f"mp_rank_{s:02d}_model_states.pt") for s in range(pp)]
     layers = {int(m.group(1)): f.open(n) for n in f.names if (m := _LAYER.match(n))}
     optim_names = [[f"zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt" for r in range(dp)] for s in range(pp)]

@@ -11,7 +11,7 @@ from ...files import read_bounded
 from ...store.extents import Extent
 from ..base import Description, UserSpec
 from ..torchzip.read import plain, TensorRef, TorchFile
-from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, DsFolder, extent, NAME, optimizer_dict,
+from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, check_world, DsFolder, extent, NAME, optimizer_dict,
                      optimizer_state, OPTIM, state_line, step_extents, TAG, weight_dtype, zero12_group, zero3_group)
 from .mds import describe_mds, is_pattern_form
 from .moe import describe_moe, EXPERT_FILE, is_moe
@@ -115,6 +115,8 @@ def _read_states(f: DsFolder) -> DsFolder:
     dp, mp = ms.get("dp_world_size"), ms.get("mp_world_size", 1)
     if not isinstance(dp, int) or dp < 1:
         raise ForeignFormatError(f"{states_name} has no usable dp_world_size ({dp!r})")
+    if isinstance(mp, int) and mp >= 1:
+        check_world(f.folder, f.names, dp, mp)
     config = ms.get("ds_config") if isinstance(ms.get("ds_config"), dict) else {}
     zero_config = config.get("zero_optimization")
     if isinstance(zero_config, dict) and zero_config.get("round_robin_gradients"):
@@ -137,7 +139,7 @@ def _optimizer_files(f: DsFolder) -> tuple[str, ...]:
         raise ForeignFormatError(f"{f.folder} is a ZeRO stage 0 checkpoint (the whole optimizer state inside {f.states_name}, no "
                     "zero_pp_rank_*_optim_states.pt files); ucl reads ZeRO stages 1-3. Its weights are "
                     f"torch.load('{f.states_name}')['module']")
-    if sorted(optim) != list(range(f.dp)):
+    if len(optim) != f.dp or sorted(optim) != list(range(f.dp)):
         raise ForeignFormatError(f"{f.folder} should hold optimizer files for dp ranks 0..{f.dp - 1} (dp_world_size={f.dp}), "
                      f"found ranks {sorted(optim)}")
     return tuple(optim[r] for r in range(f.dp))
