@@ -272,3 +272,23 @@ def test_the_budget_scan_accepts_what_the_pickler_writes():
     value = {"a": [1, 2.5, "x", (1, (2, 3))], "b": {(1, 2): None}, "c": [[]] * 3, "d": 10 ** 30}
     for protocol in range(0, 6):
         scan(pickle.dumps(value, protocol=protocol), "x", lambda m: StoreError(m, code="UCL500"), PICKLE_BUDGET)
+
+
+def test_a_pickle_that_passed_is_still_refused_under_a_smaller_budget():
+    """scan remembers bytes that passed by content and budget: never a pass across budgets."""
+    data = pickle.dumps({"a": ((),) * 40}, protocol=2)
+    scan(data, "x", lambda m: UclError(m))
+    scan(data, "x", lambda m: UclError(m))
+    with pytest.raises(UclError, match="tuple of 41 elements"):
+        scan(data, "x", lambda m: UclError(m), PickleBudget(tuple_work=10))
+
+
+def test_the_fast_opcodes_keep_the_general_checks():
+    """MEMOIZE, BUILD, REDUCE, TUPLE1 and PUT with nothing above the mark, and a memo slot far ahead,
+    are refused by the fast path as by the general one."""
+    for body in (P.MARK + P.MEMOIZE, P.NONE + P.MARK + P.NONE + P.BUILD, P.MARK + P.TUPLE1,
+                 P.NONE + P.MARK + P.NONE + P.REDUCE, P.MARK + P.BINPUT + b"\x00"):
+        with pytest.raises(UclError, match="underflow"):
+            scan(P.PROTO + b"\x04" + body + P.STOP, "x", lambda m: UclError(m))
+    with pytest.raises(UclError, match="memo slot 200"):
+        scan(P.PROTO + b"\x02" + P.NONE + P.BINPUT + b"\xc8" + P.STOP, "x", lambda m: UclError(m))
