@@ -328,3 +328,15 @@ def test_a_layout_of_more_ranks_than_writers_is_refused_before_it_is_built(tmp_p
     with pytest.raises(StoreError, match=r"layout of 8 ranks.*written by 2 process") as e:
         describe(folder)
     assert e.value.code == "UCL502"
+
+
+def test_a_huge_key_in_the_metadata_is_named_briefly(tmp_path):
+    folder = _copy("tp2", tmp_path)
+    huge = "k" * 100_000
+
+    def edit(md):
+        md.state_dict_metadata[huge] = md.state_dict_metadata.pop(next(iter(md.state_dict_metadata)))
+    _edit_metadata(folder, edit)
+    with pytest.raises(StoreError) as e:
+        describe(folder)
+    assert "kkkk" in str(e.value) and len(str(e.value)) < 1000

@@ -261,3 +261,18 @@ def test_args_naming_more_ranks_than_folders_are_refused_before_any_is_named(tmp
     with pytest.raises(StoreError, match=f"tensor_model_parallel_size={size:,}") as e:
         describe(folder)
     assert e.value.code == "UCL502" and "holds 2 mp_rank_* folder(s)" in str(e.value)
+
+
+def test_a_value_holding_itself_in_a_rank_file_is_refused_naming_the_file(tmp_path):
+    torch = pytest.importorskip("torch")
+    folder = tmp_path / "run"
+    shutil.copytree(FIXTURES / "tp2", folder)
+    pt = folder / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt"
+    head = torch.load(pt, weights_only=False)
+    loop: list = []
+    loop.append(loop)
+    head["client_loop"] = loop
+    torch.save(head, pt)
+    with pytest.raises(StoreError, match=r"mp_rank_00/model_optim_rng\.pt.*itself") as e:
+        describe(folder)
+    assert e.value.code == "UCL500"

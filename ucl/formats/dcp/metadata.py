@@ -17,6 +17,12 @@ METADATA = ".metadata"
 MAX_METADATA_BYTES = 256 << 20
 
 
+def _key(key: Any) -> str:
+    """A state-dict key for a message: its repr when a short string, else :func:`brief` (a
+    .metadata's keys are a stranger's, of any length or type)."""
+    return repr(key) if isinstance(key, str) and len(key) <= 160 else brief(key)
+
+
 def _bad(msg: str) -> StoreError:
     return StoreError(msg, code="UCL500")
 
@@ -188,12 +194,12 @@ def read_metadata(path: str) -> Metadata:
                 or not isinstance(length, int) or start < 0 or length < 0:
             raise _bad(f"{mpath}: a malformed storage_data entry for {brief(fqn)}")
         if info.get("transform_descriptors"):
-            raise ForeignFormatError(f"{mpath}: {fqn!r} was written through stream transforms "
+            raise ForeignFormatError(f"{mpath}: {_key(fqn)} was written through stream transforms "
                          f"{brief(info.get('transform_descriptors'))} (compression); ucl reads only plain "
                          "items in place")
         if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") or not rel or "\0" in rel:
-            raise StoreError(f"{mpath}: item {fqn!r} lives in {rel!r}, outside the checkpoint folder", code="UCL416")
-        where[(fqn, None if off is None else _ints(off, f"{mpath}: offset of {fqn!r}"))] = (rel, start, length)
+            raise StoreError(f"{mpath}: item {_key(fqn)} lives in {_key(rel)}, outside the checkpoint folder", code="UCL416")
+        where[(fqn, None if off is None else _ints(off, f"{mpath}: offset of {_key(fqn)}"))] = (rel, start, length)
     tensors: dict[str, TensorMeta] = {}
     objects: dict[str, tuple[str, int, int]] = {}
     for key, meta in sdm.items():
@@ -201,32 +207,32 @@ def read_metadata(path: str) -> Metadata:
             raise _bad(f"{mpath}: a state dict key is {type(key).__name__}, not a string")
         if isinstance(meta, _Record) and meta.cls.endswith(".BytesStorageMetadata"):
             if (key, None) not in where:
-                raise _bad(f"{mpath}: the object {key!r} has no storage_data entry")
+                raise _bad(f"{mpath}: the object {_key(key)} has no storage_data entry")
             objects[key] = where[(key, None)]
             continue
-        meta = _rec(meta, "TensorStorageMetadata", f"{mpath}: {key!r}")
-        props = _rec(meta.get("properties"), "TensorProperties", f"{mpath}: properties of {key!r}")
+        meta = _rec(meta, "TensorStorageMetadata", f"{mpath}: {_key(key)}")
+        props = _rec(meta.get("properties"), "TensorProperties", f"{mpath}: properties of {_key(key)}")
         dt = props.get("dtype") if props.state is None else (props.state[0] if isinstance(props.state, tuple)
                                                               and props.state else None)
         if not isinstance(dt, _Dtype):
-            raise _bad(f"{mpath}: {key!r} has no dtype")
+            raise _bad(f"{mpath}: {_key(key)} has no dtype")
         if dt.name not in DTYPES:
-            raise StoreError(f"{mpath}: {key!r} is torch.{dt.name}, a dtype ucl does not read", code="UCL412")
-        t = tensors[key] = TensorMeta(key, dt.name, _ints(meta.get("size"), f"{mpath}: size of {key!r}"))
+            raise StoreError(f"{mpath}: {_key(key)} is torch.{dt.name}, a dtype ucl does not read", code="UCL412")
+        t = tensors[key] = TensorMeta(key, dt.name, _ints(meta.get("size"), f"{mpath}: size of {_key(key)}"))
         chunks = meta.get("chunks")
         if not isinstance(chunks, list):
-            raise _bad(f"{mpath}: {key!r} has no chunk list")
+            raise _bad(f"{mpath}: {_key(key)} has no chunk list")
         for c in chunks:
-            c = _rec(c, "ChunkStorageMetadata", f"{mpath}: a chunk of {key!r}")
-            off = _ints(c.get("offsets"), f"{mpath}: chunk offsets of {key!r}")
-            size = _ints(c.get("sizes"), f"{mpath}: chunk sizes of {key!r}")
+            c = _rec(c, "ChunkStorageMetadata", f"{mpath}: a chunk of {_key(key)}")
+            off = _ints(c.get("offsets"), f"{mpath}: chunk offsets of {_key(key)}")
+            size = _ints(c.get("sizes"), f"{mpath}: chunk sizes of {_key(key)}")
             if len(off) != len(t.shape) or len(size) != len(t.shape) or \
                     any(o + s > n for o, s, n in zip(off, size, t.shape)):
-                raise ForeignFormatError(f"{mpath}: {key!r} {list(t.shape)} has a chunk at {list(off)} of {list(size)}, "
-                             "outside the tensor")
+                raise ForeignFormatError(f"{mpath}: {_key(key)} {brief(list(t.shape))} has a chunk at "
+                                         f"{brief(list(off))} of {brief(list(size))}, outside the tensor")
             loc = where.get((key, off))
             if loc is None:
-                raise _bad(f"{mpath}: the chunk of {key!r} at {list(off)} has no storage_data entry")
+                raise _bad(f"{mpath}: the chunk of {_key(key)} at {brief(list(off))} has no storage_data entry")
             t.chunks.append(Chunk(off, size, *loc))
     planner = md.get("planner_data")
     paths = {k: tuple(v) for k, v in planner.items() if isinstance(k, str) and isinstance(v, (tuple, list))} \

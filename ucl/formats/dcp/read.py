@@ -48,6 +48,7 @@ from ...store.extents import Extent
 from .metadata import METADATA, Chunk, Metadata, TensorMeta, read_metadata
 from ..base import Description
 from ..torchzip.read import MAX_KEPT_TENSOR_BYTES, TensorRef, plain, read_torch_file
+from ..torchzip.unpickle import brief
 
 MAX_OBJECT_BYTES = 16 << 20  # bytes items larger than this are listed, not read
 _MAX_LEVELS = 3  # nested splits of one dim
@@ -113,7 +114,8 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
     by_key = {f"param/{n}": t for n, t in params.items()} | {f"{k}/{n}": t for (k, n), t in states.items()}
     extents = _extents(path, model, lower(model, mesh), mesh, by_key)
     objects = _objects(path, md, small)
-    st = {"format": format, "dcp": {"version": plain(md.version), "objects": objects}}
+    st = {"format": format, "dcp": {"version": plain(md.version, where=os.path.join(path, METADATA)),
+                                     "objects": objects}}
     st.update(state or {})
     files = sorted({c.file for t in md.tensors.values() for c in t.chunks} | {f for f, _, _ in md.objects.values()})
     return Description(format, spec, "dcp", {}, tuple((a, s) for a, s in axes), shapes, tuple(frozen),
@@ -498,7 +500,7 @@ def _objects(path: str, md: Metadata, small: dict[str, TensorMeta]) -> dict:
         else:
             try:
                 tf = read_torch_file(os.path.join(path, rel), inside=path, offset=offset, length=length)
-                value = plain(tf.obj, values=tf)
+                value = plain(tf.obj, values=tf, where=f"{tf.path} ({brief(key)})")
             except StoreError as e:
                 value = {"unread": str(e)}
         parts = [str(p) for p in md.paths.get(key, (key,))] or [key]

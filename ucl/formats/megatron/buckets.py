@@ -51,6 +51,7 @@ from ..dcp.metadata import METADATA, Metadata, TensorMeta
 from ..base import Description
 from .unstack import LAYERS, chunks_extent, infer_tp, stage_of, tensor_ref, unstack
 from ..torchzip.read import plain, read_torch_file
+from ..torchzip.unpickle import brief
 
 PREFIX = "optimizer.distributed."
 BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(torch\.(\w+), "
@@ -213,7 +214,7 @@ def read_objects(path: str, md: Metadata) -> dict[str, Any]:
             obj = read_torch_file(os.path.join(path, rel), inside=path, offset=offset, length=length).obj
             if isinstance(obj, list) and len(obj) == 1:  # a ShardedObject is saved as [its data]
                 obj = obj[0]
-            out[key.split("/", 1)[0]] = plain(obj)
+            out[key.split("/", 1)[0]] = plain(obj, where=f"{os.path.join(path, rel)} ({brief(key)})")
     return out
 
 

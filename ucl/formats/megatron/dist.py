@@ -69,7 +69,7 @@ def describe(path: str) -> Description:
                      "torch_dist format (the default)")
     common = {}
     if os.path.exists(os.path.join(path, COMMON)):
-        common = plain(read_torch_file(os.path.join(path, COMMON), inside=path).obj)
+        common = plain(read_torch_file(os.path.join(path, COMMON), inside=path).obj, where=os.path.join(path, COMMON))
     state = {"megatron": {"metadata": meta, "common": common}}
     md = read_metadata(path)
     if has_buckets(md):  # the dp_reshardable distributed optimizer

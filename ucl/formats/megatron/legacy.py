@@ -197,7 +197,7 @@ def describe(path: str) -> Description:
     extents = _extents(lf, ranks, naming, params, mesh, shard_map, optim_files if present else None)
     state = {"format": "megatron-legacy", "megatron": _state(lf, ranks, dims)}
     if present:
-        state["megatron"].update(weights_only=False, optimizer=plain(lf.head.get("optimizer")),
+        state["megatron"].update(weights_only=False, optimizer=plain(lf.head.get("optimizer"), where=lf.first.path),
                                  distrib_optim=f"{len(present)} {DISTRIB_OPTIM} file(s), read in place")
     by_rank = {(rk.pp, rk.tp): rk.rel for rk in ranks}
     files = tuple(by_rank[(c["pp"], c["tp"])] for c in map(mesh.coords, range(mesh.size)))
@@ -422,7 +422,7 @@ def _state(lf: LegacyFolder, ranks: list[LegacyRank], dims: dict) -> dict:
     out: dict[str, Any] = {
         "iteration": head.get("iteration"), "checkpoint_version": head.get("checkpoint_version"),
         "release": sub == "release" or lf.tracker == "release", "folder": sub or None,
-        "args": plain(args), "vocab_size": args.get("vocab_size"), "padded_vocab_size": dims.get("vocab"),
+        "args": plain(args, where=lf.first.path), "vocab_size": args.get("vocab_size"), "padded_vocab_size": dims.get("vocab"),
         "weights_only": True,
     }
     for k, v in head.items():
@@ -433,7 +433,7 @@ def _state(lf: LegacyFolder, ranks: list[LegacyRank], dims: dict) -> dict:
         elif k == "optimizer":
             out[k] = "saved (not read: ucl reads the weights of legacy checkpoints)"
         else:
-            out[str(k)] = plain(v)
+            out[str(k)] = plain(v, where=lf.first.path)
     optim = [rk.rel for rk in ranks if os.path.isfile(os.path.join(lf.path, os.path.dirname(rk.rel), DISTRIB_OPTIM))]
     if optim:
         out["distrib_optim"] = f"{len(optim)} {DISTRIB_OPTIM} file(s), not read"
