@@ -123,8 +123,8 @@ for _op in pickletools.opcodes:
 _U32, _I32, _U64 = struct.Struct("<I"), struct.Struct("<i"), struct.Struct("<Q")
 # the commonest opcodes, taken first by one lookup (same checks as the general path): > 0 a push of
 # fixed size (that many bytes, opcode included); the named negatives below
-(_F_MEMOIZE, _F_GET4, _F_GET1, _F_TUPLE1, _F_MARK, _F_EMPTY_TUPLE, _F_REDUCE, _F_POP1, _F_PUT1, _F_PUT4,
- _F_PUSH_U32, _F_PUSH_U8) = range(-1, -13, -1)
+(_F_MEMOIZE, _F_GET4, _F_GET1, _F_TUPLE1, _F_MARK, _F_EMPTY_TUPLE, _F_REDUCE, _F_POP1, _F_SETITEMS, _F_TUPLE2,
+ _F_TUPLE3, _F_PUT1, _F_PUT4, _F_PUSH_U32, _F_PUSH_U8) = range(-1, -16, -1)
 _TUPLE_OF_SMALL = 1 << _SHIFT | 1  # a 1-tuple of a non-tuple (what tuple_of gives): depth 1, work 1
 _FAST = [0] * 256
 for _op in pickletools.opcodes:
@@ -141,6 +141,7 @@ _FAST[pickle.BINGET[0]], _FAST[pickle.LONG_BINGET[0]] = _F_GET1, _F_GET4
 _FAST[pickle.MEMOIZE[0]], _FAST[pickle.TUPLE1[0]], _FAST[pickle.MARK[0]] = _F_MEMOIZE, _F_TUPLE1, _F_MARK
 _FAST[pickle.EMPTY_TUPLE[0]], _FAST[pickle.BUILD[0]] = _F_EMPTY_TUPLE, _F_POP1
 _FAST[pickle.REDUCE[0]], _FAST[pickle.NEWOBJ[0]] = _F_REDUCE, _F_REDUCE
+_FAST[pickle.SETITEMS[0]], _FAST[pickle.TUPLE2[0]], _FAST[pickle.TUPLE3[0]] = _F_SETITEMS, _F_TUPLE2, _F_TUPLE3
 _NO_FAST = [0] * 256
 
 
@@ -208,6 +209,25 @@ class _Scan:
                     pos += 1
                 elif f == _F_EMPTY_TUPLE:
                     stack.append(1 << _SHIFT | 1)
+                    pos += 1
+                elif f == _F_SETITEMS:  # as in the general path; keys that are no tuples cost no hash work
+                    if not marks:
+                        raise pickle.UnpicklingError(f"no mark at byte {pos}")
+                    m = marks.pop()
+                    fence = marks[-1] if marks else 0
+                    keys = stack[m::2]
+                    if any(keys):
+                        self.hashes(keys)
+                    del stack[m:]
+                    if not stack:
+                        raise pickle.UnpicklingError("nothing to add items to")
+                    pos += 1
+                elif f == _F_TUPLE2 or f == _F_TUPLE3:
+                    k = 2 if f == _F_TUPLE2 else 3
+                    if len(stack) < fence + k:
+                        raise pickle.UnpicklingError(f"stack underflow at byte {pos}")
+                    items = stack[-k:]
+                    stack[-k:] = [self.tuple_of(items) if any(items) else _TUPLE_OF_SMALL]
                     pos += 1
                 elif f == _F_REDUCE or f == _F_POP1:  # REDUCE, NEWOBJ: as in the general path; BUILD
                     if len(stack) < fence + 2:
