@@ -324,7 +324,10 @@ def _check_root(root: str, step: int, what: str) -> None:
     finally:
         lock.release()
     assert step in r.steps() and r.latest_step() == r.steps()[-1], f"{what}: {sorted(os.listdir(root))}"
-    assert not [n for n in os.listdir(root) if is_tmp_name(n)], f"{what}: {sorted(os.listdir(root))}"
+    # a writer killed between making its `tmp-new-` folder and locking it leaves that folder: nobody can
+    # tell it from a writer about to lock it, so it stays until it is an hour old (docs/format.md)
+    left = [n for n in os.listdir(root) if is_tmp_name(n) and ".tmp-new-" not in n]
+    assert not left, f"{what}: {sorted(os.listdir(root))}"
 
 
 @pytest.mark.parametrize("trials", [pytest.param(2, id="2"), pytest.param(40, id="40", marks=pytest.mark.slow)])
