@@ -29,7 +29,7 @@ from ucl.ops import IOStats, expected_datasets
 from ucl.demo import llama_model, universal_state
 from ucl.errors import BindError, StoreError, UclError
 from ucl.dtypes import to_numpy, to_torch
-from ucl.store import FORMAT_VERSION, Checkpoint, cleanup_stale
+from ucl.store import FORMAT_VERSION, READ_VERSION, Checkpoint, cleanup_stale
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 U = ucl.UNIVERSAL
@@ -627,7 +627,7 @@ def test_manifest_of_a_newer_version_is_refused(saved, tmp_path):
     bad = _copy(saved("dp=2,tp=2"), tmp_path / "src")
     mpath = os.path.join(bad, "manifest.json")
     m = json.loads(open(mpath).read())
-    m["version"] = FORMAT_VERSION + 1
+    m["version"] = READ_VERSION + 1
     open(mpath, "w").write(json.dumps(m))
     for call in (lambda: ucl.open(bad), lambda: ucl.reshard(bad, tmp_path / "x", U),
                  lambda: ucl.load_rank(bad, mesh=M("tp=2"), rank=0)):

@@ -431,7 +431,7 @@ def test_verify_newer_version_and_missing_manifest(files, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(files["src"], bad)
     m = json.loads((bad / "manifest.json").read_text())
-    m["version"] = ucl.store.FORMAT_VERSION + 1
+    m["version"] = ucl.store.READ_VERSION + 1
     (bad / "manifest.json").write_text(json.dumps(m))
     rc, out, err = run_cli("verify", bad)
     assert_clean_error(rc, out, err, "newer")

@@ -20,7 +20,7 @@ import ucl.store.writer as store_writer
 from ucl.errors import StoreError
 from ucl.dtypes import LOGICAL_DTYPES, itemsize, storage_dtype, to_numpy, to_torch
 from ucl.layout.boxes import flat_boxes
-from ucl.store import FORMAT_VERSION, Checkpoint, CheckpointRoot, CheckpointWriter, Manifest, cleanup_stale
+from ucl.store import FORMAT_VERSION, READ_VERSION, Checkpoint, CheckpointRoot, CheckpointWriter, Manifest, cleanup_stale
 from tests.corrupt import without_offsets
 from tests.passes import examples
 
@@ -257,7 +257,7 @@ def _simple(path, value=1.0, nranks=2):
 def test_newer_version_refused(tmp_path):
     p = _simple(tmp_path / "ck")
     m = json.loads((p / "manifest.json").read_text())
-    m["version"] = FORMAT_VERSION + 1
+    m["version"] = READ_VERSION + 1
     (p / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(StoreError, match="newer") as e:
         Checkpoint.open(p)

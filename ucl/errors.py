@@ -181,7 +181,7 @@ ERROR_CODES: dict[str, tuple[type[UclError], ...]] = {
     "UCL314": (PlanError,), "UCL315": (PlanError,), "UCL316": (PlanError,), "UCL317": (PlanError,),
     # checkpoints
     **{f"UCL{n}": (StoreError,) for n in (400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412,
-                                          413, 414, 416, 417, 420, 421, 422, 423, 424, 425)},
+                                          413, 414, 416, 417, 418, 420, 421, 422, 423, 424, 425)},
     # other frameworks' checkpoints (ucl.formats)
     "UCL500": (StoreError,), "UCL501": (StoreError,), "UCL502": (ForeignFormatError,), "UCL503": (ForeignFormatError,),
 }

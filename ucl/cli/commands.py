@@ -87,7 +87,8 @@ def _reshard(args, src, to, user) -> int:
     if torchrun_world() > 1:  # under torchrun: every process writes its share (docs/distributed.md)
         return _reshard_distributed(args, src, to, console(), user)
     if args.quiet:  # plain output: --quiet does not import rich (a tenth of a small reshard's start-up)
-        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, user=user)
+        stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, user=user,
+                        compress=args.compress)
         print(f"wrote {_reshard_summary(args.dst, to, stats)}")
         return 0
     con = console()
@@ -96,7 +97,7 @@ def _reshard(args, src, to, user) -> int:
                   TimeRemainingColumn(), console=con, transient=True) as bar:
         task = bar.add_task(esc(f"reshard -> {to}"), total=_reshard_bytes(src, to))
         stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, user=user,
-                        progress=lambda n: bar.advance(task, n))
+                        progress=lambda n: bar.advance(task, n), compress=args.compress)
     con.print("[green]wrote[/] " + esc(_reshard_summary(args.dst, to, stats)))
     return 0
 
@@ -114,7 +115,7 @@ def _reshard_distributed(args, src: str, to, con, user) -> int:
     dist = init_from_env(args.timeout)
     try:
         stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, distributed=True, user=user,
-                        timeout=args.timeout)
+                        timeout=args.timeout, compress=args.compress)
         if dist.get_rank() == 0:
             con.print("[green]wrote[/] " + esc(f"{args.dst} ({to}) with {dist.get_world_size()} processes: "
                       f"{stats.datasets_written} datasets, {stats.bytes_written:,} B written, {stats.bytes_read:,} B "

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files: still atomic if the "
                    "process dies, but not if the machine loses power before the OS writes the pages")
+    p.add_argument("--compress", choices=["none", "zstd", "lz4"], default="none",
+                   help="the target's encoding: each checksum chunk or tile coded on its own after a byte-plane "
+                   "transform, lossless (docs/format.md; default none: plain, whatever the source's)")
     p.add_argument("--timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
                    help="under torchrun: how long to wait for a process that stopped answering before giving "
                    "up, publishing nothing (default 300)")

@@ -18,7 +18,7 @@ def commit_collectively(path: str, nranks: int, fields: dict,
                         prepare: Callable[[], None] | None = None,
                         publish: Callable[[str, str], None] | None = None,
                         heartbeat: float | None = None, cancel: threading.Event | None = None,
-                        durable: bool = True, write_behind: bool = False) -> str:
+                        durable: bool = True, write_behind: bool = False, compress: str | None = None) -> str:
     """Called by every process of ``group``. Rank 0 runs ``prepare()`` and creates the writer for
     ``path`` (``nranks`` files, manifest ``fields``); each process calls ``write(writer)``, which
     writes its files and returns the ranks it wrote, or ``{rank: entries}`` of files already
@@ -26,7 +26,8 @@ def commit_collectively(path: str, nranks: int, fields: dict,
     ``CheckpointWriter``). ``share`` (JSON) of every process
     reaches ``before_commit(writer, shares)`` on rank 0. Returns the committed path on every process.
 
-    ``durable=False`` skips the fsync of the rank files (still atomic against a killed process).
+    ``durable=False`` skips the fsync of the rank files (still atomic against a killed process);
+    ``compress``: the writers' (``CheckpointWriter``).
     With ``heartbeat`` (seconds), ``write`` runs in a thread while this one tells every process,
     that often, who is still writing and whether one failed: the group's timeout then bounds how
     long a killed or hung process is waited for, not how long the slowest one writes; after a
@@ -39,7 +40,8 @@ def commit_collectively(path: str, nranks: int, fields: dict,
         try:
             if prepare is not None:
                 prepare()
-            owner = CheckpointWriter(path, nranks, durable=durable, write_behind=write_behind, publish=publish, **fields)
+            owner = CheckpointWriter(path, nranks, durable=durable, write_behind=write_behind, publish=publish,
+                                     compress=compress, **fields)
             tmp = owner.tmp_path
         except (UclError, OSError) as e:
             error = str(e)
@@ -50,7 +52,8 @@ def commit_collectively(path: str, nranks: int, fields: dict,
 
     def attempt() -> None:
         try:
-            writer = owner if me == 0 else CheckpointWriter.join(tmp, nranks, durable=durable, write_behind=write_behind)
+            writer = owner if me == 0 else CheckpointWriter.join(tmp, nranks, durable=durable, write_behind=write_behind,
+                                                                 compress=compress)
             done = write(writer)
             if isinstance(done, Mapping):
                 out["entries"] = dict(done)

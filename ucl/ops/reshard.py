@@ -21,6 +21,7 @@ from ..layout.mesh import Mesh, as_mesh
 from ..plan.buffers import Arena
 from ..plan.execute import run_copies
 from ..plan.ir import Plan
+from ..store.codec import check_codec
 from ..store.source import StoreSource
 from ..store.writer import CheckpointWriter, Filled
 from .collective import commit_collectively
@@ -73,6 +74,7 @@ class ReshardJob:
     format: str | None = None  # the source's format (None: detected)
     user: UserSpec | None = None  # the placements a foreign source's files do not record
     laid: dict | None = None  # rank -> {key: byte offset} of the files several workers fill (lay_out)
+    compress: str | None = None  # the target's encoding (store.codec); None: plain
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ HEARTBEAT_S = 1.0  # how often the processes of a distributed reshard tell each 
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, workers: int | None = None,
             durable: bool = True, verify: bool = True, progress: Callable[[int], None] | None = None,
             distributed: bool = False, timeout: float = DIST_TIMEOUT_S, format: str | None = None,
-            user: UserSpec | None = None) -> IOStats:
+            user: UserSpec | None = None, compress: str | None = None) -> IOStats:
     """Write checkpoint ``dst`` holding ``src`` in layout ``to`` (a Mesh or a string; ``"universal"``
     = consolidated). The spec, dims and source layout come from ``src``'s manifest. Streams one
     target dataset at a time, builds replicated target datasets once, uses ``workers`` processes;
@@ -113,6 +115,8 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     ``src`` may be a folder another framework wrote (``format`` detected when None; docs/interop.md):
     it is read in place, and ``to`` its own layout makes this an import; ``user``: the parameter
     placements its files do not record (``ops.convert.user_spec``; the workers get it in their job).
+    ``compress`` (``"zstd"``, ``"lz4"``; None or ``"none"``: plain) is the target's encoding, whatever
+    the source's (docs/format.md); each target dataset is then assembled whole and coded by its worker.
 
     ``distributed=True``: called by every process of an initialised torch.distributed job with the
     same arguments; each writes its share of the target files (``workers`` forked processes each,
@@ -122,6 +126,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     process; ``progress`` sees this process's bytes, from a helper thread."""
     t0 = time.perf_counter()
     to = as_mesh(to)
+    compress = check_codec(compress)
     if format in (None, "ucl"):
         src = resolve_root(src)  # once: the workers reopen src by path, and a root's latest may move
     if workers is not None and (not isinstance(workers, (int, np.integer)) or isinstance(workers, bool)
@@ -133,7 +138,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise UclError(f"timeout must be a positive number of seconds, got {timeout!r}", code="UCL009")
         return _reshard_distributed(os.fspath(src), os.fspath(dst), to, workers or 1, durable, verify, progress,
-                                    float(timeout), t0, format, user)
+                                    float(timeout), t0, format, user, compress)
     prep = _prepare(src, to, format, user=user)
     workers = max(1, workers or min(2, os.cpu_count() or 1))
     groups = replica_groups(prep.plan)
@@ -141,7 +146,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     writer = CheckpointWriter(dst, to.size, durable=durable, **manifest_fields(prep.model, to, prep.state))
     try:
         job = ReshardJob(os.fspath(src), writer.tmp_path, to.size, prep.plan, tuple(groups), durable, verify,
-                         format, user)
+                         format, user, compress=compress)
         for rank, entries in _write_files(job, range(to.size), workers, progress, stats).items():
             writer.adopt(int(rank), entries)
         writer.commit()
@@ -174,7 +179,7 @@ def _write_files(job: ReshardJob, files: Sequence[int], workers: int, progress: 
     one worker's share (a universal target) is laid out first and filled by several workers at once.
     One worker runs in this process, unless ``cancel`` is given (a distributed reshard: a forked pool
     can be stopped when another process fails)."""
-    shared = split_files(job.groups, workers)
+    shared = split_files(job.groups, workers) if not job.compress else frozenset()  # coded sizes are not known
     layer = CheckpointWriter.join(job.tmp, job.nranks, durable=job.durable) if shared else None
     try:
         if layer is not None:
@@ -220,7 +225,7 @@ def _execute(job: ReshardJob, tasks: Sequence[WorkerTask], progress: Callable[[i
 
 def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bool, verify: bool,
                          progress: Callable[[int], None] | None, timeout: float, t0: float,
-                         format: str | None, user: UserSpec | None = None) -> IOStats:
+                         format: str | None, user: UserSpec | None = None, compress: str | None = None) -> IOStats:
     """Every process compiles the plan itself (pure, cached: cheaper than shipping its tables),
     partitions the target files with ``assign`` and writes its share with its own forked workers;
     the commit is ``commit_collectively`` with a heartbeat, so the group's ``timeout`` bounds the
@@ -258,7 +263,8 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
                 if not mine.files:  # e.g. a one-file target on every process but one
                     return {}
                 sub = [replace(groups[t.group], ranks=t.ranks) for t in mine.groups]
-                job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, format, user)
+                job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, format, user,
+                                 compress=compress)
                 return _write_files(job, mine.files, workers, progress, stats, cancel)
             except Exception as e:
                 if not cancel.is_set():
@@ -425,7 +431,7 @@ def assign(groups: list[ReplicaGroup], plan: Plan, workers: int, files: Sequence
 
 def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None) -> WorkerResult:
     job = _JOB
-    writer = CheckpointWriter.join(job.tmp, job.nranks, durable=job.durable, write_behind=True)
+    writer = CheckpointWriter.join(job.tmp, job.nranks, durable=job.durable, write_behind=True, compress=job.compress)
     stats = IOStats()
     c = job.plan.copies
 
@@ -440,7 +446,7 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
         targets = (Arena(), Arena())  # one is filled while the other is still being written (write_behind)
         for i, t in enumerate(sorted(task.groups, key=first_source)):  # reads sweep each source file in order
             g = job.groups[t.group]
-            done = streamed.stream_dataset(job.plan, g.rows, g.key, g.shape, g.dtype,
+            done = None if job.compress else streamed.stream_dataset(job.plan, g.rows, g.key, g.shape, g.dtype,
                                            {r: laid[r][g.key] if r in laid else None for r in t.ranks}, ckpt, writer,
                                            blocks, verify=job.verify, durable=job.durable)
             if done is not None:

@@ -16,11 +16,12 @@ from .prepare import expected_datasets, manifest_fields, normalise
 
 
 def save(path: str | os.PathLike, shards: Mapping[int, Mapping[str, Any]], *, model: Model, mesh: Mesh,
-         state: Any = None, durable: bool = True) -> str:
+         state: Any = None, durable: bool = True, compress: str | None = None) -> str:
     """Write every rank of a layout from one process (``shards``: rank -> key -> array/tensor) and
     commit atomically; into a checkpoint root another writer holds, UCL414. Returns the checkpoint
     path. ``durable=False`` skips fsync of the rank files:
-    the commit stays atomic against a killed process, not against a power loss."""
+    the commit stays atomic against a killed process, not against a power loss. ``compress``
+    (``"zstd"``, ``"lz4"``; None or ``"none"``: plain) stores the datasets compressed (docs/format.md)."""
     mesh = as_mesh(mesh)
     nranks = mesh.size
     if set(shards) != set(range(nranks)):
@@ -32,6 +33,7 @@ def save(path: str | os.PathLike, shards: Mapping[int, Mapping[str, Any]], *, mo
     # write_behind: the arrays stay untouched until commit() returns. Into a checkpoint root
     # (store.rootlock) only while no Checkpointer writes it.
     with holding_parent(path, "ucl.save"), CheckpointWriter(path, nranks, durable=durable, write_behind=True,
+                                                            compress=compress,
                                                             **manifest_fields(model, mesh, state)) as w:
         for r in range(nranks):
             for key, arr in checked[r].items():
@@ -40,18 +42,18 @@ def save(path: str | os.PathLike, shards: Mapping[int, Mapping[str, Any]], *, mo
 
 
 def save_rank(path: str | os.PathLike, tensors: Mapping[str, Any], *, model: Model, mesh: Mesh, rank: int,
-              state: Any = None, durable: bool = True) -> str:
+              state: Any = None, durable: bool = True, compress: str | None = None) -> str:
     """Collective save under ``torch.distributed`` (one call per rank; world size = mesh size):
     every rank writes its own file into a shared temporary directory, rank 0 commits once all are
     durable (``durable=False``: written, not fsynced). Without an initialised process group,
     ``mesh`` must have one rank. ``state`` (JSON) is taken from rank 0: pass the same on every rank,
-    and gather per-rank values (RNG states) into it yourself."""
+    and gather per-rank values (RNG states) into it yourself. ``compress``: as for :func:`save`."""
     mesh = as_mesh(mesh)
     dist = initialized_dist()
     if dist is None:
         if mesh.size != 1:
             raise StoreError("save_rank on a multi-rank mesh needs torch.distributed to be initialised", code="UCL422")
-        return save(path, {0: tensors}, model=model, mesh=mesh, state=state, durable=durable)
+        return save(path, {0: tensors}, model=model, mesh=mesh, state=state, durable=durable, compress=compress)
     if dist.get_world_size() != mesh.size:
         raise StoreError(f"world size {dist.get_world_size()} != mesh size {mesh.size}", code="UCL422")
     # Every rank checks its tensors, then all learn every problem: one bad rank fails all of them
@@ -72,4 +74,4 @@ def save_rank(path: str | os.PathLike, tensors: Mapping[str, Any], *, model: Mod
         return [rank]
 
     return commit_collectively(os.fspath(path), mesh.size, manifest_fields(model, mesh, state), write,
-                               durable=durable, write_behind=True)
+                               durable=durable, write_behind=True, compress=compress)

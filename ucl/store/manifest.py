@@ -21,6 +21,9 @@ from .checksum import is_checksum
 
 FORMAT_NAME = "ucl-checkpoint"
 FORMAT_VERSION = 2  # 2: a replicated dataset is stored by its first replica only (docs/format.md)
+COMPRESSED_VERSION = 3  # 3: some datasets in the compressed encoding; what a checkpoint with one says
+READ_VERSION = COMPRESSED_VERSION  # the newest version this ucl reads
+ENCODINGS = ("zstd", "lz4")  # the compressed encodings an entry's ``encoding`` may name
 MANIFEST_NAME = "manifest.json"
 TABLES_NAME = "ucl_tables"  # each rank file's dataset of digest tables that entries' ``tables`` locate
 
@@ -54,6 +57,9 @@ class DatasetInfo:
     tiles: str | None = None  # digest of the rank file's tile-digest table (checksum.tile_table_digest)
     offset: int | None = None  # byte offset of the data in the rank file (contiguous storage)
     tables: int | None = None  # byte offset of the chunk then tile digests in the rank file's ucl_tables
+    encoding: str | None = None  # the compressed encoding's codec; None: plain
+    stored: int | None = None  # bytes the compressed dataset takes in the rank file
+    frames: str | None = None  # digest binding its frame table (codec.frame_table_digest)
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -66,6 +72,11 @@ class DatasetInfo:
     @property
     def nbytes(self) -> int:
         return self.size * itemsize(self.dtype)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes its data takes in the rank file (stored bytes when compressed)."""
+        return self.nbytes if self.encoding is None else int(self.stored)
 
 
 def now_iso() -> str:
@@ -160,10 +171,10 @@ class Manifest:
         version = d.get("version")
         if not _is_int(version) or version < 1:
             raise _bad(f"key 'version' must be a positive integer, got {version!r}")
-        if version > FORMAT_VERSION:
+        if version > READ_VERSION:
             raise StoreError(
                 f"checkpoint format version {version} was written by a newer ucl; this ucl reads "
-                f"versions up to {FORMAT_VERSION}. Upgrade ucl to read it.", code="UCL402")
+                f"versions up to {READ_VERSION}. Upgrade ucl to read it.", code="UCL402")
         for k in _REQUIRED:
             if k not in d:
                 raise _bad(f"missing key {k!r}")
@@ -237,11 +248,18 @@ def check_entry(rank: int, key: str, e: Any) -> None:
         raise _bad(f"{where}: 'shape' must be a list of non-negative integers")
     if not is_checksum(e["checksum"]):
         raise _bad(f"{where}: 'checksum' must look like 'xxh3_64:<16 hex digits>'")
-    for k in ("chunks", "tiles"):
+    for k in ("chunks", "tiles", "frames"):
         if k in e and not is_checksum(e[k]):
             raise _bad(f"{where}: {k!r} must look like 'xxh3_64:<16 hex digits>'")
-    for k in ("offset", "tables"):
+    for k in ("offset", "tables", "stored"):
         if k in e and not (_is_int(e[k]) and e[k] >= 0):
             raise _bad(f"{where}: {k!r} must be a non-negative integer (a byte offset in the rank file)")
-    if "tables" in e and "chunks" not in e and "tiles" not in e:
-        raise _bad(f"{where}: 'tables' locates digest tables that no 'chunks' or 'tiles' digest binds")
+    if "tables" in e and "chunks" not in e and "tiles" not in e and "frames" not in e:
+        raise _bad(f"{where}: 'tables' locates digest tables that no 'chunks', 'tiles' or 'frames' digest binds")
+    packed = [k for k in ("encoding", "stored", "frames") if k in e]
+    if packed:
+        missing = [k for k in ("encoding", "stored", "frames", "offset", "tables") if k not in e]
+        if missing:
+            raise _bad(f"{where}: a compressed entry lacks {', '.join(repr(k) for k in missing)}")
+        if e["encoding"] not in ENCODINGS:
+            raise _bad(f"{where}: unknown 'encoding' {e['encoding']!r} (ucl knows {', '.join(ENCODINGS)})")

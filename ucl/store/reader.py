@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 import stat
 import threading
 from collections import OrderedDict
@@ -18,9 +19,11 @@ from ..plan.buffers import Arena
 from . import h5
 from .atomic import is_tmp_name
 from . import raw
-from .checksum import (TileGrid, TilePlan, band_digests, checksum_of, chunk_count, chunk_digests, chunk_size,
-                       chunk_table_digest, raw_bytes, tile_grid, tile_plan, tile_table_digest)
+from .checksum import (TileGrid, TilePlan, band_digests, checksum_of, checksums, chunk_count, chunk_digests,
+                       chunk_size, chunk_table_digest, raw_bytes, tile_grid, tile_plan, tile_table_digest)
+from .codec import units_of
 from .manifest import MANIFEST_NAME, TABLES_NAME, DatasetInfo, Manifest
+from .packed import PackedDataset, ReadCount, open_packed
 from .raw import RawFile
 
 MAX_MANIFEST_BYTES = 1 << 30  # ~16k ranks of a large model's datasets; a bigger manifest is hostile
@@ -61,6 +64,8 @@ class Checkpoint:
         self._scratch = Arena()  # warm memory for verified partial reads
         self._tables: dict[tuple[int, str, str], Any] = {}  # chunk/tile tables already bound to the manifest
         self._raw_files: dict[int, RawFile] = {}  # rank files opened for reads at manifest offsets
+        self._decoded = h5.ChunkCache(32 << 20)  # decoded units of compressed datasets
+        self.stored_read = ReadCount()  # stored bytes compressed reads took from disk, in all
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, max_open_files: int = 128) -> "Checkpoint":
@@ -112,7 +117,7 @@ class Checkpoint:
                 f"there, or load rank {rank}'s tensors with ucl.load_rank)")
             raise StoreError(f"rank {rank} has no dataset {key!r} in {self.path}{hint}", code="UCL408")
         return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"), e.get("tiles"),
-                           e.get("offset"), e.get("tables"))
+                           e.get("offset"), e.get("tables"), e.get("encoding"), e.get("stored"), e.get("frames"))
 
     def _entries(self, rank: int) -> dict[str, Any]:
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.nranks:
@@ -139,7 +144,7 @@ class Checkpoint:
         checkpoint and at least as large as the bytes the manifest says it holds (UCL406)."""
         for rank in ranks:
             _, size = self._rank_file(rank)
-            claimed = sum(self.info(rank, k).nbytes for k in self._entries(rank))
+            claimed = sum(self.info(rank, k).file_bytes for k in self._entries(rank))
             if claimed > size:
                 raise StoreError(f"{self._where(rank)} is {size:,} bytes but the manifest says it holds "
                                  f"{claimed:,} bytes of data (truncated, or a manifest that lies)", code="UCL406")
@@ -171,13 +176,14 @@ class Checkpoint:
             if d is None:
                 raise StoreError(f"{self._where(rank, key)} is listed in the manifest but missing "
                                  "from the file", code="UCL406")
-            if d.shape != info.shape or d.dtype != info.storage_dtype:
+            shape, sdtype = ((info.stored,), np.dtype(np.uint8)) if info.encoding else (info.shape, info.storage_dtype)
+            if d.shape != shape or d.dtype != sdtype:
                 raise StoreError(f"{self._where(rank, key)} has shape {d.shape} dtype {d.dtype} but the "
-                                 f"manifest says {info.shape} {info.dtype} (stored as {info.storage_dtype})",
+                                 f"manifest says {info.shape} {info.dtype} (stored as {sdtype} {shape})",
                                  code="UCL406")
-            if h5.storage_bytes(d) < info.nbytes and info.nbytes:
+            if h5.storage_bytes(d) < info.file_bytes and info.file_bytes:
                 raise StoreError(f"{self._where(rank, key)} stores {h5.storage_bytes(d):,} bytes, not the "
-                                 f"{info.nbytes:,} its shape needs", code="UCL406")
+                                 f"{info.file_bytes:,} its shape needs", code="UCL406")
             cache[key] = d
         return d, info
 
@@ -192,10 +198,23 @@ class Checkpoint:
         """(where to read the dataset's bytes, its entry): straight from the rank file at the offset
         the manifest records (no HDF5 call), else through HDF5 (entries written before offsets)."""
         info = self.info(rank, key)
+        if info.encoding is not None:
+            return self._packed(rank, key, info), info
         if info.offset is not None:
             return raw.locate(self._raw_file(rank), info.offset, info.shape, info.storage_dtype, info.nbytes), info
         d, info = self._dataset(rank, key)
         return h5.H5Dataset(d, info.shape), info
+
+    def _packed(self, rank: int, key: str, info: DatasetInfo) -> PackedDataset:
+        """A compressed dataset's reader (store.packed), its frame table bound to the manifest once."""
+        got = self._tables.get((rank, key, "packed"))
+        if got is None:
+            self._stored_tables(rank, key, info)  # the chunk and tile tables' shapes are checked first
+            got = self._tables[(rank, key, "packed")] = open_packed(
+                self._raw_file(rank), info, self._tables[(rank, key, "stored")][-2 * units_of(
+                    info.shape, info.storage_dtype.itemsize).count:], self._decoded, (rank, key), self.stored_read,
+                self._where(rank, key))
+        return got
 
     def read(self, rank: int, key: str, *, verify: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         """The whole dataset as a storage-typed array; checksum verified unless ``verify=False``."""
@@ -386,12 +405,13 @@ class Checkpoint:
             raise StoreError(f"{where}: the manifest locates chunk checksums but records no digest of them",
                              code="UCL406")
         ntiles = grid.nr * grid.nc if info.tiles is not None else 0
+        nframes = 2 * units_of(info.shape, info.storage_dtype.itemsize).count if info.encoding else 0
         values = self._tables.get((rank, key, "stored"))
-        if values is None:  # both tables at once: the chunk and the tile table are read together
+        if values is None:  # every table at once: chunks, tiles (and a compressed dataset's frames) together
             values = self._tables[(rank, key, "stored")] = raw.read_table(self._raw_file(rank), info.tables,
-                                                                          nchunks + ntiles)
+                                                                          nchunks + ntiles + nframes)
         return (chunk_size(info.nbytes), values[:nchunks]) if nchunks else None, \
-            (grid, values[nchunks:]) if ntiles else None
+            (grid, values[nchunks:nchunks + ntiles]) if ntiles else None
 
     def _bound_chunk_table(self, rank: int, key: str, info: DatasetInfo) -> tuple[int, Any] | None:
         """The chunk table of a dataset, trusted only once bound to the manifest: its digest must
@@ -497,6 +517,13 @@ class Checkpoint:
                 return f"the digest tables at byte {info.tables:,} of {TABLES_NAME} differ from its HDF5 attributes"
         return None
 
+    def _packed_digests(self, rank: int, key: str, info: DatasetInfo) -> Any:
+        """The checksums of a compressed dataset's decoded bytes, every unit read and decoded afresh
+        (no cached unit), each unit's stored digest checked on the way (UCL407)."""
+        arr = np.empty(info.shape, info.storage_dtype)
+        replace(self._packed(rank, key, info), cache=h5.ChunkCache(0)).read_flat_into(0, info.size, arr.reshape(-1))
+        return checksums(arr)
+
     def verify(self, ranks: Sequence[int] | None = None) -> list[str]:
         """Check files and every dataset checksum; returns a list of problems (empty = sound)."""
         problems: list[str] = []
@@ -518,7 +545,8 @@ class Checkpoint:
                 try:
                     with self._lock, self._guard(rank, key):
                         d, info = self._dataset(rank, key)
-                        digests = h5.checksum_dataset(d, info.shape, info.storage_dtype)
+                        digests = self._packed_digests(rank, key, info) if info.encoding else \
+                            h5.checksum_dataset(d, info.shape, info.storage_dtype)
                         stored = h5.chunk_table(d, info.nbytes, self._where(rank, key))
                         stored_tiles = h5.tile_table(d, info.shape, info.storage_dtype, self._where(rank, key))
                         misplaced = self._misplaced(rank, key, d, info, stored, stored_tiles)

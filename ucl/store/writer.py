@@ -18,9 +18,10 @@ from ..layout.boxes import flat_boxes
 from . import h5
 from .atomic import TempDir, final_name_of, fsync_path, is_tmp_name, publish_dir, write_atomic
 from .checksum import Digests, IncrementalChecksum, checksum_fields, checksums, raw_bytes
+from .codec import check_codec, encode, frame_table_digest
 from .direct import MIN_DIRECT_BYTES, DirectWriter
 from .template import RankTemplate, allocate
-from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLES_NAME, Manifest, check_entry, file_name, split_key
+from .manifest import COMPRESSED_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLES_NAME, Manifest, check_entry, file_name, split_key
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,17 @@ class CheckpointWriter:
     may also be changed on ``writer.manifest`` before commit. In a ``with`` block an
     exception aborts; leaving it without ``commit()`` aborts and raises. An I/O error
     (e.g. ENOSPC) aborts at once and raises UCL410: nothing half-written becomes visible.
+
+    ``compress`` (``"zstd"``, ``"lz4"``; None or ``"none"``: plain) stores what ``write`` writes in
+    the compressed encoding (docs/format.md), coded in ``compress_threads`` threads; the other
+    ways of writing (streams, laid-out files, templates, ``create``) always write plain datasets.
     """
 
     def __init__(self, path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
                  durable: bool = True, direct: bool | None = None, write_behind: bool = False,
-                 publish: Callable[[str, str], None] | None = None, **fields: Any):
+                 publish: Callable[[str, str], None] | None = None, compress: str | None = None,
+                 compress_threads: int = 1, **fields: Any):
+        check_codec(compress)  # before anything is made
         self.path: str | None = os.path.abspath(os.fspath(path))
         # publish(tmp, path) replaces the rename of commit(): CheckpointRoot.publish replaces a step
         self._publish = publish or publish_dir
@@ -81,10 +88,12 @@ class CheckpointWriter:
             raise StoreError(f"cannot create a temp directory beside {self.path}: {e}", code="UCL410") from e
         self.tmp_path = self._tmp.path
         self._setup(nranks, True, max_open_files, durable, direct, write_behind)
+        self._compressing(compress, compress_threads)
 
     @classmethod
     def join(cls, tmp_path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
-             durable: bool = True, direct: bool | None = None, write_behind: bool = False) -> "CheckpointWriter":
+             durable: bool = True, direct: bool | None = None, write_behind: bool = False,
+             compress: str | None = None, compress_threads: int = 1) -> "CheckpointWriter":
         """A participant (another process) writing some ranks' files into an owner's ``tmp_path``.
         It calls ``finish()`` and hands the result to the owner's ``adopt()``; it cannot commit."""
         self = cls.__new__(cls)
@@ -93,7 +102,12 @@ class CheckpointWriter:
         if not os.path.isdir(self.tmp_path):
             raise StoreError(f"temp directory {self.tmp_path} does not exist", code="UCL404")
         self._setup(nranks, False, max_open_files, durable, direct, write_behind)
+        self._compressing(compress, compress_threads)
         return self
+
+    def _compressing(self, compress: str | None, threads: int) -> None:
+        self.compress = check_codec(compress)
+        self._coders = ThreadPoolExecutor(threads, "ucl-compress") if self.compress and threads > 1 else None
 
     def _setup(self, nranks: int, owner: bool, max_open: int, durable: bool, direct: bool | None,
                write_behind: bool) -> None:
@@ -180,6 +194,9 @@ class CheckpointWriter:
         with self._lock:
             kind, name = self._new_key(rank, key)
             arr, logical = _dt.to_numpy(data, dtype)
+            enc = encode(arr, logical, self.compress, self._coders) if self.compress and arr.nbytes else None
+            if enc is not None and enc.stored.size < arr.nbytes:  # else plain: coding did not shrink it
+                return self._write_packed(rank, key, kind, name, arr, logical, enc)
             with self._io():
                 self._settle()  # whatever path this dataset takes, the caller may reuse the last one's array
                 f, _ = self._handles.get(rank)
@@ -193,6 +210,28 @@ class CheckpointWriter:
                 digests = checksums(arr)
                 h5.set_checksum_tables(d, digests)
             self._entries[rank][key] = self._entry(rank, key, logical, arr.shape, digests, offset)
+
+    def _write_packed(self, rank: int, key: str, kind: str, name: str, arr: np.ndarray, logical: str,
+                      enc: Any) -> None:
+        """``write`` in the compressed encoding: the units coded (``enc``, codec.encode) into a uint8
+        dataset of the stored bytes, with its frame table, and the checksums of the logical bytes."""
+        digests = checksums(arr)
+        with self._io():
+            self._settle()
+            f, _ = self._handles.get(rank)
+            group, n = f.require_group(kind), enc.stored.size
+            if (self.direct or self.write_behind) and n >= MIN_DIRECT_BYTES:  # a fresh buffer: nobody reuses it
+                d, offset = h5.create_allocated(group, name, (n,), np.dtype(np.uint8))
+                self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, enc.stored)
+            else:
+                d = h5.create_dataset(group, name, (n,), np.dtype(np.uint8), enc.stored)
+                offset = h5.data_offset(d)
+            d.attrs["ucl_dtype"], d.attrs["ucl_encoding"] = logical, self.compress
+            h5.set_checksum_tables(d, digests)
+        e = self._entry(rank, key, logical, arr.shape, digests, offset, enc.table())
+        e.update(encoding=self.compress, stored=n,
+                 frames=frame_table_digest(digests.whole, self.compress, n, enc.ends, enc.digests))
+        self._entries[rank][key] = e
 
     def write_stream(self, targets: Mapping[int, int | None], key: str, shape: Sequence[int], dtype: str,
                      pieces: Iterable[np.ndarray]) -> None:
@@ -349,10 +388,13 @@ class CheckpointWriter:
                 self._entries[rank][key] = entry_fields(t.dtype, t.shape, p.digests, t.offset, p.tables)
 
     def _entry(self, rank: int, key: str, dtype: str, shape: Sequence[int], digests: Any,
-               offset: int | None) -> dict[str, Any]:
-        """A manifest entry; its digest tables are queued for the rank file's ``ucl_tables``."""
+               offset: int | None, frames: np.ndarray | None = None) -> dict[str, Any]:
+        """A manifest entry; its digest tables (and a compressed dataset's ``frames`` table after
+        them) are queued for the rank file's ``ucl_tables``."""
         e = entry_fields(dtype, shape, digests, offset)
         values = digests.table()
+        if frames is not None:
+            values = frames if values is None else np.concatenate([values, frames])
         if values is not None:
             self._table_at[rank][key] = self._table_len[rank]
             self._tables[rank].append(values)
@@ -395,6 +437,9 @@ class CheckpointWriter:
         if self._behind is not None:
             self._behind.shutdown(wait=True)
             self._behind = None
+        if getattr(self, "_coders", None) is not None:
+            self._coders.shutdown(wait=True)
+            self._coders = None
 
     def create(self, rank: int, key: str, shape: Sequence[int], dtype: str) -> None:
         """Preallocate a dataset to fill with ``write_flat``/``write_box``; unwritten elements read as 0."""
@@ -528,6 +573,8 @@ class CheckpointWriter:
             try:
                 self._flush([r for r in range(self.nranks) if r not in self._adopted])
                 self.manifest.datasets, self.manifest.created = self._entries, None
+                if any("encoding" in e for entries in self._entries for e in entries.values()):
+                    self.manifest.version = COMPRESSED_VERSION  # older readers refuse it (UCL402)
                 text = self.manifest.to_json().encode()
                 with self._io():
                     write_atomic(os.path.join(self.tmp_path, MANIFEST_NAME), text)

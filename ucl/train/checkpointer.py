@@ -19,6 +19,7 @@ from ..dtypes import to_numpy
 from ..errors import StoreError, UclError, code_agrees
 from ..ops.dist import allgather_json, initialized_dist
 from ..store.checksum import checksum_of
+from ..store.codec import check_codec
 from ..store.manifest import plain_json
 from ..store.root import CheckpointRoot
 from ..store.rootlock import RootLock, acquire
@@ -49,12 +50,15 @@ class Checkpointer:
     matrix by tiles, so a later load that takes column slices (another tensor-parallel degree)
     verifies only those columns; off, snapshots cost about a third less CPU and such loads read whole
     rows. ``debug``: detect state mutated between ``save`` and the next fence (checksums).
+    ``compress`` (``"zstd"``, ``"lz4"``; default None: plain): each checkpoint stored compressed
+    (docs/format.md), coded by the flusher in ``compress_threads`` threads, never in the training thread.
     """
 
     def __init__(self, root, model, optimizer=None, *, spec=None, mesh=None, keep: int = 3, tiers=None,
                  persist_every: int = 1, pool_bytes: int | None = None, tile_checksums: bool = True,
-                 debug: bool = False):
+                 debug: bool = False, compress: str | None = None, compress_threads: int = 1):
         import torch
+        compress = check_codec(compress)  # UCL418 before anything is started
         if not isinstance(persist_every, int) or persist_every < 1:
             raise UclError(f"persist_every must be a positive integer, got {persist_every!r}", code="UCL430")
         if not isinstance(keep, int) or keep < 1:
@@ -90,7 +94,8 @@ class Checkpointer:
         self._promoter = Promoter(self.tiers, keep, self._progress, self.trace, rank) \
             if self.tiers and rank == 0 else None
         self._flusher = Flusher(self.root, self._layouts, self._snapshots, self._progress, self.trace, keep=keep,
-                                dist=self._dist, group=self._group, promoter=self._promoter, tiles=tile_checksums)
+                                dist=self._dist, group=self._group, promoter=self._promoter, tiles=tile_checksums,
+                                compress=compress, compress_threads=compress_threads)
         self._copier = Copier(self._snapshots, self._progress, self.trace, rank, device=self._device,
                               then=self._flusher.submit, stored=self._layouts.stored, tiles=tile_checksums)
         self._hook = optimizer.register_step_pre_hook(lambda *a: self._fence()) if optimizer is not None else None

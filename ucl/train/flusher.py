@@ -26,7 +26,8 @@ TEMPLATES_KEPT = 2  # rank-file templates kept: the current layout and the one b
 class Flusher(Stage):
     def __init__(self, root: CheckpointRoot, layouts: Layouts, snapshots: Snapshots, progress: Progress,
                  trace: Trace, *, keep: int, dist=None, group=None, promoter: Promoter | None = None,
-                 tiles: bool = True):
+                 tiles: bool = True, compress: str | None = None, compress_threads: int = 1):
+        self.compress, self.compress_threads = compress, compress_threads  # coded here, never in training
         self.root, self.layouts, self.snapshots, self.progress, self.trace = root, layouts, snapshots, progress, trace
         self.keep, self.dist, self.group, self.promoter, self.tiles = keep, dist, group, promoter, tiles
         self.rank = dist.get_rank() if dist else 0
@@ -90,7 +91,7 @@ class Flusher(Stage):
         path = self.root.path_for(snap.step)
         if self.world == 1:  # the same step saved again replaces it (root.publish: the old copy until then)
             with CheckpointWriter(path, layout.mesh.size, write_behind=True, publish=self.root.publish,
-                                  **fields) as w:  # the pool holds still
+                                  compress=self.compress, compress_threads=self.compress_threads, **fields) as w:  # the pool holds still
                 writers.append(w)
                 self._write(w, snap)
                 w.commit()
@@ -120,6 +121,10 @@ class Flusher(Stage):
             arrays[e.key] = self.snapshots.array(snap, e, off)
             datasets[e.key] = (tuple(e.tensor.shape), logical_of_torch_dtype(e.tensor.dtype))
         rank = snap.layout.rank
+        if writer.compress:  # coded sizes differ at every checkpoint: no template, each dataset written
+            for key, arr in arrays.items():
+                writer.write(rank, key, arr, dtype=datasets[key][1])
+            return
         signature = (rank, tuple(datasets.items()))
         template = self._templates.pop(signature, None) or writer.template(rank, datasets, tiles=self.tiles)
         self._templates[signature] = template
@@ -144,5 +149,5 @@ class Flusher(Stage):
 
         commit_collectively(path, layout.mesh.size, fields, write, group=self.group,
                             share=snap.state["rng"], before_commit=before_commit, publish=self.root.publish,
-                            write_behind=True)
+                            write_behind=True, compress=self.compress)
 

@@ -1,0 +1,247 @@
+"""The compressed encoding of a dataset (docs/format.md, "Compressed datasets"): its bytes cut into
+units (the tiles of a tiled dataset, else its checksum chunks, else the whole dataset), each unit
+split into byte planes (floats rotated first so the exponent fills one plane) and each plane coded
+on its own with zstd or lz4, or kept raw where coding does not shrink it. Pure: bytes in, bytes out;
+every length a stored unit declares is checked against what its geometry allows before anything is
+allocated or decoded."""
+from __future__ import annotations
+
+import math
+import struct
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from ..errors import StoreError
+from .checksum import chunk_size, format_checksum, tile_grid, TileGrid
+
+CODECS = ("zstd", "lz4")
+ZSTD_LEVEL = 1  # level 1: the mantissa planes barely compress at any level, the exponent plane does at 1
+_RAW = 1 << 31  # a plane header's top bit: the plane is stored raw
+_HEADER = struct.Struct("<I")
+_FLOATS = frozenset({"bfloat16", "float16", "float32", "float64"})
+
+
+def check_codec(name: object) -> str | None:
+    """``name`` as a codec (None/``"none"``: plain), or UCL418 naming the choices."""
+    if name is None or name == "none":
+        return None
+    if name not in CODECS:
+        raise StoreError(f"unknown compression {name!r}: choose one of none, {', '.join(CODECS)}", code="UCL418")
+    _codec(name)  # installed?
+    return str(name)
+
+
+@dataclass(frozen=True)
+class Units:
+    """How a dataset of ``shape`` is cut into coded units: the tiles of ``grid`` row-major (each
+    tile's bytes row by row within it), else consecutive ``chunk`` bytes of its flattening (the last
+    may be short)."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    grid: TileGrid | None
+    chunk: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def count(self) -> int:
+        if self.grid is not None:
+            return self.grid.count
+        return -(-self.nbytes // self.chunk) if self.nbytes else 0
+
+    def unit_bytes(self, u: int) -> int:
+        """Logical bytes of unit ``u``."""
+        g = self.grid
+        if g is not None:
+            b, j = divmod(u, g.nc)
+            (r0, r1), (c0, c1) = g.row_span(b), g.col_span(j, j)
+            return (r1 - r0) * (c1 - c0) * self.itemsize
+        return min(self.chunk, self.nbytes - u * self.chunk)
+
+
+def units_of(shape: Sequence[int], itemsize: int) -> Units:
+    """The writer's units for a dataset (docs/format.md): its tiles when it has a tile grid, else its
+    checksum chunks, else one unit of the whole dataset."""
+    shape = tuple(int(x) for x in shape)
+    nbytes = math.prod(shape) * itemsize
+    grid = tile_grid(shape, itemsize)
+    return Units(shape, itemsize, grid, chunk_size(nbytes) or max(nbytes, 1))
+
+
+def planes_of(dtype: str, itemsize: int) -> int:
+    """Byte planes a unit of this logical dtype is split into (1: not split)."""
+    return itemsize if itemsize > 1 and (dtype in _FLOATS or dtype.startswith(("int", "uint"))) else 1
+
+
+def _rotate(u: np.ndarray, left: bool) -> np.ndarray:
+    """Each unsigned element rotated by one bit: left puts the sign bit lowest, so the exponent
+    (of a float) fills the top byte (bf16, fp32) or its top bits (fp16, fp64)."""
+    bits = u.dtype.itemsize * 8
+    one, back = u.dtype.type(1), u.dtype.type(bits - 1)
+    return (u << one) | (u >> back) if left else (u >> one) | (u << back)
+
+
+def split_planes(raw: np.ndarray, dtype: str, itemsize: int) -> list[np.ndarray]:
+    """A unit's bytes (uint8, whole elements) as its byte planes, most significant first."""
+    k = planes_of(dtype, itemsize)
+    if k == 1:
+        return [raw]
+    u = raw.view(f"<u{itemsize}")
+    if dtype in _FLOATS:
+        u = _rotate(u, True)
+    by = u.view(np.uint8).reshape(-1, k)
+    return [np.ascontiguousarray(by[:, k - 1 - p]) for p in range(k)]
+
+
+def join_planes(planes: Sequence[np.ndarray], dtype: str, itemsize: int, out: np.ndarray) -> None:
+    """Inverse of :func:`split_planes`, into the uint8 ``out``."""
+    k = len(planes)
+    if k == 1:
+        out[...] = planes[0]
+        return
+    by = out.reshape(-1, k)
+    for p in range(k):
+        by[:, k - 1 - p] = planes[p]
+    if dtype in _FLOATS:
+        u = out.view(f"<u{itemsize}")
+        u[...] = _rotate(u, False)
+
+
+def _codec(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], bytes]]:
+    """(compress, decompress(data, exact size)) of a codec; UCL418 if its package is missing."""
+    try:
+        if name == "zstd":
+            import zstandard
+            cctx, dctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL), zstandard.ZstdDecompressor()
+
+            def unzstd(data: bytes, n: int) -> bytes:
+                # the frame's own declared size is checked before zstd allocates anything for it
+                if zstandard.frame_content_size(data) != n:
+                    raise ValueError("declared size differs from the unit's")
+                return dctx.decompress(data, max_output_size=n)
+            return cctx.compress, unzstd
+        import lz4.block
+        return (lambda data: lz4.block.compress(data, store_size=False),
+                lambda data, n: lz4.block.decompress(data, uncompressed_size=n))
+    except ImportError:
+        raise StoreError(f"compression {name!r} needs its Python package ({'zstandard' if name == 'zstd' else 'lz4'}),"
+                         " which is not installed", code="UCL418") from None
+
+
+def encode_unit(raw: np.ndarray, dtype: str, itemsize: int, codec: str) -> bytes:
+    """One unit's stored bytes: per plane a little-endian uint32 header (its stored length; top bit
+    set: raw), then the plane."""
+    compress, _ = _codec(codec)
+    parts = []
+    for plane in split_planes(raw, dtype, itemsize):
+        coded = compress(plane.data)
+        if len(coded) < plane.size:
+            parts += [_HEADER.pack(len(coded)), coded]
+        else:
+            parts += [_HEADER.pack(plane.size | _RAW), plane.tobytes()]
+    return b"".join(parts)
+
+
+def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, codec: str, out: np.ndarray,
+                where: Callable[[], str]) -> None:
+    """Decode one unit's ``stored`` bytes into the uint8 ``out`` of ``logical`` bytes. Every header
+    is checked against the unit's geometry first; a corrupt stream is UCL406 naming ``where()``."""
+    k = planes_of(dtype, itemsize)
+    each = logical // k
+    _, decompress = _codec(codec)
+    planes, pos = [], 0
+    try:
+        for _ in range(k):
+            if pos + 4 > len(stored):
+                raise ValueError("ends inside a plane header")
+            (head,) = _HEADER.unpack_from(stored, pos)
+            n, raw = head & ~_RAW, bool(head & _RAW)
+            pos += 4
+            if pos + n > len(stored) or (raw and n != each) or (not raw and n >= each):
+                raise ValueError(f"a plane of {n:,} stored bytes where {each:,} are decoded")
+            data = stored[pos:pos + n]
+            pos += n
+            plane = np.frombuffer(data if raw else decompress(data, each), np.uint8)
+            if plane.size != each:
+                raise ValueError(f"a plane decoded to {plane.size:,} bytes, not {each:,}")
+            planes.append(plane)
+        if pos != len(stored):
+            raise ValueError(f"{len(stored) - pos:,} bytes after its last plane")
+    except StoreError:
+        raise
+    except Exception as e:  # zstd and lz4 raise their own types on a corrupt stream
+        raise StoreError(f"{where()}: corrupt {codec} stream ({e})", code="UCL406") from None
+    join_planes(planes, dtype, itemsize, out)
+
+
+def unit_view(arr: np.ndarray, units: Units, u: int) -> np.ndarray:
+    """Unit ``u``'s logical bytes of the C-contiguous storage array ``arr``, as a uint8 array (a
+    copy for a tile, a view for a chunk)."""
+    g = units.grid
+    if g is not None:
+        b, j = divmod(u, g.nc)
+        (r0, r1), (c0, c1) = g.row_span(b), g.col_span(j, j)
+        return np.ascontiguousarray(arr.reshape(g.rows, g.cols)[r0:r1, c0:c1]).reshape(-1).view(np.uint8)
+    flat = arr.reshape(-1).view(np.uint8)
+    return flat[u * units.chunk:(u + 1) * units.chunk]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A dataset's stored bytes and its frame table: where each unit ends (relative to the first
+    stored byte) and the xxh3-64 of each unit's stored bytes."""
+
+    stored: np.ndarray  # uint8
+    ends: np.ndarray  # uint64
+    digests: np.ndarray  # uint64
+
+    def table(self) -> np.ndarray:
+        """Its values in the rank file's ``ucl_tables``: the ends, then the digests."""
+        return np.concatenate([self.ends, self.digests])
+
+
+def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None) -> Encoded:
+    """Encode a C-contiguous storage array unit by unit (in ``pool``'s threads when given: zstd and
+    lz4 release the GIL)."""
+    units = units_of(arr.shape, arr.itemsize)
+    _codec(codec)
+
+    def one(u: int) -> bytes:
+        return encode_unit(unit_view(arr, units, u), dtype, arr.itemsize, codec)
+    coded = list(pool.map(one, range(units.count)) if pool is not None else map(one, range(units.count)))
+    lengths = np.fromiter(map(len, coded), np.uint64, len(coded))
+    stored = np.frombuffer(b"".join(coded), np.uint8)
+    digests = np.fromiter(map(xxhash.xxh3_64_intdigest, coded), np.uint64, len(coded))
+    return Encoded(stored, np.cumsum(lengths, dtype=np.uint64), digests)
+
+
+def frame_table_digest(whole: str, codec: str, stored: int, ends: np.ndarray, digests: np.ndarray) -> str:
+    """``xxh3_64:<hex>`` binding a compressed dataset's whole checksum to its encoding and frame
+    table (the entry's ``frames``): the checksum and codec name (ASCII), the stored byte count as
+    little-endian int64, then the ends and digests as little-endian uint64."""
+    h = xxhash.xxh3_64(whole.encode("ascii"))
+    h.update(codec.encode("ascii"))
+    h.update(np.int64(stored).astype("<i8").tobytes())
+    h.update(np.ascontiguousarray(ends, dtype="<u8").tobytes())
+    h.update(np.ascontiguousarray(digests, dtype="<u8").tobytes())
+    return format_checksum(h.hexdigest())
+
+
+def check_ends(units: Units, dtype: str, ends: np.ndarray, stored: int, where: str) -> None:
+    """A frame table's ends, checked against the units' geometry before any unit is read: strictly
+    increasing, the last one the stored size, no unit longer than its headers and raw planes
+    (UCL406)."""
+    k = planes_of(dtype, units.itemsize)
+    lengths = np.diff(np.concatenate([[0], ends.astype(np.int64)]))
+    most = np.fromiter((4 * k + units.unit_bytes(u) for u in range(units.count)), np.int64, units.count)
+    if ends.size != units.count or (ends.size and int(ends[-1]) != stored) or np.any(lengths < 4 * k) \
+            or np.any(lengths > most):
+        raise StoreError(f"{where}: its frame table does not fit a dataset of {units.nbytes:,} bytes in "
+                         f"{units.count} units stored in {stored:,} bytes (corrupt)", code="UCL406")
