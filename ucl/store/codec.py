@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -96,8 +97,8 @@ def split_planes(raw: np.ndarray, dtype: str, itemsize: int) -> list[np.ndarray]
     u = raw.view(f"<u{itemsize}")
     if dtype in _FLOATS:
         u = _rotate(u, True)
-    by = u.view(np.uint8).reshape(-1, k)
-    return [np.ascontiguousarray(by[:, k - 1 - p]) for p in range(k)]
+    planes = u.view(np.uint8).reshape(-1, k).T[::-1].copy()  # one transposing copy: row p is plane p
+    return list(planes)
 
 
 def join_planes(planes: Sequence[np.ndarray], dtype: str, itemsize: int, out: np.ndarray) -> None:
@@ -106,16 +107,27 @@ def join_planes(planes: Sequence[np.ndarray], dtype: str, itemsize: int, out: np
     if k == 1:
         out[...] = planes[0]
         return
-    by = out.reshape(-1, k)
-    for p in range(k):
-        by[:, k - 1 - p] = planes[p]
+    out.reshape(-1, k)[...] = np.stack(planes)[::-1].T
     if dtype in _FLOATS:
         u = out.view(f"<u{itemsize}")
         u[...] = _rotate(u, False)
 
 
+_LOCAL = threading.local()  # per thread: zstd contexts are not shared between threads
+
+
 def _codec(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], bytes]]:
-    """(compress, decompress(data, exact size)) of a codec; UCL418 if its package is missing."""
+    """(compress, decompress(data, exact size)) of a codec, made once per thread (a zstd context
+    costs more to make than a unit costs to code); UCL418 if its package is missing."""
+    made = getattr(_LOCAL, "codecs", None)
+    if made is None:
+        made = _LOCAL.codecs = {}
+    if name not in made:
+        made[name] = _make_codec(name)
+    return made[name]
+
+
+def _make_codec(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], bytes]]:
     try:
         if name == "zstd":
             import zstandard

@@ -1,0 +1,250 @@
+"""Compression benchmark (issue #32): the compressed encoding (docs/format.md, "Compressed datasets")
+on the state of a model really trained here, side by side in one run with zstd and lz4 on the raw
+bytes (same units, no byte-plane transform) and with torch.save of the same state.
+
+    python bench/compress.py [--steps 300] [--dim 256] [--layers 4] [--rounds 3] [--rate-mb 1000 250]
+
+The model: a toy next-token MLP language model (embedding, --layers residual MLP blocks with
+LayerNorm, output head; torch.nn, CPU), trained --steps AdamW steps on sequences of a fixed random
+Markov chain, so the weights and moments are those of real training, not of initialisation. Two
+variants of its state: fp32 (weights, exp_avg, exp_avg_sq) and bf16 mixed precision (bf16 weights =
+the fp32 master cast, fp32 master, moments).
+
+Reported, medians (min-max) over --rounds: per kind and codec, stored / logical bytes and the
+saving; compress and decompress throughput of one thread (logical bytes per second: per core);
+time to durable of a Checkpointer save (save -> wait()) with and without compression when the disk
+is the bottleneck, paced: each rank file's fsync first sleeps (file bytes / --rate-mb MB/s), as if
+the device wrote at that rate, so compression pays for its CPU time with fewer bytes to the device;
+a column-slice read (a quarter of the columns of a matrix saved whole: what load_rank does for
+another tensor-parallel degree), verified: bytes read from disk, against the stored bytes of the
+units holding those columns, and time. Not a timed test: figures for the issue's note.
+"""
+from __future__ import annotations
+
+import argparse, io, json, statistics, sys, tempfile, time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ucl  # noqa: E402
+import ucl.store.writer as store_writer  # noqa: E402
+from ucl.store import Checkpoint, CheckpointWriter  # noqa: E402
+from ucl.store.codec import _codec, decode_unit, encode, unit_view, units_of  # noqa: E402
+
+
+class Model(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                  nn.Linear(4 * dim, dim)) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def train(args) -> tuple[Model, torch.optim.Optimizer, float, float]:
+    torch.manual_seed(0)
+    vocab = 2048
+    chain = torch.randint(0, vocab, (vocab, 4))  # each token is followed by one of 4
+    model = Model(vocab, args.dim, args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    first = last = 0.0
+    for step in range(args.steps):
+        x = torch.randint(0, vocab, (32,))
+        seq = [x]
+        for _ in range(16):
+            seq.append(chain[seq[-1], torch.randint(0, 4, (32,))])
+        seq = torch.stack(seq, 1)
+        loss = nn.functional.cross_entropy(model(seq[:, :-1]).reshape(-1, vocab), seq[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = loss.item() if step == 0 else first
+        last = loss.item()
+    return model, opt, first, last
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def kinds(model: Model, opt) -> dict[str, list[tuple[np.ndarray, str]]]:
+    """Per kind, the tensors (storage arrays, logical dtype) of both variants."""
+    params = [p for p in model.parameters()]
+    st = [opt.state[p] for p in params]
+    fp32 = [(p.detach().numpy(), "float32") for p in params]
+    return {
+        "fp32 weights": fp32,
+        "bf16 weights": [(bf16_bits(p), "bfloat16") for p in params],
+        "fp32 master": fp32,
+        "exp_avg": [(s["exp_avg"].numpy(), "float32") for s in st],
+        "exp_avg_sq": [(s["exp_avg_sq"].numpy(), "float32") for s in st],
+    }
+
+
+def med(xs) -> str:
+    return f"{statistics.median(xs):.3g} ({min(xs):.3g}-{max(xs):.3g})"
+
+
+def codec_figures(tensors, codec: str, rounds: int) -> dict:
+    """ucl's encoding and the raw codec on the same units: sizes, one-thread throughput."""
+    logical = sum(a.nbytes for a, _ in tensors)
+    comp, decomp, stored = [], [], 0
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        encs = [encode(np.ascontiguousarray(a), d, codec) for a, d in tensors]
+        comp.append(logical / (time.perf_counter() - t0) / 1e9)
+        stored = sum(e.stored.size for e in encs)
+        t0 = time.perf_counter()
+        for (a, d), e in zip(tensors, encs):
+            units, view = units_of(a.shape, a.itemsize), memoryview(e.stored)
+            for u in range(units.count):
+                lo = int(e.ends[u - 1]) if u else 0
+                out = np.empty(units.unit_bytes(u), np.uint8)
+                decode_unit(view[lo:int(e.ends[u])], out.size, d, a.itemsize, codec, out, str)
+        decomp.append(logical / (time.perf_counter() - t0) / 1e9)
+    compress, decompress = _codec(codec)
+    rcomp, rdecomp, rstored = [], [], 0
+    for _ in range(rounds):
+        pieces, t0 = [], time.perf_counter()
+        for a, _ in tensors:
+            units = units_of(a.shape, a.itemsize)
+            pieces += [(compress(unit_view(np.ascontiguousarray(a), units, u).tobytes()), units.unit_bytes(u))
+                       for u in range(units.count)]
+        rcomp.append(logical / (time.perf_counter() - t0) / 1e9)
+        rstored = sum(len(p) for p, _ in pieces)
+        t0 = time.perf_counter()
+        for p, n in pieces:
+            decompress(p, n)
+        rdecomp.append(logical / (time.perf_counter() - t0) / 1e9)
+    return {"logical": logical, "stored": stored, "saving": 1 - stored / logical,
+            "compress_GBps": comp, "decompress_GBps": decomp,
+            "raw_stored": rstored, "raw_saving": 1 - rstored / logical,
+            "raw_compress_GBps": rcomp, "raw_decompress_GBps": rdecomp}
+
+
+def durable_times(model, opt, args, work: Path) -> dict:
+    """save -> wait() of a Checkpointer, its rank file's fsync paced at each rate."""
+    real = store_writer.fsync_path
+    out = {}
+    for rate in args.rate_mb:
+        def paced(path, _rate=rate):
+            size = Path(path).stat().st_size if Path(path).is_file() else 0
+            time.sleep(size / (_rate * 1e6))
+            real(path)
+        store_writer.fsync_path = paced
+        try:
+            for codec in (None, "zstd", "lz4"):
+                times, size = [], 0
+                root = Path(tempfile.mkdtemp(dir=work))
+                with ucl.Checkpointer(str(root), model, opt, keep=2, compress=codec) as ck:
+                    for i in range(args.rounds + 1):
+                        t0 = time.perf_counter()
+                        ck.save(i + 1)
+                        ck.wait()
+                        if i:  # the first builds the layout: not counted
+                            times.append(time.perf_counter() - t0)
+                    latest = ck.root.latest()
+                    size = sum(f.stat().st_size for f in Path(latest).glob("*.h5"))
+                out[f"{rate} MB/s {codec or 'plain'}"] = {"seconds": times, "file_bytes": size}
+        finally:
+            store_writer.fsync_path = real
+    return out
+
+
+def column_slice(model, args, work: Path) -> dict:
+    """A quarter of the columns of the largest matrix, read verified: plain vs compressed."""
+    w = max((p for p in model.parameters() if p.dim() == 2), key=lambda p: p.numel()).detach().numpy()
+    rows, cols = w.shape
+    q = cols // 4
+    out = {"shape": [rows, cols]}
+    for codec in (None, "zstd", "lz4"):
+        path = work / f"slice-{codec}"
+        with CheckpointWriter(path, 1, compress=codec) as wr:
+            wr.write(0, "param/w", w)
+            wr.commit()
+        times, got, need = [], 0, 0
+        for _ in range(args.rounds):
+            with Checkpoint.open(path) as c:  # a fresh reader: nothing cached
+                info = c.info(0, "param/w")
+                t0 = time.perf_counter()
+                c.read_runs(0, "param/w", [(q, rows, cols, q)], verify=True)
+                times.append(time.perf_counter() - t0)
+                got = c.stored_read.stored if codec else c.bytes_last_read
+                if codec:
+                    p = c._packed(0, "param/w", info)  # noqa: SLF001 (bench: the frame table)
+                    g = p.units.grid
+                    lens = np.diff(np.concatenate([[0], p.ends.astype(np.int64)]))
+                    js = range(q // g.tile_cols, (2 * q - 1) // g.tile_cols + 1)
+                    need = int(sum(lens[b * g.nc + j] for b in range(g.nr) for j in js))
+                else:
+                    need = rows * q * w.itemsize
+        out[codec or "plain"] = {"seconds": times, "bytes_read": got, "bytes_needed": need,
+                                 "file_bytes": info.file_bytes}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rate-mb", type=float, nargs="+", default=[1000.0, 250.0])
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    model, opt, first, last = train(args)
+    print(f"trained {sum(p.numel() for p in model.parameters()):,} parameters, {args.steps} steps in "
+          f"{time.perf_counter() - t0:.1f} s: loss {first:.3f} -> {last:.3f}")
+    figures: dict = {"loss": [first, last]}
+    per_kind = {}
+    for kind, tensors in kinds(model, opt).items():
+        for codec in ("zstd", "lz4"):
+            f = codec_figures(tensors, codec, args.rounds)
+            per_kind[f"{kind} {codec}"] = f
+            print(f"{kind:13s} {codec:4s}: {f['logical'] / 1e6:6.2f} MB -> ucl {f['saving']:6.1%} smaller, "
+                  f"compress {med(f['compress_GBps'])} GB/s, decompress {med(f['decompress_GBps'])} GB/s | raw "
+                  f"{codec} {f['raw_saving']:6.1%} smaller, {med(f['raw_compress_GBps'])} / "
+                  f"{med(f['raw_decompress_GBps'])} GB/s")
+    figures["kinds"] = per_kind
+    for variant, members in (("fp32 state", ("fp32 weights", "exp_avg", "exp_avg_sq")),
+                             ("bf16 mixed state", ("bf16 weights", "fp32 master", "exp_avg", "exp_avg_sq"))):
+        for codec in ("zstd", "lz4"):
+            lg = sum(per_kind[f"{k} {codec}"]["logical"] for k in members)
+            sd = sum(per_kind[f"{k} {codec}"]["stored"] for k in members)
+            rw = sum(per_kind[f"{k} {codec}"]["raw_stored"] for k in members)
+            print(f"{variant} {codec}: {lg / 1e6:.2f} MB -> ucl {1 - sd / lg:.1%} smaller, raw {codec} {1 - rw / lg:.1%}")
+            figures[f"{variant} {codec}"] = {"logical": lg, "stored": sd, "raw_stored": rw}
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
+    figures["torch.save bytes"] = buf.tell()
+    print(f"torch.save of the fp32 state (model + optimizer): {buf.tell() / 1e6:.2f} MB")
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(d)
+        dur = durable_times(model, opt, args, work)
+        for k, v in dur.items():
+            print(f"time to durable, disk paced at {k}: {med(v['seconds'])} s, files {v['file_bytes'] / 1e6:.2f} MB")
+        figures["durable"] = dur
+        sl = column_slice(model, args, work)
+        for k, v in sl.items():
+            if k != "shape":
+                print(f"column slice (a quarter of {sl['shape']}) {k}: read {v['bytes_read']:,} B for "
+                      f"{v['bytes_needed']:,} B needed ({v['bytes_read'] / max(v['bytes_needed'], 1):.2f}x), "
+                      f"{med([t * 1e3 for t in v['seconds']])} ms")
+        figures["column_slice"] = sl
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
