@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ucl  # noqa: E402
 import ucl.store.writer as store_writer  # noqa: E402
 from ucl.store import Checkpoint, CheckpointWriter  # noqa: E402
-from ucl.store.codec import _codec, decode_unit, encode, unit_view, units_of  # noqa: E402
+from ucl.store.codec import coders, decode_unit, encode, unit_view, units_of  # noqa: E402
 
 
 class Model(nn.Module):
@@ -111,7 +111,7 @@ def codec_figures(tensors, codec: str, rounds: int) -> dict:
                 out = np.empty(units.unit_bytes(u), np.uint8)
                 decode_unit(view[lo:int(e.ends[u])], out.size, d, a.itemsize, codec, out, str)
         decomp.append(logical / (time.perf_counter() - t0) / 1e9)
-    compress, decompress = _codec(codec)
+    compress, decompress = coders(codec)
     rcomp, rdecomp, rstored = [], [], 0
     for _ in range(rounds):
         pieces, t0 = [], time.perf_counter()

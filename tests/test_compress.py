@@ -281,3 +281,44 @@ def test_a_compressed_entry_lacking_its_keys_is_malformed(tmp_path):
     with pytest.raises(StoreError) as err:
         Checkpoint.open(path)
     assert err.value.code == "UCL403"
+
+
+def test_checkpointer_compresses_in_its_flusher(tmp_path):
+    torch = pytest.importorskip("torch")
+    import threading
+    import ucl.store.codec as codec
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    coded_in, real = set(), codec.encode_unit
+    codec.encode_unit = lambda *a: (coded_in.add(threading.current_thread().name), real(*a))[1]
+    try:
+        with ucl.Checkpointer(str(tmp_path), model, opt, compress="zstd") as ck:
+            ck.save(1)
+            ck.wait()
+            latest = ck.root.latest()
+    finally:
+        codec.encode_unit = real
+    assert coded_in and threading.current_thread().name not in coded_in  # never the training thread
+    with ucl.open(latest) as c:
+        assert c.manifest.version == 3 and c.verify() == []
+        assert any(c.info(0, k).encoding == "zstd" for k in c.keys(0))
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    with ucl.Checkpointer(str(tmp_path), model, opt) as ck:
+        ck.load()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+
+
+def test_checkpointer_refuses_an_unknown_codec(tmp_path):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(StoreError) as e:
+        ucl.Checkpointer(str(tmp_path), model, compress="brotli")
+    assert e.value.code == "UCL418"

@@ -32,7 +32,7 @@ def check_codec(name: object) -> str | None:
         return None
     if name not in CODECS:
         raise StoreError(f"unknown compression {name!r}: choose one of none, {', '.join(CODECS)}", code="UCL418")
-    _codec(name)  # installed?
+    coders(name)  # installed?
     return str(name)
 
 
@@ -116,7 +116,7 @@ def join_planes(planes: Sequence[np.ndarray], dtype: str, itemsize: int, out: np
 _LOCAL = threading.local()  # per thread: zstd contexts are not shared between threads
 
 
-def _codec(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], bytes]]:
+def coders(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], bytes]]:
     """(compress, decompress(data, exact size)) of a codec, made once per thread (a zstd context
     costs more to make than a unit costs to code); UCL418 if its package is missing."""
     made = getattr(_LOCAL, "codecs", None)
@@ -150,7 +150,7 @@ def _make_codec(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, i
 def encode_unit(raw: np.ndarray, dtype: str, itemsize: int, codec: str) -> bytes:
     """One unit's stored bytes: per plane a little-endian uint32 header (its stored length; top bit
     set: raw), then the plane."""
-    compress, _ = _codec(codec)
+    compress, _ = coders(codec)
     parts = []
     for plane in split_planes(raw, dtype, itemsize):
         coded = compress(plane.data)
@@ -167,7 +167,7 @@ def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, cod
     is checked against the unit's geometry first; a corrupt stream is UCL406 naming ``where()``."""
     k = planes_of(dtype, itemsize)
     each = logical // k
-    _, decompress = _codec(codec)
+    _, decompress = coders(codec)
     planes, pos = [], 0
     try:
         for _ in range(k):
@@ -223,7 +223,7 @@ def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None
     """Encode a C-contiguous storage array unit by unit (in ``pool``'s threads when given: zstd and
     lz4 release the GIL)."""
     units = units_of(arr.shape, arr.itemsize)
-    _codec(codec)
+    coders(codec)
 
     def one(u: int) -> bytes:
         return encode_unit(unit_view(arr, units, u), dtype, arr.itemsize, codec)
