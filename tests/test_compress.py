@@ -13,6 +13,7 @@ import xxhash
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 import ucl
+from tests.passes import examples
 from tests.test_checkpoint import (U, M, assert_intact, demo, read_all, assert_same_shards, saved,  # noqa: F401
                                    _copy)
 from ucl.errors import StoreError
@@ -63,7 +64,7 @@ def test_the_exponent_plane_is_apart():
     assert planes[0].tolist() == [127, 127, 254]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(dtype=st.sampled_from(DTYPES), codec=st.sampled_from(["zstd", "lz4"]),
        shape=st.lists(st.integers(1, 70), min_size=1, max_size=3).map(tuple),
        scale=st.sampled_from([1, 8, 64]), data=st.data())
@@ -322,3 +323,25 @@ def test_checkpointer_refuses_an_unknown_codec(tmp_path):
     with pytest.raises(StoreError) as e:
         ucl.Checkpointer(str(tmp_path), model, compress="brotli")
     assert e.value.code == "UCL418"
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(codec=st.sampled_from(["zstd", "lz4"]), dtype=st.sampled_from(["float32", "bfloat16", "int64", "uint8"]),
+       flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=6),
+       cut=st.integers(0, 3))
+def test_a_mutated_unit_decodes_or_fails_with_a_ucl_error(codec, dtype, flips, cut):
+    """The decoder on hostile bytes (digest checks aside): a UclError (UCL406) naming the unit, or
+    bytes of exactly the unit's length; never another exception, never more memory than the unit."""
+    from ucl.store.codec import decode_unit, encode_unit
+    rng = np.random.default_rng(7)
+    arr = _storage(dtype, (4096,), rng)
+    unit = bytearray(encode_unit(arr.reshape(-1).view(np.uint8), dtype, arr.itemsize, codec))
+    for pos, x in flips:
+        unit[pos % len(unit)] ^= x
+    if cut:
+        del unit[-cut * 3:]
+    out = np.empty(arr.nbytes, np.uint8)
+    try:
+        decode_unit(memoryview(bytes(unit)), out.size, dtype, arr.itemsize, codec, out, lambda: "unit 5")
+    except StoreError as e:
+        assert e.code == "UCL406" and "unit 5" in str(e)
