@@ -145,6 +145,10 @@ def test_cli_reshard_compress(demo, saved, tmp_path, capsys):
     assert main(["reshard", src, str(tmp_path / "z"), "--to", "tp=2", "--compress", "zstd", "--quiet"]) == 0
     assert ucl.open(tmp_path / "z").info(0, "param/decoder.layers.0.mlp.linear_fc2.weight").encoding == "zstd"
     assert main(["verify", str(tmp_path / "z")]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "z")]) == 0
+    out = capsys.readouterr().out
+    assert "ucl format v3" in out and "stored, zstd)" in out
 
 
 def test_an_unknown_codec_is_refused_before_anything_is_written(tmp_path):
@@ -345,3 +349,27 @@ def test_a_mutated_unit_decodes_or_fails_with_a_ucl_error(codec, dtype, flips, c
         decode_unit(memoryview(bytes(unit)), out.size, dtype, arr.itemsize, codec, out, lambda: "unit 5")
     except StoreError as e:
         assert e.code == "UCL406" and "unit 5" in str(e)
+
+
+def test_import_to_compressed_then_exports_read_the_same(tmp_path):
+    """A held-in DeepSpeed fixture imported, resharded into a compressed copy of its own layout and
+    exported to DCP from both: the exports hold the same tensors, bit for bit."""
+    pytest.importorskip("torch")
+    from pathlib import Path
+    from ucl.ops.export import export_dcp
+    from ucl.ops.prepare import mesh_of, open_checkpoint
+    fixture = Path(__file__).parent / "fixtures" / "deepspeed" / "z1_fp32_dp2"
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    ucl.import_checkpoint(fixture, plain)
+    with ucl.open(plain) as c:
+        mesh = mesh_of(c)
+    ucl.reshard(plain, packed, mesh, compress="zstd", workers=1)
+    with ucl.open(packed) as c:
+        assert c.verify() == [] and any(c.info(r, k).encoding for r in range(c.nranks) for k in c.keys(r))
+    for src in (plain, packed):
+        export_dcp(src, tmp_path / f"dcp-{src.name}")
+    got = []
+    for name in ("plain", "packed"):
+        with open_checkpoint(tmp_path / f"dcp-{name}") as c:
+            got.append({(r, k): c.read(r, k).tobytes() for r in range(c.nranks) for k in c.keys(r)})
+    assert got[0] == got[1] and got[0]

@@ -19,8 +19,11 @@ def cmd_inspect(args) -> int:
     with open_checkpoint(path) as ck:
         m = ck.manifest
         total = sum(nbytes(e["shape"], e["dtype"]) for ds in m.datasets for e in ds.values())
+        codecs = sorted({e["encoding"] for ds in m.datasets for e in ds.values() if "encoding" in e})
+        stored = sum(e.get("stored", nbytes(e["shape"], e["dtype"])) for ds in m.datasets for e in ds.values())
+        packed = f" ({stored:,} stored, {'/'.join(codecs)})" if codecs else ""
         fmt = f"{ck.format} checkpoint (read in place)" if hasattr(ck, "format") else f"ucl format v{m.version}"
-        head = [f"{path}: {fmt}, layout {mesh_of(ck)} ({ck.nranks} rank files), {total:,} bytes, "
+        head = [f"{path}: {fmt}, layout {mesh_of(ck)} ({ck.nranks} rank files), {total:,} bytes{packed}, "
                 f"spec {m.spec_name or '(embedded)'}{_spec_source(m.state)}"]
         if m.dims:
             head.append("dims: " + ", ".join(f"{k}={v}" for k, v in m.dims.items()))

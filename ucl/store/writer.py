@@ -189,14 +189,17 @@ class CheckpointWriter:
             raise StoreError(f"rank {rank}'s file was written by another writer", code="UCL411")
         return kind, name
 
-    def write(self, rank: int, key: str, data: Any, *, dtype: str | None = None) -> None:
-        """Write a whole dataset from an array or tensor; ``dtype`` declares raw-bit numpy input."""
+    def write(self, rank: int, key: str, data: Any, *, dtype: str | None = None,
+              digests: Digests | None = None) -> None:
+        """Write a whole dataset from an array or tensor; ``dtype`` declares raw-bit numpy input.
+        ``digests``: its checksums, computed as it was filled (``store.checksum.copy_checksummed``);
+        the caller vouches that it has not changed since."""
         with self._lock:
             kind, name = self._new_key(rank, key)
             arr, logical = _dt.to_numpy(data, dtype)
             enc = encode(arr, logical, self.compress, self._coders) if self.compress and arr.nbytes else None
             if enc is not None and enc.stored.size < arr.nbytes:  # else plain: coding did not shrink it
-                return self._write_packed(rank, key, kind, name, arr, logical, enc)
+                return self._write_packed(rank, key, kind, name, arr, logical, enc, digests)
             with self._io():
                 self._settle()  # whatever path this dataset takes, the caller may reuse the last one's array
                 f, _ = self._handles.get(rank)
@@ -207,15 +210,15 @@ class CheckpointWriter:
                     d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
                     offset = h5.data_offset(d)
                 d.attrs["ucl_dtype"] = logical
-                digests = checksums(arr)
+                digests = digests or checksums(arr)
                 h5.set_checksum_tables(d, digests)
             self._entries[rank][key] = self._entry(rank, key, logical, arr.shape, digests, offset)
 
     def _write_packed(self, rank: int, key: str, kind: str, name: str, arr: np.ndarray, logical: str,
-                      enc: Any) -> None:
+                      enc: Any, digests: Digests | None) -> None:
         """``write`` in the compressed encoding: the units coded (``enc``, codec.encode) into a uint8
         dataset of the stored bytes, with its frame table, and the checksums of the logical bytes."""
-        digests = checksums(arr)
+        digests = digests or checksums(arr)
         with self._io():
             self._settle()
             f, _ = self._handles.get(rank)

@@ -123,7 +123,7 @@ class Flusher(Stage):
         rank = snap.layout.rank
         if writer.compress:  # coded sizes differ at every checkpoint: no template, each dataset written
             for key, arr in arrays.items():
-                writer.write(rank, key, arr, dtype=datasets[key][1])
+                writer.write(rank, key, arr, dtype=datasets[key][1], digests=snap.digests.get(key))  # hashed by the copier
             return
         signature = (rank, tuple(datasets.items()))
         template = self._templates.pop(signature, None) or writer.template(rank, datasets, tiles=self.tiles)
