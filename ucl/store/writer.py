@@ -222,13 +222,11 @@ class CheckpointWriter:
         with self._io():
             self._settle()
             f, _ = self._handles.get(rank)
-            group, n = f.require_group(kind), enc.stored.size
-            if (self.direct or self.write_behind) and n >= MIN_DIRECT_BYTES:  # a fresh buffer: nobody reuses it
-                d, offset = h5.create_allocated(group, name, (n,), np.dtype(np.uint8))
-                self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, enc.stored)
-            else:
-                d = h5.create_dataset(group, name, (n,), np.dtype(np.uint8), enc.stored)
-                offset = h5.data_offset(d)
+            n = enc.stored.size
+            # always written by us (a fresh buffer: nobody reuses it): h5py's create_dataset with data
+            # cost more than coding a small dataset
+            d, offset = h5.create_allocated(f.require_group(kind), name, (n,), np.dtype(np.uint8))
+            self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, enc.stored)
             d.attrs["ucl_dtype"], d.attrs["ucl_encoding"] = logical, self.compress
             h5.set_checksum_tables(d, digests)
         e = self._entry(rank, key, logical, arr.shape, digests, offset, enc.table())
