@@ -373,3 +373,16 @@ def test_import_to_compressed_then_exports_read_the_same(tmp_path):
         with open_checkpoint(tmp_path / f"dcp-{name}") as c:
             got.append({(r, k): c.read(r, k).tobytes() for r in range(c.nranks) for k in c.keys(r)})
     assert got[0] == got[1] and got[0]
+
+
+def test_long_flat_reads_go_a_group_of_units_at_a_time(tmp_path, monkeypatch):
+    import ucl.store.packed as packed
+    monkeypatch.setattr(packed, "_GROUP_BYTES", 1)  # one unit per group
+    rng = np.random.default_rng(5)
+    flat = _storage("float32", (300_001,), rng)  # 1-D: units are its 16 KiB checksum chunks, the last short
+    rows = _storage("bfloat16", (96, 3000), rng)  # tiled
+    with _write(tmp_path / "x", {"param/f": (flat, "float32"), "param/r": (rows, "bfloat16")}, "lz4") as c:
+        assert c.read(0, "param/f").tobytes() == flat.tobytes()
+        assert c.read_flat(0, "param/f", 4095, 290_000).tobytes() == flat[4095:290_000].tobytes()
+        assert c.read(0, "param/r").tobytes() == rows.tobytes()
+        assert c.read_flat(0, "param/r", 2999, 250_001).tobytes() == rows.reshape(-1)[2999:250_001].tobytes()

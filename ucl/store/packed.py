@@ -16,6 +16,9 @@ from .codec import Units, check_ends, decode_unit, frame_table_digest, units_of
 from .raw import RawFile, locate
 
 
+_GROUP_BYTES = 16 << 20  # chunks decoded per group of a long flat read
+
+
 @dataclass
 class ReadCount:
     """Stored bytes read from disk by compressed reads (a reader's running total)."""
@@ -100,21 +103,29 @@ class PackedDataset:
         return buf[r0 - ra:r1 - ra, c0 - ca:c1 - ca]
 
     def read_flat_into(self, start: int, stop: int, out: np.ndarray) -> None:
-        """Elements ``[start, stop)`` of the row-major flattening into the 1-D ``out``."""
+        """Elements ``[start, stop)`` of the row-major flattening into the 1-D ``out``, a band of
+        tiles or a group of chunks at a time (memory: the read plus one group)."""
         if stop <= start:
             return
         g = self.units.grid
         if g is not None:
-            r0, r1 = start // g.cols, -(-stop // g.cols)
-            out[...] = self._block(r0, r1, 0, g.cols).reshape(-1)[start - r0 * g.cols:stop - r0 * g.cols]
+            for b in range(start // g.cols // g.tile_rows, (stop - 1) // g.cols // g.tile_rows + 1):
+                r0, r1 = g.row_span(b)
+                lo, hi = max(start, r0 * g.cols), min(stop, r1 * g.cols)
+                band = self._block(r0, r1, 0, g.cols).reshape(-1)
+                out[lo - start:hi - start] = band[lo - r0 * g.cols:hi - r0 * g.cols]
             return
         item, size = self.dtype.itemsize, self.units.chunk
         dst, a, b = out.view(np.uint8), start * item, stop * item
+        first, last = a // size, (b - 1) // size
+        per = max(1, _GROUP_BYTES // size)
         pos = 0
-        for u, data in zip(range(a // size, (b - 1) // size + 1), self.decoded(a // size, (b - 1) // size)):
-            lo, hi = max(a, u * size), min(b, u * size + data.size)
-            dst[pos:pos + hi - lo] = data[lo - u * size:hi - u * size]
-            pos += hi - lo
+        for g0 in range(first, last + 1, per):
+            g1 = min(last, g0 + per - 1)
+            for u, data in zip(range(g0, g1 + 1), self.decoded(g0, g1)):
+                lo, hi = max(a, u * size), min(b, u * size + data.size)
+                dst[pos:pos + hi - lo] = data[lo - u * size:hi - u * size]
+                pos += hi - lo
 
     def read_rows_into(self, rows: tuple[int, int], cols: tuple[int, int], out: np.ndarray,
                        at: tuple[int, int]) -> None:
