@@ -184,10 +184,9 @@ def column_slice(model, args, work: Path) -> dict:
                 c.read_runs(0, "param/w", [(q, rows, cols, q)], verify=True)
                 times.append(time.perf_counter() - t0)
                 got = c.stored_read.stored if codec else c.bytes_last_read
-                if codec:
-                    p = c._packed(0, "param/w", info)  # noqa: SLF001 (bench: the frame table)
-                    g = p.units.grid
-                    lens = np.diff(np.concatenate([[0], p.ends.astype(np.int64)]))
+                if codec:  # the stored bytes of the tiles holding those columns (the same encoding again)
+                    enc, g = encode(w, "float32", codec), units_of(w.shape, w.itemsize).grid
+                    lens = np.diff(np.concatenate([[0], enc.ends.astype(np.int64)]))
                     js = range(q // g.tile_cols, (2 * q - 1) // g.tile_cols + 1)
                     need = int(sum(lens[b * g.nc + j] for b in range(g.nr) for j in js))
                 else:

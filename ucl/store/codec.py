@@ -24,6 +24,7 @@ ZSTD_LEVEL = 1  # level 1: the mantissa planes barely compress at any level, the
 _RAW = 1 << 31  # a plane header's top bit: the plane is stored raw
 _HEADER = struct.Struct("<I")
 _FLOATS = frozenset({"bfloat16", "float16", "float32", "float64"})
+_BLOCK_BYTES = 1 << 20  # flat chunks split into planes together, about this many bytes at a time
 
 
 def check_codec(name: object) -> str | None:
@@ -152,9 +153,14 @@ def _make_codec(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, i
 def encode_unit(raw: np.ndarray, dtype: str, itemsize: int, codec: str, tries: Sequence[bool] | None = None) -> bytes:
     """One unit's stored bytes: per plane a little-endian uint32 header (its stored length; top bit
     set: raw), then the plane. ``tries[p]`` False: plane ``p`` is stored raw without trying to code it."""
+    return _pack(split_planes(raw, dtype, itemsize), codec, tries)
+
+
+def _pack(planes: Sequence[np.ndarray], codec: str, tries: Sequence[bool] | None) -> bytes:
+    """A unit's stored bytes from its planes (contiguous uint8 arrays)."""
     compress, _ = coders(codec)
     parts = []
-    for p, plane in enumerate(split_planes(raw, dtype, itemsize)):
+    for p, plane in enumerate(planes):
         coded = compress(plane.data) if tries is None or tries[p] else b""
         if coded and len(coded) < plane.size:
             parts += [_HEADER.pack(len(coded)), coded]
@@ -229,19 +235,27 @@ def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None
         return Encoded(np.zeros(0, np.uint8), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
     first = encode_unit(unit_view(arr, units, 0), dtype, arr.itemsize, codec)
     k = planes_of(dtype, arr.itemsize)
-    tries = _coded_planes(first, k, units.unit_bytes(0) // k)
+    tries = coded_planes(first, k, units.unit_bytes(0) // k)
 
-    def one(u: int) -> bytes:
-        return encode_unit(unit_view(arr, units, u), dtype, arr.itemsize, codec, tries)
-    rest = range(1, units.count)
-    coded = [first] + list(pool.map(one, rest) if pool is not None else map(one, rest))
+    def one(u: int) -> list[bytes]:
+        return [encode_unit(unit_view(arr, units, u), dtype, arr.itemsize, codec, tries)]
+
+    def run(lo: int) -> list[bytes]:  # flat chunks: a block of them split into planes at once
+        hi = min(units.count, lo + per)
+        planes = split_planes(arr.reshape(-1).view(np.uint8)[lo * units.chunk:hi * units.chunk], dtype, arr.itemsize)
+        each = units.chunk // k
+        return [_pack([q[(u - lo) * each:(u - lo) * each + units.unit_bytes(u) // k] for q in planes], codec, tries)
+                for u in range(lo, hi)]
+    per = max(1, _BLOCK_BYTES // units.chunk)
+    jobs, fn = (range(1, units.count), one) if units.grid is not None else (range(1, units.count, per), run)
+    coded = [first] + [c for block in (pool.map(fn, jobs) if pool is not None else map(fn, jobs)) for c in block]
     lengths = np.fromiter(map(len, coded), np.uint64, len(coded))
     stored = np.frombuffer(b"".join(coded), np.uint8)
     digests = np.fromiter(map(xxhash.xxh3_64_intdigest, coded), np.uint64, len(coded))
     return Encoded(stored, np.cumsum(lengths, dtype=np.uint64), digests)
 
 
-def _coded_planes(unit: bytes, k: int, each: int) -> list[bool]:
+def coded_planes(unit: bytes, k: int, each: int) -> list[bool]:
     """Which planes (of ``each`` bytes) of a coded unit shrank by at least 2%: the others (the
     mantissa bytes of trained floats, noise to a coder) are stored raw in the dataset's other units
     without being tried (a writer's choice: readers see raw planes either way)."""
