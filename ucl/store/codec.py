@@ -237,8 +237,13 @@ def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None
     k = planes_of(dtype, arr.itemsize)
     tries = coded_planes(first, k, units.unit_bytes(0) // k)
 
-    def one(u: int) -> list[bytes]:
-        return [encode_unit(unit_view(arr, units, u), dtype, arr.itemsize, codec, tries)]
+    def band(b: int) -> list[bytes]:  # tiles: a band of them split into planes at once
+        g = units.grid
+        r0, r1 = g.row_span(b)
+        planes = [q.reshape(r1 - r0, g.cols) for q in split_planes(
+            arr.reshape(g.rows, g.cols)[r0:r1].reshape(-1).view(np.uint8), dtype, arr.itemsize)]
+        return [_pack([np.ascontiguousarray(q[:, slice(*g.col_span(j, j))]).reshape(-1) for q in planes], codec, tries)
+                for j in range(1 if b == 0 else 0, g.nc)]
 
     def run(lo: int) -> list[bytes]:  # flat chunks: a block of them split into planes at once
         hi = min(units.count, lo + per)
@@ -247,7 +252,7 @@ def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None
         return [_pack([q[(u - lo) * each:(u - lo) * each + units.unit_bytes(u) // k] for q in planes], codec, tries)
                 for u in range(lo, hi)]
     per = max(1, _BLOCK_BYTES // units.chunk)
-    jobs, fn = (range(1, units.count), one) if units.grid is not None else (range(1, units.count, per), run)
+    jobs, fn = (range(units.grid.nr), band) if units.grid is not None else (range(1, units.count, per), run)
     coded = [first] + [c for block in (pool.map(fn, jobs) if pool is not None else map(fn, jobs)) for c in block]
     lengths = np.fromiter(map(len, coded), np.uint64, len(coded))
     stored = np.frombuffer(b"".join(coded), np.uint8)
