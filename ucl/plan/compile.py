@@ -146,37 +146,84 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         for tid, j in held_ids:
             by_tensor.setdefault(tid, []).append(T.holdings[tid][j])
         todo = ((model.tensors[tid], hs) for tid, hs in sorted(by_tensor.items()))
+    # The kinds of one flat statement (fp32, exp_avg, exp_avg_sq) hold the very same pieces at the
+    # very same coordinates (shared objects) and share their sources: their rows differ only by
+    # tensor and slots, so each piece's geometry and rank set is found once, for the first of them.
+    shared_uses: dict[tuple, tuple] = {}
+
+    def slots_of(hs, js: np.ndarray) -> np.ndarray:
+        """Slot ids of holdings ``hs[js]``; slots not numbered yet are numbered in order of first use
+        (slots are shared objects: a flat buffer's recur on every coordinate)."""
+        if not len(js):
+            return np.zeros(0, dtype=I64)
+        objs = [h.slot for h in hs]
+        k = np.array([id(o) for o in objs], dtype=I64)[js]
+        order = np.argsort(k, kind="stable")
+        ks = k[order]
+        starts = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
+        first = order[starts]  # each distinct slot's first use
+        ids = np.empty(len(starts), dtype=I64)
+        for u in np.argsort(first):
+            ids[u] = sid(objs[js[first[u]]])
+        out = np.empty(len(k), dtype=I64)
+        out[order] = np.repeat(ids, np.diff(np.append(starts, len(ks))))
+        return out
+
+    set_of_obj: dict[int, int] = {}  # id of a holding's coordinates (alive in its ShardMap) -> rank set
+
+    def held_set(h) -> int:
+        d = set_of_obj.get(id(h.fixed))
+        if d is None:
+            d = set_of_obj[id(h.fixed)] = rank_set(h.fixed)
+        return d
+
     for t, holdings in todo:
-        held = [(h, d) for h in holdings for d in (rank_set(h.fixed),) if d >= 0]
-        if wanted is not None and not held:
+        sets_of = [held_set(h) for h in holdings]
+        if wanted is not None and max(sets_of, default=-1) < 0:
             continue  # a part of the plan (one rank's load) proves only the tensors it moves
         st = t if src_model is model else _matching_source(src_model, t)
         sources = dedup_sources(S, st)
         if not T.mesh.is_universal:
             dedup_sources(T, t, "target")  # P1 for the target too: no element may be dropped
-        src_key = source_of_list.get(id(sources))  # kinds of one flat statement share the list
-        if src_key is None:
-            src_key = source_of_list[id(sources)] = source_ids.setdefault(
-                tuple([piece_sig(p) for _, _, p, _, _ in sources]), len(source_ids))
-        src_ranks.append(np.array([r for _, _, _, r, _ in sources], dtype=I64))
-        src_holdings = S.holdings[st.id]
-        src_slots.append(np.array([sid(src_holdings[j].slot) for _, _, _, _, j in sources], dtype=I64))
-        src_lo = src_hi = None
-        for h, dset in held:
-            dslot = sid(h.slot)
-            for piece in h.pieces:
-                psig = sig_of.get(id(piece))  # pieces outlive the compile (the ShardMap holds them)
-                if psig is None:
-                    psig = sig_of[id(piece)] = piece_sig(piece)
-                key = (psig, src_key)
-                geo = geometry.get(key)
-                if geo is None:
-                    if src_lo is None:
-                        src_lo = np.array([lo for lo, _, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
-                        src_hi = np.array([hi for _, hi, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
-                    geo = geometry[key] = geos.add(_coalesce(*_piece_rows(t, piece, sources, src_lo, src_hi)),
-                                                   _fill_boxes(piece))
-                uses.add(geo, t.id, dset, dslot, src_base)
+        found = source_of_list.get(id(sources))  # kinds of one flat statement share the list
+        if found is None:
+            found = source_of_list[id(sources)] = (
+                source_ids.setdefault(tuple([piece_sig(p) for _, _, p, _, _ in sources]), len(source_ids)),
+                np.array([r for _, _, _, r, _ in sources], dtype=I64),
+                np.array([j for _, _, _, _, j in sources], dtype=I64), sources)
+        src_key, ranks_of_sources, holding_of_sources, _ = found
+        src_ranks.append(ranks_of_sources)
+        src_slots.append(slots_of(S.holdings[st.id], holding_of_sources))
+        key = (id(sources), tuple([id(h.pieces) for h in holdings]), tuple([id(h.fixed) for h in holdings]))
+        per_piece = shared_uses.get(key)
+        if per_piece is None:
+            hs, gs, ds = [], [], []
+            src_lo = src_hi = None
+            for j, (h, dset) in enumerate(zip(holdings, sets_of)):
+                if dset < 0:
+                    continue
+                for piece in h.pieces:
+                    psig = sig_of.get(id(piece))  # pieces outlive the compile (the ShardMap holds them)
+                    if psig is None:
+                        psig = sig_of[id(piece)] = piece_sig(piece)
+                    gkey = (psig, src_key)
+                    geo = geometry.get(gkey)
+                    if geo is None:
+                        if src_lo is None:
+                            src_lo = np.array([lo for lo, _, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
+                            src_hi = np.array([hi for _, hi, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
+                        geo = geometry[gkey] = geos.add(_coalesce(*_piece_rows(t, piece, sources, src_lo, src_hi)),
+                                                        _fill_boxes(piece))
+                    hs.append(j)
+                    gs.append(geo)
+                    ds.append(dset)
+            # the key's holdings are kept alive with the entry, so the ids in it stay theirs
+            per_piece = shared_uses[key] = (np.flatnonzero(np.array(sets_of, dtype=I64) >= 0), np.array(hs, dtype=I64),
+                                            np.array(gs, dtype=I64), np.array(ds, dtype=I64), holdings)
+        held_js, hs, gs, ds, _ = per_piece
+        dst_slot = np.zeros(len(holdings), dtype=I64)
+        dst_slot[held_js] = slots_of(holdings, held_js)
+        uses.add_many(gs, t.id, ds, dst_slot[hs], src_base)
         src_base += len(sources)
     flat_fills = _Uses()
     for f in (T.flat_fills if few is None else
@@ -242,6 +289,7 @@ class _Uses:
 
     def __init__(self):
         self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base = [], [], [], [], []
+        self.chunks: list[tuple] = []  # uses added by :meth:`add_many`, as arrays
 
     def add(self, geo: int, tensor: int, dst_set: int, dst_slot: int, src_base: int) -> None:
         self.geo.append(geo)
@@ -249,6 +297,15 @@ class _Uses:
         self.dst_set.append(dst_set)
         self.dst_slot.append(dst_slot)
         self.src_base.append(src_base)
+
+    def add_many(self, geo: np.ndarray, tensor: int, dst_set: np.ndarray, dst_slot: np.ndarray, src_base: int) -> None:
+        n = len(geo)
+        self.chunks.append((geo, np.full(n, tensor, dtype=I64), dst_set, dst_slot, np.full(n, src_base, dtype=I64)))
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """(geo, tensor, dst_set, dst_slot, src_base): every use, those of :meth:`add` first."""
+        cols = [np.asarray(c, dtype=I64) for c in (self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base)]
+        return tuple(np.concatenate([c] + [ch[k] for ch in self.chunks]) for k, c in enumerate(cols))
 
 
 class _Geometries:
@@ -274,23 +331,24 @@ class _Geometries:
 
     def rows(self, uses: _Uses, flat_fills: _Uses, src_rank: np.ndarray, src_slot: np.ndarray):
         K = self.K
+        uses, flat_fills = uses.columns(), flat_fills.columns()
         empty = np.zeros((0, K), dtype=I64)
         cols = list(zip(*self.copy_parts)) or [[empty]] * 4 + [[np.zeros(0, dtype=I64)]]
         g, dl, sl, n = (np.concatenate(x) for x in cols[:4])
         idx = np.concatenate(cols[4])
-        row, use = _gather([len(p[4]) for p in self.copy_parts], uses.geo)
-        base = np.asarray(uses.src_base, dtype=I64)[use]
-        copies = {"tensor": np.asarray(uses.tensor, dtype=I64)[use], "src_rank": src_rank[base + idx[row]],
-                  "src_slot": src_slot[base + idx[row]], "dst_set": np.asarray(uses.dst_set, dtype=I64)[use],
-                  "dst_slot": np.asarray(uses.dst_slot, dtype=I64)[use],
+        geo, tensor, dst_set, dst_slot, src_base = uses
+        row, use = _gather([len(p[4]) for p in self.copy_parts], geo)
+        base = src_base[use]
+        copies = {"tensor": tensor[use], "src_rank": src_rank[base + idx[row]],
+                  "src_slot": src_slot[base + idx[row]], "dst_set": dst_set[use], "dst_slot": dst_slot[use],
                   "src_start": sl[row], "dst_start": dl[row], "global_start": g[row], "size": n[row]}
         fcols = list(zip(*self.fill_parts)) or [[empty]] * 2
         fstart, fsize = (np.concatenate(x) for x in fcols)
         fills = {k: [] for k in FILL_COLUMNS + FILL_BOX_COLUMNS}
-        for u in (uses, flat_fills):
-            row, use = _gather([len(p[0]) for p in self.fill_parts], u.geo)
-            for k, v in (("tensor", u.tensor), ("dst_set", u.dst_set), ("dst_slot", u.dst_slot)):
-                fills[k].append(np.asarray(v, dtype=I64)[use])
+        for u_geo, u_tensor, u_set, u_slot, _ in (uses, flat_fills):
+            row, use = _gather([len(p[0]) for p in self.fill_parts], u_geo)
+            for k, v in (("tensor", u_tensor), ("dst_set", u_set), ("dst_slot", u_slot)):
+                fills[k].append(v[use])
             fills["dst_start"].append(fstart[row])
             fills["size"].append(fsize[row])
         return copies, {k: np.concatenate(v) for k, v in fills.items()}
