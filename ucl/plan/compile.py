@@ -9,41 +9,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import PlanError, UclError, detach
-from ..layout.algebra import I64, intersect, product
+from ..layout.algebra import I64
 from ..layout.bind import Model
 from ..layout.boxes import Slot
 from ..layout.lower import ShardMap, gc_paused, lower, tensors_on
 from ..layout.mesh import Mesh, as_mesh
 from .ir import DATASET_COLUMNS, FILL_BOX_COLUMNS, FILL_COLUMNS, Plan
-from .proof import dedup_sources, piece_bbox, piece_sig, piece_volume
+from .geometry import Geometries, Uses, fill_boxes, piece_boxes, pieces_rows
+from .proof import dedup_sources, piece_sig, piece_volume
 from .ranksets import RankSets, sorted_distinct
 
 # ---- compilation ---------------------------------------------------------------------------------
-def _pad_cols(a: np.ndarray, K: int, fill: int) -> np.ndarray:
-    """(rows, nd) -> (rows, K) with leading columns set to ``fill``."""
-    rows, nd = a.shape
-    if nd == K:
-        return a
-    return np.concatenate([np.full((rows, K - nd), fill, dtype=I64), a], axis=1)
-
-
-def _fill_boxes(piece) -> np.ndarray:
-    """Local boxes of a piece that are padding: (rows, nd, 2) of (local start, length)."""
-    if not any(len(d.fills) for d in piece):  # the common case: no padding at all
-        return np.zeros((0, len(piece), 2), dtype=I64)
-    per_dim, any_fill = [], False
-    for d in piece:
-        runs = [np.concatenate([d.segs[:, 1:3], np.zeros((len(d.segs), 1), dtype=I64)], axis=1),
-                np.concatenate([d.fills, np.ones((len(d.fills), 1), dtype=I64)], axis=1)]
-        per_dim.append(np.concatenate(runs))
-        any_fill |= len(d.fills) > 0
-    if not any_fill:
-        return np.zeros((0, len(piece), 2), dtype=I64)
-    prod = product(per_dim)  # (rows, nd, 3)
-    is_fill = prod[:, :, 2].any(axis=1)
-    return prod[is_fill][:, :, :2]
-
-
 def compile(model: Model, src: Mesh | str, dst: Mesh | str, ranks=None) -> Plan:
     """Plan the move of every tensor of ``model`` from layout ``src`` to layout ``dst`` (only for the
     target ``ranks`` if given: what one rank needs to load, without planning every other rank)."""
@@ -130,12 +106,12 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         return slot_ids.setdefault(slot, len(slot_ids))
 
     geometry: dict[tuple, int] = {}  # (target piece, source pieces) -> geometry id; layers repeat geometry
-    geos = _Geometries(K)
+    geos = Geometries(K)
     source_ids: dict[tuple, int] = {}
-    source_of_list: dict[int, int] = {}  # id of a (cached, alive) source list -> its source_ids entry
+    source_of_list: dict[int, list] = {}  # id of a (cached, alive) source list -> [source_ids entry, ranks, holdings, list, boxes]
     sig_of: dict[int, tuple] = {}  # id of a target piece -> its signature
     src_ranks, src_slots, src_base = [], [], 0  # every tensor's deduplicated sources, one after another
-    uses = _Uses()  # (geometry, tensor, rank set, target slot, sources) per target piece
+    uses = Uses()  # (geometry, tensor, rank set, target slot, sources) per target piece
     if few is None:
         todo = ((t, T.holdings[t.id]) for t in model.tensors)
     else:  # only the tensors the wanted ranks hold, found through an index (cached on the model)
@@ -187,18 +163,17 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             dedup_sources(T, t, "target")  # P1 for the target too: no element may be dropped
         found = source_of_list.get(id(sources))  # kinds of one flat statement share the list
         if found is None:
-            found = source_of_list[id(sources)] = (
+            found = source_of_list[id(sources)] = [
                 source_ids.setdefault(tuple([piece_sig(p) for _, _, p, _, _ in sources]), len(source_ids)),
                 np.array([r for _, _, _, r, _ in sources], dtype=I64),
-                np.array([j for _, _, _, _, j in sources], dtype=I64), sources)
-        src_key, ranks_of_sources, holding_of_sources, _ = found
+                np.array([j for _, _, _, _, j in sources], dtype=I64), sources, None]  # sources as boxes: lazily
+        src_key, ranks_of_sources, holding_of_sources = found[:3]
         src_ranks.append(ranks_of_sources)
         src_slots.append(slots_of(S.holdings[st.id], holding_of_sources))
         key = (id(sources), tuple([id(h.pieces) for h in holdings]), tuple([id(h.fixed) for h in holdings]))
         per_piece = shared_uses.get(key)
         if per_piece is None:
-            hs, gs, ds = [], [], []
-            src_lo = src_hi = None
+            hs, gs, ds, new = [], [], [], []
             for j, (h, dset) in enumerate(zip(holdings, sets_of)):
                 if dset < 0:
                     continue
@@ -209,14 +184,16 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                     gkey = (psig, src_key)
                     geo = geometry.get(gkey)
                     if geo is None:
-                        if src_lo is None:
-                            src_lo = np.array([lo for lo, _, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
-                            src_hi = np.array([hi for _, hi, _, _, _ in sources], dtype=I64).reshape(len(sources), len(t.shape))
-                        geo = geometry[gkey] = geos.add(_coalesce(*_piece_rows(t, piece, sources, src_lo, src_hi)),
-                                                        _fill_boxes(piece))
+                        geo = geometry[gkey] = geos.reserve()
+                        new.append(piece)
                     hs.append(j)
                     gs.append(geo)
                     ds.append(dset)
+            if new:  # the new geometries of this tensor, found together
+                if found[4] is None:
+                    found[4] = piece_boxes([p for _, _, p, _, _ in sources], len(t.shape))
+                geos.add_batch(pieces_rows(t, new, [piece_volume(p) for p in new], found[4]), len(new),
+                               [fill_boxes(p) for p in new])
             # the key's holdings are kept alive with the entry, so the ids in it stay theirs
             per_piece = shared_uses[key] = (np.flatnonzero(np.array(sets_of, dtype=I64) >= 0), np.array(hs, dtype=I64),
                                             np.array(gs, dtype=I64), np.array(ds, dtype=I64), holdings)
@@ -225,7 +202,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         dst_slot[held_js] = slots_of(holdings, held_js)
         uses.add_many(gs, t.id, ds, dst_slot[hs], src_base)
         src_base += len(sources)
-    flat_fills = _Uses()
+    flat_fills = Uses()
     for f in (T.flat_fills if few is None else
               _matching(T, "flat_fills", lambda: T.flat_fills, lambda f: f.fixed, [c for _, c in few])):
         dset = rank_set(f.fixed)
@@ -282,168 +259,3 @@ def _matching(T: ShardMap, name: str, items, fixed_of, coords: list[dict]) -> li
         hits = [e for key, found in index.items() if any(all(c.get(a, 0) == v for a, v in key) for c in coords)
                 for e in found]
     return [item for _, item in sorted(hits, key=lambda e: e[0])]
-
-
-class _Uses:
-    """Where geometries are used: one entry per target piece, as plain int lists (cheap to append)."""
-
-    def __init__(self):
-        self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base = [], [], [], [], []
-        self.chunks: list[tuple] = []  # uses added by :meth:`add_many`, as arrays
-
-    def add(self, geo: int, tensor: int, dst_set: int, dst_slot: int, src_base: int) -> None:
-        self.geo.append(geo)
-        self.tensor.append(tensor)
-        self.dst_set.append(dst_set)
-        self.dst_slot.append(dst_slot)
-        self.src_base.append(src_base)
-
-    def add_many(self, geo: np.ndarray, tensor: int, dst_set: np.ndarray, dst_slot: np.ndarray, src_base: int) -> None:
-        n = len(geo)
-        self.chunks.append((geo, np.full(n, tensor, dtype=I64), dst_set, dst_slot, np.full(n, src_base, dtype=I64)))
-
-    def columns(self) -> tuple[np.ndarray, ...]:
-        """(geo, tensor, dst_set, dst_slot, src_base): every use, those of :meth:`add` first."""
-        cols = [np.asarray(c, dtype=I64) for c in (self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base)]
-        return tuple(np.concatenate([c] + [ch[k] for ch in self.chunks]) for k, c in enumerate(cols))
-
-
-class _Geometries:
-    """The rows of each distinct geometry (copies relative to the tensor's source list, and fills),
-    stored once; :meth:`rows` lays them out for every use in a few numpy operations."""
-
-    def __init__(self, K: int):
-        self.K = K
-        self.copy_parts: list[tuple] = []  # per geometry: (global, dst, src starts, size, source index)
-        self.fill_parts: list[tuple] = []  # per geometry: (dst start, size)
-
-    def add(self, rows, fill_boxes) -> int:
-        K = self.K
-        g, dl, sl, n, idx = rows
-        self.copy_parts.append((_pad_cols(g, K, 0), _pad_cols(dl, K, 0), _pad_cols(sl, K, 0), _pad_cols(n, K, 1), idx))
-        self.fill_parts.append((_pad_cols(fill_boxes[:, :, 0], K, 0), _pad_cols(fill_boxes[:, :, 1], K, 1)))
-        return len(self.copy_parts) - 1
-
-    def add_fill(self, start: int, length: int) -> int:
-        """A geometry of one flat-buffer gap (no copies)."""
-        return self.add((np.zeros((0, 1), dtype=I64),) * 4 + (np.zeros(0, dtype=I64),),
-                        np.array([[[start, length]]], dtype=I64))
-
-    def rows(self, uses: _Uses, flat_fills: _Uses, src_rank: np.ndarray, src_slot: np.ndarray):
-        K = self.K
-        uses, flat_fills = uses.columns(), flat_fills.columns()
-        empty = np.zeros((0, K), dtype=I64)
-        cols = list(zip(*self.copy_parts)) or [[empty]] * 4 + [[np.zeros(0, dtype=I64)]]
-        g, dl, sl, n = (np.concatenate(x) for x in cols[:4])
-        idx = np.concatenate(cols[4])
-        geo, tensor, dst_set, dst_slot, src_base = uses
-        row, use = _gather([len(p[4]) for p in self.copy_parts], geo)
-        base = src_base[use]
-        copies = {"tensor": tensor[use], "src_rank": src_rank[base + idx[row]],
-                  "src_slot": src_slot[base + idx[row]], "dst_set": dst_set[use], "dst_slot": dst_slot[use],
-                  "src_start": sl[row], "dst_start": dl[row], "global_start": g[row], "size": n[row]}
-        fcols = list(zip(*self.fill_parts)) or [[empty]] * 2
-        fstart, fsize = (np.concatenate(x) for x in fcols)
-        fills = {k: [] for k in FILL_COLUMNS + FILL_BOX_COLUMNS}
-        for u_geo, u_tensor, u_set, u_slot, _ in (uses, flat_fills):
-            row, use = _gather([len(p[0]) for p in self.fill_parts], u_geo)
-            for k, v in (("tensor", u_tensor), ("dst_set", u_set), ("dst_slot", u_slot)):
-                fills[k].append(v[use])
-            fills["dst_start"].append(fstart[row])
-            fills["size"].append(fsize[row])
-        return copies, {k: np.concatenate(v) for k, v in fills.items()}
-
-
-def _gather(counts: list[int], geo: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """For uses of geometries ``geo`` whose row counts are ``counts``: (row of the concatenated
-    geometry tables, use) for every output row, uses in order and each geometry's rows in order."""
-    counts_a = np.asarray(counts, dtype=I64)
-    offsets = np.concatenate([np.zeros(1, dtype=I64), np.cumsum(counts_a, dtype=I64)])
-    geo_a = np.asarray(geo, dtype=I64)
-    m = counts_a[geo_a] if len(geo_a) else np.zeros(0, dtype=I64)
-    use = np.repeat(np.arange(len(geo_a), dtype=I64), m)
-    within = np.arange(len(use), dtype=I64) - np.repeat(np.cumsum(m) - m, m)
-    return offsets[geo_a][use] + within, use
-
-
-def _coalesce(g, dl, sl, n, idx):
-    """Merge rows of one target piece that continue each other along a dim in global, target and
-    source coordinates alike (same source, same extent in the other dims): fewer, larger I/O calls.
-    Done per geometry, before rows are repeated over replicas, so it costs little."""
-    nd = g.shape[1]
-    for d in range(nd):
-        if len(idx) < 2:
-            break
-        others = [k for k in range(nd) if k != d]
-        keys = [idx] + [a[:, k] for a in (g, dl, sl, n) for k in others]
-        order = np.lexsort([g[:, d]] + keys[::-1])
-        g, dl, sl, n, idx = g[order], dl[order], sl[order], n[order], idx[order]
-        same = idx[1:] == idx[:-1]
-        for a in (g, dl, sl, n):
-            for k in others:
-                same &= a[1:, k] == a[:-1, k]
-        for a in (g, dl, sl):
-            same &= a[1:, d] == a[:-1, d] + n[:-1, d]
-        if not same.any():
-            continue
-        group = np.concatenate([[0], np.cumsum(~same)])
-        first = np.concatenate([[0], np.flatnonzero(~same) + 1])
-        g, dl, sl, idx = g[first], dl[first], sl[first], idx[first]
-        size = n[first].copy()
-        size[:, d] = np.bincount(group, weights=n[:, d]).astype(I64)
-        n = size
-    return g, dl, sl, n, idx
-
-
-def _single_overlap(piece, source):
-    """:func:`intersect` and :func:`product` for the common case of a few runs per dim on both
-    sides, in plain Python (numpy's per-call cost dominates arrays this small); None otherwise."""
-    per_dim = []
-    for d, s in zip(piece, source):
-        a, b = d.segs, s.segs
-        if len(a) * len(b) > 16:
-            return None
-        hits = []
-        for ag, al, an in a.tolist():
-            for bg, bl, bn in b.tolist():
-                lo, hi = max(ag, bg), min(ag + an, bg + bn)
-                if lo < hi:
-                    hits.append((lo, al + lo - ag, bl + lo - bg, hi - lo))
-        if not hits:
-            return _NO_ROWS
-        per_dim.append(sorted(hits))
-    rows = list(itertools.product(*per_dim))
-    return np.array(rows, dtype=I64).reshape(len(rows), len(per_dim), 4)
-
-
-_NO_ROWS = np.zeros((0, 0, 4), dtype=I64)
-
-
-def _piece_rows(t, piece, sources, src_lo, src_hi):
-    """Rows (global start, dst local start, src local start, size, source index) covering one
-    target piece; proves the piece is covered exactly once."""
-    nd = len(t.shape)
-    want = piece_volume(piece)
-    empty = np.zeros((0, nd), dtype=I64)
-    if want == 0:
-        return empty, empty, empty, empty, np.zeros(0, dtype=I64)
-    lo, hi = piece_bbox(piece)
-    cand = np.flatnonzero(np.all((src_lo < hi) & (src_hi > lo), axis=1))
-    found, idx = [], []
-    got = 0
-    for i in cand:
-        sp = sources[i][2]
-        rows = _single_overlap(piece, sp)
-        if rows is None:
-            per_dim = [intersect(d.segs, s.segs) for d, s in zip(piece, sp)]
-            rows = product(per_dim)  # (rows, nd, 4): global, dst local, src local, length
-        if not len(rows):
-            continue
-        found.append(rows)
-        got += int(np.prod(rows[:, :, 3], axis=1).sum())
-        idx.append(np.full(len(rows), i, dtype=I64))
-    if got != want:
-        raise PlanError(f"{t.name} ({t.kind}): a target box of {want} elements found {got} source elements",
-                        code="UCL314")
-    rows = np.concatenate(found)
-    return rows[:, :, 0], rows[:, :, 1], rows[:, :, 2], rows[:, :, 3], np.concatenate(idx)

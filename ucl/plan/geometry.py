@@ -1,0 +1,235 @@
+"""Geometries: the copy rows that cover one target piece from a tensor's deduplicated sources,
+relative to the tensor's source list, and the padding fills inside the piece. A geometry is found
+once and used by every target piece that has it (layers repeat geometry; the kinds of one flat
+statement share their pieces), so a plan's cost follows its distinct pieces, not its ranks.
+
+Pieces are found in batches (every new piece of a tensor at once) with numpy: each piece and each
+source is cut into boxes (one run per dim), every overlapping (target box, source box) pair is one
+row, and rows that continue each other are merged (:func:`coalesce`). The rows are those of the
+per-piece intersection of run lists: the same set of boxes, merged the same way, in an order that
+depends only on their values.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from ..errors import PlanError
+from ..layout.algebra import I64, product
+
+_PAIRS_AT_ONCE = 1 << 21  # (target box, source box) pairs tested in one numpy call: bounds memory
+
+
+def pad_cols(a: np.ndarray, K: int, fill: int) -> np.ndarray:
+    """(rows, nd) -> (rows, K) with leading columns set to ``fill``."""
+    rows, nd = a.shape
+    if nd == K:
+        return a
+    return np.concatenate([np.full((rows, K - nd), fill, dtype=I64), a], axis=1)
+
+
+def piece_boxes(pieces: list, nd: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every piece as boxes: (owner piece index (B,), runs (B, nd, 3) of global start, local
+    start, length), each piece's boxes in row-major order of its runs."""
+    if not pieces:
+        return np.zeros(0, dtype=I64), np.zeros((0, nd, 3), dtype=I64)
+    if nd == 0:
+        return np.arange(len(pieces), dtype=I64), np.zeros((len(pieces), 0, 3), dtype=I64)
+    segs = [d.segs for p in pieces for d in p]
+    if all(len(s) == 1 for s in segs):  # the common case: one run per dim
+        return np.arange(len(pieces), dtype=I64), np.concatenate(segs).reshape(len(pieces), nd, 3)
+    owners, boxes = [], []
+    for i, p in enumerate(pieces):
+        runs = [d.segs.tolist() for d in p]
+        for combo in itertools.product(*runs):
+            owners.append(i)
+            boxes.append(combo)
+    return np.array(owners, dtype=I64), np.array(boxes, dtype=I64).reshape(len(boxes), nd, 3)
+
+
+def fill_boxes(piece) -> np.ndarray:
+    """Local boxes of a piece that are padding: (rows, nd, 2) of (local start, length)."""
+    if not any(len(d.fills) for d in piece):  # the common case: no padding at all
+        return np.zeros((0, len(piece), 2), dtype=I64)
+    per_dim = []
+    for d in piece:
+        runs = [np.concatenate([d.segs[:, 1:3], np.zeros((len(d.segs), 1), dtype=I64)], axis=1),
+                np.concatenate([d.fills, np.ones((len(d.fills), 1), dtype=I64)], axis=1)]
+        per_dim.append(np.concatenate(runs))
+    prod = product(per_dim)  # (rows, nd, 3)
+    is_fill = prod[:, :, 2].any(axis=1)
+    return prod[is_fill][:, :, :2]
+
+
+def pieces_rows(t, pieces: list, volumes: list[int], src_boxes: tuple[np.ndarray, np.ndarray]):
+    """Rows covering each of ``pieces`` (target pieces of tensor ``t``) from the source boxes
+    ``src_boxes`` (:func:`piece_boxes` of the tensor's deduplicated sources, owner = source index):
+    (piece (n,), global start, dst local start, src local start, size (n, nd each), source index
+    (n,)), merged by :func:`coalesce`, grouped by piece in order. Proves each piece is covered
+    exactly once by its ``volumes`` entry (UCL314 names the first piece that is not)."""
+    nd = len(t.shape)
+    owner, tb = piece_boxes(pieces, nd)
+    src_of, sb = src_boxes
+    parts = []
+    step = max(1, _PAIRS_AT_ONCE // max(len(sb), 1))
+    s_lo, s_hi = sb[:, :, 0], sb[:, :, 0] + sb[:, :, 2]
+    for a0 in range(0, len(tb), step):
+        t_lo, t_hi = tb[a0:a0 + step, :, 0], tb[a0:a0 + step, :, 0] + tb[a0:a0 + step, :, 2]
+        hit = np.all((t_lo[:, None, :] < s_hi[None, :, :]) & (s_lo[None, :, :] < t_hi[:, None, :]), axis=2)
+        a, b = np.nonzero(hit)
+        parts.append((a + a0, b))
+    a = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=I64)
+    b = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=I64)
+    ta, sbb = tb[a], sb[b]
+    lo = np.maximum(ta[:, :, 0], sbb[:, :, 0])
+    size = np.minimum(ta[:, :, 0] + ta[:, :, 2], sbb[:, :, 0] + sbb[:, :, 2]) - lo
+    dl = ta[:, :, 1] + lo - ta[:, :, 0]
+    sl = sbb[:, :, 1] + lo - sbb[:, :, 0]
+    piece = owner[a]
+    got = _sums(piece, np.prod(size, axis=1, dtype=I64), len(pieces))  # a scalar's box holds 1 element
+    want = np.asarray(volumes, dtype=I64)
+    bad = np.flatnonzero(got != want)
+    if len(bad):
+        i = int(bad[0])
+        raise PlanError(f"{t.name} ({t.kind}): a target box of {int(want[i])} elements found {int(got[i])} "
+                        "source elements", code="UCL314")
+    return coalesce(piece, lo, dl, sl, size, src_of[b])
+
+
+def _sums(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Exact int64 sums of ``values`` per ``group`` (bincount would sum in float64)."""
+    out = np.zeros(n, dtype=I64)
+    np.add.at(out, group, values)
+    return out
+
+
+def coalesce(piece, g, dl, sl, n, idx):
+    """Merge rows of one target piece that continue each other along a dim in global, target and
+    source coordinates alike (same source, same extent in the other dims): fewer, larger I/O calls.
+    Done per geometry, before rows are repeated over replicas, so it costs little. Rows of each
+    piece end in an order that depends only on their values."""
+    nd = g.shape[1]
+    for d in range(nd):
+        if len(idx) < 2:
+            break
+        others = [k for k in range(nd) if k != d]
+        keys = [piece, idx] + [a[:, k] for a in (g, dl, sl, n) for k in others]
+        order = np.lexsort([g[:, d]] + keys[::-1])
+        piece, g, dl, sl, n, idx = piece[order], g[order], dl[order], sl[order], n[order], idx[order]
+        same = (piece[1:] == piece[:-1]) & (idx[1:] == idx[:-1])
+        for a in (g, dl, sl, n):
+            for k in others:
+                same &= a[1:, k] == a[:-1, k]
+        for a in (g, dl, sl):
+            same &= a[1:, d] == a[:-1, d] + n[:-1, d]
+        if not same.any():
+            continue
+        group = np.concatenate([[0], np.cumsum(~same)])
+        first = np.concatenate([[0], np.flatnonzero(~same) + 1])
+        piece, g, dl, sl, idx = piece[first], g[first], dl[first], sl[first], idx[first]
+        size = n[first].copy()
+        size[:, d] = _sums(group, n[:, d], len(first))
+        n = size
+    return piece, g, dl, sl, n, idx
+
+
+class Uses:
+    """Where geometries are used: one entry per target piece."""
+
+    def __init__(self):
+        self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base = [], [], [], [], []
+        self.chunks: list[tuple] = []  # uses added by :meth:`add_many`, as arrays
+
+    def add(self, geo: int, tensor: int, dst_set: int, dst_slot: int, src_base: int) -> None:
+        self.geo.append(geo)
+        self.tensor.append(tensor)
+        self.dst_set.append(dst_set)
+        self.dst_slot.append(dst_slot)
+        self.src_base.append(src_base)
+
+    def add_many(self, geo: np.ndarray, tensor: int, dst_set: np.ndarray, dst_slot: np.ndarray, src_base: int) -> None:
+        n = len(geo)
+        self.chunks.append((geo, np.full(n, tensor, dtype=I64), dst_set, dst_slot, np.full(n, src_base, dtype=I64)))
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """(geo, tensor, dst_set, dst_slot, src_base): every use, those of :meth:`add` first."""
+        cols = [np.asarray(c, dtype=I64) for c in (self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base)]
+        return tuple(np.concatenate([c] + [ch[k] for ch in self.chunks]) for k, c in enumerate(cols))
+
+
+class Geometries:
+    """The rows of each distinct geometry (copies relative to the tensor's source list, and fills),
+    stored once, in batches; :meth:`rows` lays them out for every use in a few numpy operations."""
+
+    def __init__(self, K: int):
+        self.K = K
+        self.copy_chunks: list[tuple] = []  # (global, dst, src starts, size (rows, K)), source index
+        self.copy_counts: list[np.ndarray] = []  # rows per geometry, chunk after chunk
+        self.fills: dict[int, tuple] = {}  # geometry -> (dst start, size): the few with padding
+        self.count = 0
+
+    def reserve(self) -> int:
+        """The id of the next geometry; its rows come with the next :meth:`add_batch`."""
+        self.count += 1
+        return self.count - 1
+
+    def add_batch(self, batch, n_geos: int, fill_boxes_of: list) -> None:
+        """Rows of the last ``n_geos`` reserved geometries (:func:`pieces_rows` of their pieces,
+        in order) and each one's padding boxes."""
+        K = self.K
+        piece, g, dl, sl, n, idx = batch
+        self.copy_chunks.append((pad_cols(g, K, 0), pad_cols(dl, K, 0), pad_cols(sl, K, 0), pad_cols(n, K, 1), idx))
+        self.copy_counts.append(np.bincount(piece, minlength=n_geos).astype(I64))
+        first = self.count - n_geos
+        for i, fb in enumerate(fill_boxes_of):
+            if len(fb):
+                self.fills[first + i] = (pad_cols(fb[:, :, 0], K, 0), pad_cols(fb[:, :, 1], K, 1))
+
+    def add_fill(self, start: int, length: int) -> int:
+        """A geometry of one flat-buffer gap (no copies)."""
+        geo = self.reserve()
+        e = np.zeros((0, 0), dtype=I64)
+        self.add_batch((np.zeros(0, dtype=I64), e, e, e, e, np.zeros(0, dtype=I64)), 1,
+                       [np.array([[[start, length]]], dtype=I64)])
+        return geo
+
+    def rows(self, uses: Uses, flat_fills: Uses, src_rank: np.ndarray, src_slot: np.ndarray):
+        K = self.K
+        uses, flat_fills = uses.columns(), flat_fills.columns()
+        empty = np.zeros((0, K), dtype=I64)
+        cols = list(zip(*self.copy_chunks)) or [[empty]] * 4 + [[np.zeros(0, dtype=I64)]]
+        g, dl, sl, n = (np.concatenate(x) for x in cols[:4])
+        idx = np.concatenate(cols[4])
+        counts = np.concatenate(self.copy_counts) if self.copy_counts else np.zeros(0, dtype=I64)
+        geo, tensor, dst_set, dst_slot, src_base = uses
+        row, use = gather(counts, geo)
+        base = src_base[use]
+        copies = {"tensor": tensor[use], "src_rank": src_rank[base + idx[row]],
+                  "src_slot": src_slot[base + idx[row]], "dst_set": dst_set[use], "dst_slot": dst_slot[use],
+                  "src_start": sl[row], "dst_start": dl[row], "global_start": g[row], "size": n[row]}
+        with_fills = sorted(self.fills)
+        fcounts = np.zeros(self.count, dtype=I64)
+        fcounts[with_fills] = [len(self.fills[i][0]) for i in with_fills]
+        fstart = np.concatenate([empty] + [self.fills[i][0] for i in with_fills])
+        fsize = np.concatenate([empty] + [self.fills[i][1] for i in with_fills])
+        fills = {k: [] for k in ("tensor", "dst_set", "dst_slot", "dst_start", "size")}
+        for u_geo, u_tensor, u_set, u_slot, _ in (uses, flat_fills):
+            row, use = gather(fcounts, u_geo)
+            for k, v in (("tensor", u_tensor), ("dst_set", u_set), ("dst_slot", u_slot)):
+                fills[k].append(v[use])
+            fills["dst_start"].append(fstart[row])
+            fills["size"].append(fsize[row])
+        return copies, {k: np.concatenate(v) for k, v in fills.items()}
+
+
+def gather(counts: np.ndarray, geo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For uses of geometries ``geo`` whose row counts are ``counts``: (row of the concatenated
+    geometry tables, use) for every output row, uses in order and each geometry's rows in order."""
+    counts_a = np.asarray(counts, dtype=I64)
+    offsets = np.concatenate([np.zeros(1, dtype=I64), np.cumsum(counts_a, dtype=I64)])
+    geo_a = np.asarray(geo, dtype=I64)
+    m = counts_a[geo_a] if len(geo_a) else np.zeros(0, dtype=I64)
+    use = np.repeat(np.arange(len(geo_a), dtype=I64), m)
+    within = np.arange(len(use), dtype=I64) - np.repeat(np.cumsum(m) - m, m)
+    return offsets[geo_a][use] + within, use
