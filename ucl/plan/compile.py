@@ -4,6 +4,7 @@ every target dataset has exactly one source element or is a declared fill (paddi
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,8 +88,20 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
     set_of_fixed: dict[tuple, int] = {}
     set_of_ranks: dict[bytes, int] = {}
 
+    strides = dst.strides if wanted is None and not dst.is_universal else {}
+
     def rank_set(fixed) -> int:
         """Id of the set of target ranks with coordinates ``fixed``; -1 if none is wanted."""
+        if len(fixed) == len(strides) and strides:  # every axis fixed (a ZeRO partition): one rank
+            try:
+                r = sum([v * strides[a] for a, v in fixed.items()])
+            except KeyError:
+                pass
+            else:
+                i = set_of_ranks.setdefault(r.to_bytes(8, sys.byteorder, signed=True), len(sets))
+                if i == len(sets):
+                    sets.append(np.array([r], dtype=I64))
+                return i
         key = tuple(sorted(fixed.items()))
         i = set_of_fixed.get(key)
         if i is None:
@@ -153,8 +166,13 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             d = set_of_obj[id(h.fixed)] = rank_set(h.fixed)
         return d
 
+    sets_by_holdings: dict[tuple, list] = {}  # the kinds of one flat statement: found once
+
     for t, holdings in todo:
-        sets_of = [held_set(h) for h in holdings]
+        target_key = (tuple([id(h.pieces) for h in holdings]), tuple([id(h.fixed) for h in holdings]))
+        sets_of = sets_by_holdings.get(target_key)
+        if sets_of is None:
+            sets_of = sets_by_holdings[target_key] = [held_set(h) for h in holdings]
         if wanted is not None and max(sets_of, default=-1) < 0:
             continue  # a part of the plan (one rank's load) proves only the tensors it moves
         st = t if src_model is model else _matching_source(src_model, t)
@@ -164,13 +182,13 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         found = source_of_list.get(id(sources))  # kinds of one flat statement share the list
         if found is None:
             found = source_of_list[id(sources)] = [
-                source_ids.setdefault(tuple([piece_sig(p) for _, _, p, _, _ in sources]), len(source_ids)),
-                np.array([r for _, _, _, r, _ in sources], dtype=I64),
-                np.array([j for _, _, _, _, j in sources], dtype=I64), sources, None]  # sources as boxes: lazily
+                source_ids.setdefault(tuple([piece_sig(p) for p, _, _ in sources]), len(source_ids)),
+                np.array([r for _, r, _ in sources], dtype=I64),
+                np.array([j for _, _, j in sources], dtype=I64), sources, None]  # sources as boxes: lazily
         src_key, ranks_of_sources, holding_of_sources = found[:3]
         src_ranks.append(ranks_of_sources)
         src_slots.append(slots_of(S.holdings[st.id], holding_of_sources))
-        key = (id(sources), tuple([id(h.pieces) for h in holdings]), tuple([id(h.fixed) for h in holdings]))
+        key = (id(sources), target_key)
         per_piece = shared_uses.get(key)
         if per_piece is None:
             hs, gs, ds, new = [], [], [], []
@@ -191,7 +209,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                     ds.append(dset)
             if new:  # the new geometries of this tensor, found together
                 if found[4] is None:
-                    found[4] = piece_boxes([p for _, _, p, _, _ in sources], len(t.shape))
+                    found[4] = piece_boxes([p for p, _, _ in sources], len(t.shape))
                 geos.add_batch(pieces_rows(t, new, [piece_volume(p) for p in new], found[4]), len(new),
                                [fill_boxes(p) for p in new])
             # the key's holdings are kept alive with the entry, so the ids in it stay theirs

@@ -71,16 +71,7 @@ def pieces_rows(t, pieces: list, volumes: list[int], src_boxes: tuple[np.ndarray
     nd = len(t.shape)
     owner, tb = piece_boxes(pieces, nd)
     src_of, sb = src_boxes
-    parts = []
-    step = max(1, _PAIRS_AT_ONCE // max(len(sb), 1))
-    s_lo, s_hi = sb[:, :, 0], sb[:, :, 0] + sb[:, :, 2]
-    for a0 in range(0, len(tb), step):
-        t_lo, t_hi = tb[a0:a0 + step, :, 0], tb[a0:a0 + step, :, 0] + tb[a0:a0 + step, :, 2]
-        hit = np.all((t_lo[:, None, :] < s_hi[None, :, :]) & (s_lo[None, :, :] < t_hi[:, None, :]), axis=2)
-        a, b = np.nonzero(hit)
-        parts.append((a + a0, b))
-    a = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=I64)
-    b = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=I64)
+    a, b = _overlapping(tb, sb)
     ta, sbb = tb[a], sb[b]
     lo = np.maximum(ta[:, :, 0], sbb[:, :, 0])
     size = np.minimum(ta[:, :, 0] + ta[:, :, 2], sbb[:, :, 0] + sbb[:, :, 2]) - lo
@@ -95,6 +86,44 @@ def pieces_rows(t, pieces: list, volumes: list[int], src_boxes: tuple[np.ndarray
         raise PlanError(f"{t.name} ({t.kind}): a target box of {int(want[i])} elements found {int(got[i])} "
                         "source elements", code="UCL314")
     return coalesce(piece, lo, dl, sl, size, src_of[b])
+
+
+def _overlapping(tb: np.ndarray, sb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every (target box, source box) pair that overlaps, as index arrays. Candidates come from an
+    interval join along the dim that yields the fewest (sources sorted by start there: a source
+    that ends after a target box starts begins at most its longest length before it), then are
+    tested in every dim."""
+    P, Q, nd = len(tb), len(sb), tb.shape[1]
+    if not P or not Q:
+        return np.zeros(0, dtype=I64), np.zeros(0, dtype=I64)
+    if nd == 0:  # scalars: every pair
+        return np.repeat(np.arange(P, dtype=I64), Q), np.tile(np.arange(Q, dtype=I64), P)
+    best = None
+    for d in range(nd):
+        order = np.argsort(sb[:, d, 0], kind="stable")
+        starts = sb[order, d, 0]
+        first = np.searchsorted(starts, tb[:, d, 0] - sb[:, d, 2].max(), side="right")
+        count = np.maximum(np.searchsorted(starts, tb[:, d, 0] + tb[:, d, 2], side="left") - first, 0)
+        total = int(count.sum())
+        if best is None or total < best[0]:
+            best = (total, order, first, count)
+    total, order, first, count = best
+    t_lo, t_hi = tb[:, :, 0], tb[:, :, 0] + tb[:, :, 2]
+    s_lo, s_hi = sb[:, :, 0], sb[:, :, 0] + sb[:, :, 2]
+    out_a, out_b = [], []
+    ends = np.cumsum(count)
+    lo = 0
+    while lo < P:  # in slices of about _PAIRS_AT_ONCE candidates: bounds memory
+        hi = max(lo + 1, int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + _PAIRS_AT_ONCE, side="right")))
+        c = count[lo:hi]
+        a = np.repeat(np.arange(lo, hi, dtype=I64), c)
+        within = np.arange(len(a), dtype=I64) - np.repeat(np.cumsum(c) - c, c)
+        b = order[np.repeat(first[lo:hi], c) + within]
+        keep = np.all((t_lo[a] < s_hi[b]) & (s_lo[b] < t_hi[a]), axis=1)
+        out_a.append(a[keep])
+        out_b.append(b[keep])
+        lo = hi
+    return np.concatenate(out_a), np.concatenate(out_b)
 
 
 def _sums(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:

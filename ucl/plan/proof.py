@@ -16,21 +16,6 @@ from ..layout.lower import ShardMap
 from ..layout.mesh import Mesh
 
 
-def piece_bbox(piece) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Global bounding box of a piece: runs are sorted globally (docs of ucl.layout.algebra)."""
-    lo, hi = [], []
-    for d in piece:
-        s = d.segs
-        if len(s):
-            first, last = s[0], s[-1]
-            lo.append(int(first[0]))
-            hi.append(int(last[0] + last[2]))
-        else:
-            lo.append(0)
-            hi.append(0)
-    return tuple(lo), tuple(hi)
-
-
 def piece_volume(piece) -> int:
     """Elements a piece holds."""
     v = 1
@@ -66,10 +51,10 @@ class _Proofs:
 
 
 def dedup_sources(S: ShardMap, t, role: str = "source") -> list:
-    """:func:`_proved_pieces` (entries ``(lo, hi, piece, rank, holding index)``), cached on the
+    """:func:`_proved_pieces` (entries ``(piece, rank, holding index)``), cached on the
     model per mesh and tensor: lowering and the proof are pure, so the next plan of the same
     model and mesh (another rank's load) skips them. The target's proof only counts elements,
-    so it skips where each piece lies (rank, bounding box)."""
+    so it skips where each piece lies (its rank)."""
     proofs = S.model.derived.of(_Proofs)
     full = proofs.sources.setdefault(S.mesh, {})
     if t.id in full:
@@ -134,8 +119,7 @@ def _dedup(S: ShardMap, t, by_box: bool, where: bool):
             if vol == 0:
                 continue
             volume += vol
-            lo, hi = piece_bbox(p) if where else (None, None)
-            out.append((lo, hi, p, rank, j))
+            out.append((p, rank, j))
     return out, volume
 
 
