@@ -160,10 +160,11 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
 
     set_of_obj: dict[int, int] = {}  # id of a holding's coordinates (alive in its ShardMap) -> rank set
 
-    def held_set(h) -> int:
-        d = set_of_obj.get(id(h.fixed))
+    def set_of(fixed) -> int:
+        """:func:`rank_set` of coordinates held by the target map (shared objects: found once)."""
+        d = set_of_obj.get(id(fixed))
         if d is None:
-            d = set_of_obj[id(h.fixed)] = rank_set(h.fixed)
+            d = set_of_obj[id(fixed)] = rank_set(fixed)
         return d
 
     sets_by_holdings: dict[tuple, list] = {}  # the kinds of one flat statement: found once
@@ -172,7 +173,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         target_key = (tuple([id(h.pieces) for h in holdings]), tuple([id(h.fixed) for h in holdings]))
         sets_of = sets_by_holdings.get(target_key)
         if sets_of is None:
-            sets_of = sets_by_holdings[target_key] = [held_set(h) for h in holdings]
+            sets_of = sets_by_holdings[target_key] = [set_of(h.fixed) for h in holdings]
         if wanted is not None and max(sets_of, default=-1) < 0:
             continue  # a part of the plan (one rank's load) proves only the tensors it moves
         st = t if src_model is model else _matching_source(src_model, t)
@@ -223,14 +224,14 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
     flat_fills = Uses()
     for f in (T.flat_fills if few is None else
               _matching(T, "flat_fills", lambda: T.flat_fills, lambda f: f.fixed, [c for _, c in few])):
-        dset = rank_set(f.fixed)
+        dset = set_of(f.fixed)
         if dset >= 0:
             flat_fills.add(geos.add_fill(f.start, f.length), -1, dset, sid(f.slot), 0)
 
     datasets, ds_set, ds_id, ds_index = [], [], [], {}
     for d in (T.datasets if few is None else
               _matching(T, "datasets", lambda: T.datasets, lambda d: d.fixed, [c for _, c in few])):
-        dset = rank_set(d.fixed)
+        dset = set_of(d.fixed)
         if dset < 0:
             continue
         i = ds_index.setdefault((d.key, d.shape, d.dtype), len(datasets))

@@ -82,7 +82,9 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> list:
     """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
     Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
     several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
-    out, volume = _dedup(S, t, False, where)
+    out, volume = _dedup_boxes(S, t, where)
+    if out is None:
+        out, volume = _dedup(S, t, False, where)
     if volume > t.numel:
         out, volume = _dedup(S, t, True, where)
     if volume != t.numel:
@@ -90,6 +92,37 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> list:
         raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the {role} layout holds {volume} elements of "
                         f"{t.numel}: {what}", code="UCL313" if volume > t.numel else "UCL314")
     return out
+
+
+def _dedup_boxes(S: ShardMap, t, where: bool):
+    """:func:`_dedup` of equal holdings for the common case, every piece one box (one run per dim,
+    no padding): each holding is compared by the bytes of its pieces' (local extent, run) rows,
+    what their signatures hold then. (None, 0) where some piece is not one box."""
+    holdings = S.holdings[t.id]
+    nd = len(t.shape)
+    pieces = [p for h in holdings for p in h.pieces]
+    dims = [d for p in pieces for d in p]
+    if not nd or not pieces or any(len(d.segs) != 1 or len(d.fills) for d in dims):
+        return None, 0
+    rows = np.concatenate([np.array([d.local for d in dims], dtype=I64).reshape(len(dims), 1),
+                           np.concatenate([d.segs for d in dims])], axis=1).reshape(len(pieces), 4 * nd)
+    volumes = np.prod(rows[:, 3::4], axis=1, dtype=I64).tolist()
+    raw, width = rows.tobytes(), rows.shape[1] * 8
+    strides = S.mesh.strides if where and not S.mesh.is_universal else None
+    seen, out, volume, at = set(), [], 0, 0
+    for j, h in enumerate(holdings):
+        n = len(h.pieces)
+        sig = raw[at * width:(at + n) * width]
+        if sig not in seen:
+            seen.add(sig)
+            rank = sum(v * strides.get(a, 0) for a, v in h.fixed.items()) if strides is not None else 0
+            for k, p in enumerate(h.pieces):
+                vol = volumes[at + k]
+                if vol:
+                    volume += vol
+                    out.append((p, rank, j))
+        at += n
+    return out, volume
 
 
 def _dedup(S: ShardMap, t, by_box: bool, where: bool):
