@@ -95,24 +95,35 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> list:
 
 
 def _dedup_boxes(S: ShardMap, t, where: bool):
-    """:func:`_dedup` of equal holdings for the common case, every piece one box (one run per dim,
-    no padding): each holding is compared by the bytes of its pieces' (local extent, run) rows,
-    what their signatures hold then. (None, 0) where some piece is not one box."""
+    """:func:`_dedup` of equal holdings for the common case, no piece with padding: each holding
+    is compared by the bytes of its pieces' (runs per dim, local extents, runs) rows, what their
+    signatures hold then, built with numpy. (None, 0) for a scalar or a piece with padding."""
     holdings = S.holdings[t.id]
     nd = len(t.shape)
     pieces = [p for h in holdings for p in h.pieces]
     dims = [d for p in pieces for d in p]
-    if not nd or not pieces or any(len(d.segs) != 1 or len(d.fills) for d in dims):
+    if not nd or not pieces or any(len(d.fills) for d in dims):
         return None, 0
-    rows = np.concatenate([np.array([d.local for d in dims], dtype=I64).reshape(len(dims), 1),
-                           np.concatenate([d.segs for d in dims])], axis=1).reshape(len(pieces), 4 * nd)
-    volumes = np.prod(rows[:, 3::4], axis=1, dtype=I64).tolist()
-    raw, width = rows.tobytes(), rows.shape[1] * 8
+    P = len(pieces)
+    runs = np.array([len(d.segs) for d in dims], dtype=I64)
+    segs = np.concatenate([d.segs for d in dims]).ravel()
+    width = 2 * nd + 3 * runs.reshape(P, nd).sum(axis=1)
+    start = np.cumsum(width) - width
+    rows = np.empty(int(width.sum()), dtype=I64)
+    head = np.concatenate([runs.reshape(P, nd), np.array([d.local for d in dims], dtype=I64).reshape(P, nd)], axis=1)
+    rows[(start[:, None] + np.arange(2 * nd, dtype=I64)).ravel()] = head.ravel()
+    per_piece = 3 * runs.reshape(P, nd).sum(axis=1)
+    within = np.arange(len(segs), dtype=I64) - np.repeat(np.cumsum(per_piece) - per_piece, per_piece)
+    rows[np.repeat(start + 2 * nd, per_piece) + within] = segs
+    per_dim = np.zeros(P * nd, dtype=I64)  # elements per (piece, dim): exact int64 sums
+    np.add.at(per_dim, np.repeat(np.arange(P * nd, dtype=I64), runs), segs[2::3])
+    volumes = np.prod(per_dim.reshape(P, nd), axis=1, dtype=I64).tolist()
+    raw, bounds = rows.tobytes(), (np.append(start, len(rows)) * 8).tolist()
     strides = S.mesh.strides if where and not S.mesh.is_universal else None
     seen, out, volume, at = set(), [], 0, 0
     for j, h in enumerate(holdings):
         n = len(h.pieces)
-        sig = raw[at * width:(at + n) * width]
+        sig = raw[bounds[at]:bounds[at + n]]
         if sig not in seen:
             seen.add(sig)
             rank = sum(v * strides.get(a, 0) for a, v in h.fixed.items()) if strides is not None else 0
