@@ -92,9 +92,9 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
 
     def rank_set(fixed) -> int:
         """Id of the set of target ranks with coordinates ``fixed``; -1 if none is wanted."""
-        if len(fixed) == len(strides) and strides:  # every axis fixed (a ZeRO partition): one rank
+        if strides and len(fixed) >= len(strides):  # every axis fixed (a ZeRO partition): one rank
             try:
-                r = sum([v * strides[a] for a, v in fixed.items()])
+                r = sum([fixed[a] * s for a, s in strides.items()])  # as ranks_where: other axes ignored
             except KeyError:
                 pass
             else:

@@ -196,6 +196,7 @@ class Geometries:
         self.copy_chunks: list[tuple] = []  # (global, dst, src starts, size (rows, K)), source index
         self.copy_counts: list[np.ndarray] = []  # rows per geometry, chunk after chunk
         self.fills: dict[int, tuple] = {}  # geometry -> (dst start, size): the few with padding
+        self.gaps: dict[tuple[int, int], int] = {}  # flat-buffer gap (start, length) -> geometry
         self.count = 0
 
     def reserve(self) -> int:
@@ -216,11 +217,16 @@ class Geometries:
                 self.fills[first + i] = (pad_cols(fb[:, :, 0], K, 0), pad_cols(fb[:, :, 1], K, 1))
 
     def add_fill(self, start: int, length: int) -> int:
-        """A geometry of one flat-buffer gap (no copies)."""
-        geo = self.reserve()
-        e = np.zeros((0, 0), dtype=I64)
-        self.add_batch((np.zeros(0, dtype=I64), e, e, e, e, np.zeros(0, dtype=I64)), 1,
-                       [np.array([[[start, length]]], dtype=I64)])
+        """The geometry of a flat-buffer gap (no copies): one per distinct gap."""
+        geo = self.gaps.get((start, length))
+        if geo is None:
+            geo = self.gaps[(start, length)] = self.reserve()
+            self.copy_counts.append(np.zeros(1, dtype=I64))
+            at = np.zeros((1, self.K), dtype=I64)
+            at[0, -1] = start
+            size = np.ones((1, self.K), dtype=I64)
+            size[0, -1] = length
+            self.fills[geo] = (at, size)
         return geo
 
     def rows(self, uses: Uses, flat_fills: Uses, src_rank: np.ndarray, src_slot: np.ndarray):
