@@ -2,8 +2,9 @@
 (the built-in Megatron-core spec of ucl.demo: fused QKV, SwiGLU, padded vocab, PP, bf16 weights,
 fp32 master + Adam moments in ZeRO-1 flat buffers over dp).
 
-    python bench/compile_scale.py            # both cases
+    python bench/compile_scale.py            # every case
     python bench/compile_scale.py --only 405b --repeat 5
+    python bench/compile_scale.py --only 405b-131k    # 131,072 ranks (ZeRO-1 over dp=2048)
 
 Every measurement runs in a fresh Python process (cold caches; its peak RSS is its own): the
 whole plan, and one target rank's plan (``compile(..., ranks=[r])``, what ``load_rank`` compiles)
@@ -28,6 +29,8 @@ CASES = {
             "pp=8,dp=16,tp=8", "pp=16,dp=8,tp=4"),
     "405b": (dict(vocab=128256, hidden=16384, heads=128, kv_heads=8, ffn=53248, layers=126),
              "pp=16,dp=128,tp=8", "pp=8,dp=256,tp=8"),
+    "405b-131k": (dict(vocab=128256, hidden=16384, heads=128, kv_heads=8, ffn=53248, layers=126),
+                  "pp=16,dp=1024,tp=8", "pp=8,dp=2048,tp=8"),  # 131,072 ranks on each side
 }
 
 
@@ -130,7 +133,7 @@ def main():
     if args.child:
         print(json.dumps(child(args.only, args.child)))
         return
-    for name in ([args.only] if args.only else ["70b", "405b"]):
+    for name in ([args.only] if args.only else list(CASES)):
         run(name, args.repeat)
 
 
