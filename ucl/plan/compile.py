@@ -16,8 +16,8 @@ from ..layout.boxes import Slot
 from ..layout.lower import ShardMap, gc_paused, lower, tensors_on
 from ..layout.mesh import Mesh, as_mesh
 from .ir import DATASET_COLUMNS, FILL_BOX_COLUMNS, FILL_COLUMNS, Plan
-from .geometry import Geometries, Uses, fill_boxes, piece_boxes, pieces_rows
-from .proof import dedup_sources, piece_sig, piece_volume
+from .geometry import Geometries, Uses, fill_boxes, piece_boxes, piece_keys, pieces_rows
+from .proof import dedup_sources, piece_volume
 from .ranksets import RankSets, sorted_distinct
 
 # ---- compilation ---------------------------------------------------------------------------------
@@ -118,11 +118,10 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
     def sid(slot: Slot) -> int:
         return slot_ids.setdefault(slot, len(slot_ids))
 
-    geometry: dict[tuple, int] = {}  # (target piece, source pieces) -> geometry id; layers repeat geometry
+    geometry: dict[tuple, int] = {}  # (target piece key, source boxes) -> geometry id; layers repeat geometry
     geos = Geometries(K)
     source_ids: dict[tuple, int] = {}
-    source_of_list: dict[int, list] = {}  # id of a (cached, alive) source list -> [source_ids entry, ranks, holdings, list, boxes]
-    sig_of: dict[int, tuple] = {}  # id of a target piece -> its signature
+    source_of_list: dict[int, list] = {}  # id of a (cached, alive) source list -> [source key, ranks, holdings, list, boxes]
     src_ranks, src_slots, src_base = [], [], 0  # every tensor's deduplicated sources, one after another
     uses = Uses()  # (geometry, tensor, rank set, target slot, sources) per target piece
     if few is None:
@@ -182,10 +181,11 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             dedup_sources(T, t, "target")  # P1 for the target too: no element may be dropped
         found = source_of_list.get(id(sources))  # kinds of one flat statement share the list
         if found is None:
+            boxes = piece_boxes([p for p, _, _ in sources], len(t.shape))
             found = source_of_list[id(sources)] = [
-                source_ids.setdefault(tuple([piece_sig(p) for p, _, _ in sources]), len(source_ids)),
+                source_ids.setdefault((boxes[1].shape, boxes[0].tobytes(), boxes[1].tobytes()), len(source_ids)),
                 np.array([r for _, r, _ in sources], dtype=I64),
-                np.array([j for _, _, j in sources], dtype=I64), sources, None]  # sources as boxes: lazily
+                np.array([j for _, _, j in sources], dtype=I64), sources, boxes]
         src_key, ranks_of_sources, holding_of_sources = found[:3]
         src_ranks.append(ranks_of_sources)
         src_slots.append(slots_of(S.holdings[st.id], holding_of_sources))
@@ -193,14 +193,12 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         per_piece = shared_uses.get(key)
         if per_piece is None:
             hs, gs, ds, new = [], [], [], []
+            keys = iter(piece_keys([p for h, d in zip(holdings, sets_of) if d >= 0 for p in h.pieces], len(t.shape)))
             for j, (h, dset) in enumerate(zip(holdings, sets_of)):
                 if dset < 0:
                     continue
                 for piece in h.pieces:
-                    psig = sig_of.get(id(piece))  # pieces outlive the compile (the ShardMap holds them)
-                    if psig is None:
-                        psig = sig_of[id(piece)] = piece_sig(piece)
-                    gkey = (psig, src_key)
+                    gkey = (next(keys), src_key)
                     geo = geometry.get(gkey)
                     if geo is None:
                         geo = geometry[gkey] = geos.reserve()
@@ -209,8 +207,6 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                     gs.append(geo)
                     ds.append(dset)
             if new:  # the new geometries of this tensor, found together
-                if found[4] is None:
-                    found[4] = piece_boxes([p for p, _, _ in sources], len(t.shape))
                 geos.add_batch(pieces_rows(t, new, [piece_volume(p) for p in new], found[4]), len(new),
                                [fill_boxes(p) for p in new])
             # the key's holdings are kept alive with the entry, so the ids in it stay theirs
@@ -241,9 +237,6 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         ds_id.append(i)
     c, f = geos.rows(uses, flat_fills, np.concatenate(src_ranks or [np.zeros(0, dtype=I64)]),
                      np.concatenate(src_slots or [np.zeros(0, dtype=I64)]))
-    # Sequential reads: group by source rank (file), then dataset, then position.
-    order = np.lexsort(tuple(c["src_start"][:, k] for k in range(K - 1, -1, -1)) + (c["src_slot"], c["src_rank"]))
-    c = {k: v[order] for k, v in c.items()}
     return Plan(src, dst, K,
                 [{"name": t.name, "kind": t.kind, "shape": t.shape, "dtype": t.dtype} for t in model.tensors],
                 list(slot_ids), RankSets.of(sets), c, f, datasets,

@@ -48,6 +48,44 @@ def piece_boxes(pieces: list, nd: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array(owners, dtype=I64), np.array(boxes, dtype=I64).reshape(len(boxes), nd, 3)
 
 
+def piece_bytes(pieces: list, nd: int) -> tuple[bytes, list[int], list[int]] | None:
+    """Each piece as bytes, for comparing pieces without per-dim Python work: per dim its number of
+    runs and local extent, then every run. Piece ``i`` is ``raw[bounds[i]:bounds[i + 1]]``; also
+    each piece's elements. None for scalars and where a piece holds padding (:func:`piece_key`)."""
+    dims = [d for p in pieces for d in p]
+    if not nd or not pieces or any(len(d.fills) for d in dims):
+        return None
+    P = len(pieces)
+    runs = np.array([len(d.segs) for d in dims], dtype=I64).reshape(P, nd)
+    segs = np.concatenate([d.segs for d in dims]).ravel()
+    per_piece = 3 * runs.sum(axis=1)
+    width = 2 * nd + per_piece
+    start = np.cumsum(width) - width
+    rows = np.empty(int(width.sum()), dtype=I64)
+    head = np.concatenate([runs, np.array([d.local for d in dims], dtype=I64).reshape(P, nd)], axis=1)
+    rows[(start[:, None] + np.arange(2 * nd, dtype=I64)).ravel()] = head.ravel()
+    within = np.arange(len(segs), dtype=I64) - np.repeat(np.cumsum(per_piece) - per_piece, per_piece)
+    rows[np.repeat(start + 2 * nd, per_piece) + within] = segs
+    per_dim = np.zeros(P * nd, dtype=I64)  # elements per (piece, dim): exact int64 sums
+    np.add.at(per_dim, np.repeat(np.arange(P * nd, dtype=I64), runs.ravel()), segs[2::3])
+    volumes = np.prod(per_dim.reshape(P, nd), axis=1, dtype=I64).tolist()
+    return rows.tobytes(), (np.append(start, len(rows)) * 8).tolist(), volumes
+
+
+def piece_keys(pieces: list, nd: int) -> list:
+    """A hashable key per piece, equal for equal pieces (:func:`piece_bytes`, or :func:`piece_key`)."""
+    found = piece_bytes(pieces, nd)
+    if found is None:
+        return [piece_key(p) for p in pieces]
+    raw, bounds, _ = found
+    return [raw[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def piece_key(piece) -> tuple:
+    """A piece as a hashable value: per dim its local extent, runs and padding."""
+    return tuple([(d.local, d.segs.tobytes(), d.fills.tobytes()) for d in piece])
+
+
 def fill_boxes(piece) -> np.ndarray:
     """Local boxes of a piece that are padding: (rows, nd, 2) of (local start, length)."""
     if not any(len(d.fills) for d in piece):  # the common case: no padding at all
@@ -230,6 +268,7 @@ class Geometries:
         return geo
 
     def rows(self, uses: Uses, flat_fills: Uses, src_rank: np.ndarray, src_slot: np.ndarray):
+        """(copies, fills): every use's rows; copies sorted by source rank, slot and start."""
         K = self.K
         uses, flat_fills = uses.columns(), flat_fills.columns()
         empty = np.zeros((0, K), dtype=I64)
@@ -239,10 +278,16 @@ class Geometries:
         counts = np.concatenate(self.copy_counts) if self.copy_counts else np.zeros(0, dtype=I64)
         geo, tensor, dst_set, dst_slot, src_base = uses
         row, use = gather(counts, geo)
-        base = src_base[use]
-        copies = {"tensor": tensor[use], "src_rank": src_rank[base + idx[row]],
-                  "src_slot": src_slot[base + idx[row]], "dst_set": dst_set[use], "dst_slot": dst_slot[use],
+        source = src_base[use] + idx[row]
+        # Sequential reads: rows by source rank (file), then dataset, then position; sorted before
+        # the other columns are gathered, so the table is built once, in its final order.
+        order = np.lexsort(tuple(sl[row, k] for k in range(K - 1, -1, -1)) + (src_slot[source], src_rank[source]))
+        row, use, source = row[order], use[order], source[order]
+        del order
+        copies = {"tensor": tensor[use], "src_rank": src_rank[source], "src_slot": src_slot[source],
+                  "dst_set": dst_set[use], "dst_slot": dst_slot[use],
                   "src_start": sl[row], "dst_start": dl[row], "global_start": g[row], "size": n[row]}
+        del row, use, source
         with_fills = sorted(self.fills)
         fcounts = np.zeros(self.count, dtype=I64)
         fcounts[with_fills] = [len(self.fills[i][0]) for i in with_fills]

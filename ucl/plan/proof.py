@@ -14,6 +14,7 @@ from ..errors import PlanError
 from ..layout.algebra import I64, DimLayout
 from ..layout.lower import ShardMap
 from ..layout.mesh import Mesh
+from .geometry import piece_bytes
 
 
 def piece_volume(piece) -> int:
@@ -101,24 +102,10 @@ def _dedup_boxes(S: ShardMap, t, where: bool):
     holdings = S.holdings[t.id]
     nd = len(t.shape)
     pieces = [p for h in holdings for p in h.pieces]
-    dims = [d for p in pieces for d in p]
-    if not nd or not pieces or any(len(d.fills) for d in dims):
+    found = piece_bytes(pieces, nd)
+    if found is None:
         return None, 0
-    P = len(pieces)
-    runs = np.array([len(d.segs) for d in dims], dtype=I64)
-    segs = np.concatenate([d.segs for d in dims]).ravel()
-    width = 2 * nd + 3 * runs.reshape(P, nd).sum(axis=1)
-    start = np.cumsum(width) - width
-    rows = np.empty(int(width.sum()), dtype=I64)
-    head = np.concatenate([runs.reshape(P, nd), np.array([d.local for d in dims], dtype=I64).reshape(P, nd)], axis=1)
-    rows[(start[:, None] + np.arange(2 * nd, dtype=I64)).ravel()] = head.ravel()
-    per_piece = 3 * runs.reshape(P, nd).sum(axis=1)
-    within = np.arange(len(segs), dtype=I64) - np.repeat(np.cumsum(per_piece) - per_piece, per_piece)
-    rows[np.repeat(start + 2 * nd, per_piece) + within] = segs
-    per_dim = np.zeros(P * nd, dtype=I64)  # elements per (piece, dim): exact int64 sums
-    np.add.at(per_dim, np.repeat(np.arange(P * nd, dtype=I64), runs), segs[2::3])
-    volumes = np.prod(per_dim.reshape(P, nd), axis=1, dtype=I64).tolist()
-    raw, bounds = rows.tobytes(), (np.append(start, len(rows)) * 8).tolist()
+    raw, bounds, volumes = found
     strides = S.mesh.strides if where and not S.mesh.is_universal else None
     seen, out, volume, at = set(), [], 0, 0
     for j, h in enumerate(holdings):
