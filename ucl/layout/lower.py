@@ -26,7 +26,7 @@ from ..errors import UclError
 from .place import place
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Holding:
     """What the ranks with coordinates ``fixed`` hold of one tensor: boxes (``pieces``) of it, stored
     in ``slot``."""
@@ -39,7 +39,7 @@ class Holding:
         return sum(int(np.prod([d.segs[:, 2].sum() for d in p], dtype=np.int64)) for p in self.pieces)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FlatFill:
     """Elements ``[start, start + length)`` of a flat buffer that hold no tensor (alignment, padding)."""
 
@@ -49,7 +49,7 @@ class FlatFill:
     length: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DatasetSlot:
     """A dataset that every rank with coordinates ``fixed`` holds."""
 
