@@ -121,7 +121,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
     geometry: dict[tuple, int] = {}  # (target piece key, source boxes) -> geometry id; layers repeat geometry
     geos = Geometries(K)
     source_ids: dict[tuple, int] = {}
-    source_of_list: dict[int, list] = {}  # id of a (cached, alive) source list -> [source key, ranks, holdings, list, boxes]
+    source_of_list: dict[int, list] = {}  # id of a (cached, alive) proof -> [source key, ranks, holdings, proof, boxes]
     src_ranks, src_slots, src_base = [], [], 0  # every tensor's deduplicated sources, one after another
     uses = Uses()  # (geometry, tensor, rank set, target slot, sources) per target piece
     if few is None:
@@ -181,11 +181,10 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             dedup_sources(T, t, "target")  # P1 for the target too: no element may be dropped
         found = source_of_list.get(id(sources))  # kinds of one flat statement share the list
         if found is None:
-            boxes = piece_boxes([p for p, _, _ in sources], len(t.shape))
+            boxes = piece_boxes(sources.pieces, len(t.shape))
             found = source_of_list[id(sources)] = [
                 source_ids.setdefault((boxes[1].shape, boxes[0].tobytes(), boxes[1].tobytes()), len(source_ids)),
-                np.array([r for _, r, _ in sources], dtype=I64),
-                np.array([j for _, _, j in sources], dtype=I64), sources, boxes]
+                sources.ranks, sources.holdings, sources, boxes]
         src_key, ranks_of_sources, holding_of_sources = found[:3]
         src_ranks.append(ranks_of_sources)
         src_slots.append(slots_of(S.holdings[st.id], holding_of_sources))
@@ -216,7 +215,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         dst_slot = np.zeros(len(holdings), dtype=I64)
         dst_slot[held_js] = slots_of(holdings, held_js)
         uses.add_many(gs, t.id, ds, dst_slot[hs], src_base)
-        src_base += len(sources)
+        src_base += len(sources.pieces)
     flat_fills = Uses()
     for f in (T.flat_fills if few is None else
               _matching(T, "flat_fills", lambda: T.flat_fills, lambda f: f.fixed, [c for _, c in few])):

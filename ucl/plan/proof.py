@@ -31,6 +31,15 @@ def piece_sig(piece) -> tuple:
     return tuple([d.sig for d in piece])
 
 
+class Proved(NamedTuple):
+    """A tensor's pieces with replicas removed, which tile it exactly once, as columns: each
+    piece, the rank that holds it and the index of its holding (whose slot differs by kind)."""
+
+    pieces: list
+    ranks: np.ndarray
+    holdings: np.ndarray
+
+
 class _ShareKey(NamedTuple):
     """Holdings that are the very same objects (the kinds of one flat statement), for one proof."""
 
@@ -46,16 +55,16 @@ class _Proofs:
     per tensor id, its deduplicated sources with where they lie (``sources``), or only proved (the
     target's proof: ``counted``); and per set of shared holdings, the one proof they share."""
 
-    sources: dict[Mesh, dict[int, list]] = field(default_factory=dict)
-    counted: dict[Mesh, dict[int, list]] = field(default_factory=dict)
-    shared: dict[Mesh, dict[_ShareKey, tuple[list, list]]] = field(default_factory=dict)
+    sources: dict[Mesh, dict[int, Proved]] = field(default_factory=dict)
+    counted: dict[Mesh, dict[int, Proved]] = field(default_factory=dict)
+    shared: dict[Mesh, dict[_ShareKey, tuple[list, Proved]]] = field(default_factory=dict)
 
 
-def dedup_sources(S: ShardMap, t, role: str = "source") -> list:
-    """:func:`_proved_pieces` (entries ``(piece, rank, holding index)``), cached on the
+def dedup_sources(S: ShardMap, t, role: str = "source") -> Proved:
+    """:func:`_proved_pieces`, cached on the
     model per mesh and tensor: lowering and the proof are pure, so the next plan of the same
-    model and mesh (another rank's load) skips them. The target's proof only counts elements,
-    so it skips where each piece lies (its rank)."""
+    model and mesh (another rank's load) skips them. The target's proof only counts elements:
+    it keeps no pieces (a 131,072-rank target has some 400,000)."""
     proofs = S.model.derived.of(_Proofs)
     full = proofs.sources.setdefault(S.mesh, {})
     if t.id in full:
@@ -67,7 +76,7 @@ def dedup_sources(S: ShardMap, t, role: str = "source") -> list:
     return memo[t.id]
 
 
-def _shared_proof(S: ShardMap, t, role: str, where: bool) -> list:
+def _shared_proof(S: ShardMap, t, role: str, where: bool) -> Proved:
     """The kinds of one flat statement (fp32, exp_avg, exp_avg_sq) share their pieces and
     coordinates (the very same objects), so one proof serves them all; entries name the holding
     (its index), whose slot differs by kind."""
@@ -79,7 +88,7 @@ def _shared_proof(S: ShardMap, t, role: str, where: bool) -> list:
     return shared[key][1]
 
 
-def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> list:
+def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> Proved:
     """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
     Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
     several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
@@ -92,7 +101,8 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> list:
         what = "overlapping, non-identical replicas" if volume > t.numel else "elements no rank holds"
         raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the {role} layout holds {volume} elements of "
                         f"{t.numel}: {what}", code="UCL313" if volume > t.numel else "UCL314")
-    return out
+    return Proved([p for p, _, _ in out], np.array([r for _, r, _ in out], dtype=I64),
+                  np.array([j for _, _, j in out], dtype=I64))
 
 
 def _dedup_boxes(S: ShardMap, t, where: bool):
@@ -118,7 +128,8 @@ def _dedup_boxes(S: ShardMap, t, where: bool):
                 vol = volumes[at + k]
                 if vol:
                     volume += vol
-                    out.append((p, rank, j))
+                    if where:
+                        out.append((p, rank, j))
         at += n
     return out, volume
 
@@ -150,7 +161,8 @@ def _dedup(S: ShardMap, t, by_box: bool, where: bool):
             if vol == 0:
                 continue
             volume += vol
-            out.append((p, rank, j))
+            if where:
+                out.append((p, rank, j))
     return out, volume
 
 
