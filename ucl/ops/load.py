@@ -17,6 +17,7 @@ from ..layout.mesh import Mesh, as_mesh
 from ..plan.buffers import Arena
 from ..plan.execute import covered_elements, rank_datasets, rank_rows, run_copies
 from ..plan.ranksets import sorted_distinct
+from ..store.like import CheckpointLike
 from ..store.source import StoreSource
 from .read_once import connect, identity, share_of
 from .prepare import check_stored, mesh_of, model_of, open_checkpoint, plan_between, plan_for
@@ -26,7 +27,7 @@ from .stats import IOStats
 def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Model | None = None,
               as_torch: bool = False, verify: bool = True, stats: IOStats | None = None,
               out: Mapping[str, Any] | None = None, read_once: bool = False, group: Any = None,
-              user: UserSpec | None = None) -> dict[str, Any]:
+              user: UserSpec | None = None, source: Any = None) -> dict[str, Any]:
     """Rank ``rank``'s tensors for layout ``mesh`` (a Mesh or a string like ``"tp=4"``), resharded
     on the fly from whatever layout the checkpoint has: only the hyperslabs this rank needs are read
     (with ``verify``, rounded out to the checksum chunks around them, each verified). Keys are
@@ -49,7 +50,11 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
     failure on any process (a checksum mismatch...) raises on every one (docs/distributed.md).
 
     ``user``: the parameter placements a foreign folder's files do not record
-    (``ucl.ops.convert.user_spec(spec, dims)``; docs/interop.md)."""
+    (``ucl.ops.convert.user_spec(spec, dims)``; docs/interop.md).
+
+    ``path`` may also be a checkpoint already open (a ``CheckpointLike``), and ``source`` a plan
+    ``Source`` (with ``bytes_read``) to read its boxes from instead of its files: a checkpoint whose
+    rank files lie in several places (``ucl.train.recover``)."""
     t0 = time.perf_counter()
     link = connect(group) if read_once else None
     failure = ident = share = None
@@ -60,7 +65,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
                 raise MeshError(f"rank {rank} is outside {mesh} ({mesh.size} ranks)", code="UCL303")
             if link is not None:
                 link.check_size(mesh)
-            ckpt = stack.enter_context(open_checkpoint(path, user=user))
+            ckpt = path if isinstance(path, CheckpointLike) else stack.enter_context(open_checkpoint(path, user=user))
             source_model = model_of(ckpt)
             if model is None:
                 target = source_model
@@ -81,7 +86,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
                                         {a: math.prod(datasets[t]["shape"]) for a, t in ties.items()},
                                         {a: out[a] for a in ties}, mesh, rank)
             mine = targets
-            source = StoreSource(ckpt, Arena(), verify=verify)
+            source = StoreSource(ckpt, Arena(), verify=verify) if source is None else source
             if link is None:
                 run_copies(plan, rows, source, targets)
             else:  # only what this process reads for itself and its replica sets

@@ -18,6 +18,7 @@ from typing import Any
 from ..dtypes import to_numpy
 from ..errors import StoreError, UclError, code_agrees
 from ..ops.dist import allgather_json, initialized_dist
+from ..ops.stats import IOStats
 from ..store.checksum import checksum_of
 from ..store.codec import check_codec
 from ..store.manifest import plain_json
@@ -27,6 +28,8 @@ from . import restore, rng
 from .copier import Copier
 from .derive import TrainLayout
 from .flusher import Flusher
+from .local import LocalTier, agree_nodes, node_id
+from .recover import LoadReport, Recovery
 from .layouts import Layouts
 from .optim import hyperparameters
 from .pool import HostPool, default_pool_bytes, layout_bytes
@@ -52,19 +55,28 @@ class Checkpointer:
     rows. ``debug``: detect state mutated between ``save`` and the next fence (checksums).
     ``compress`` (``"zstd"``, ``"lz4"``; default None: plain): each checkpoint stored compressed
     (docs/format.md), coded by the flusher in ``compress_threads`` threads, never in the training thread.
+    ``local``: a folder only this node sees (docs/resilience.md): every snapshot is written there,
+    one in ``persist_every`` also to ``root``; ``node``: this process's node (default: from torchrun's
+    environment); ``replicas``: peer copies (only 0 for now). After ``load()``, ``last_load`` says
+    where the bytes came from.
     """
 
     def __init__(self, root, model, optimizer=None, *, spec=None, mesh=None, keep: int = 3, tiers=None,
                  persist_every: int = 1, pool_bytes: int | None = None, tile_checksums: bool = True,
-                 debug: bool = False, compress: str | None = None, compress_threads: int = 1):
+                 debug: bool = False, compress: str | None = None, compress_threads: int = 1, local=None,
+                 replicas: int = 0, node: int | None = None):
         import torch
         compress = check_codec(compress)  # UCL418 before anything is started
         if not isinstance(persist_every, int) or persist_every < 1:
             raise UclError(f"persist_every must be a positive integer, got {persist_every!r}", code="UCL430")
         if not isinstance(keep, int) or keep < 1:
             raise UclError(f"keep must be a positive integer, got {keep!r}", code="UCL430")
+        if replicas != 0:
+            raise UclError(f"replicas={replicas!r}: peer replicas are not available yet; only replicas=0 "
+                           "(docs/resilience.md)", code="UCL430")
         self.root = CheckpointRoot(root)
         self.tiers = [open_tier(t) for t in (tiers or [])]
+        self.last_load: LoadReport | None = None
         self.model, self.optimizer = model, optimizer
         self.keep, self.persist_every, self.pool_bytes, self.debug = keep, persist_every, pool_bytes, debug
         # the CUDA device the parameters are on (None: a CPU model; the CUDA path is never entered)
@@ -77,6 +89,8 @@ class Checkpointer:
         if self._dist:
             self._check_same_root()
         rank = self._process_rank()
+        self._local = LocalTier(local, agree_nodes(node_id(node), local, rank, self._world(), self._group), keep,
+                                self._group) if local is not None else None
         # The root lock (store.rootlock) is taken by the first save(), by process rank 0 for the job:
         # until then this is a reader, which changes nothing in the root (an evaluation job may load
         # from a root a training job is writing).
@@ -86,8 +100,9 @@ class Checkpointer:
         self._last: Snapshot | None = None  # the snapshot the next fence waits for
         self._unwritten = 0  # saves since the last one written to disk (persist_every)
         # the newest step saved in root (load() sets it to the step it restored: a rollback)
-        newest = self.root.newest() if os.path.isdir(self.root.root) else None
-        self._newest = self.root.step_of(os.path.basename(newest)) if newest else None
+        newest = [r.newest() for r in [self.root] + ([self._local.root] if self._local else []) if os.path.isdir(r.root)]
+        steps = [self.root.step_of(os.path.basename(n)) for n in newest if n]
+        self._newest = max(steps) if steps else None
         self._progress = Progress()
         self._snapshots = Snapshots()
         self.trace = Trace(self.root.root, rank)
@@ -95,7 +110,7 @@ class Checkpointer:
             if self.tiers and rank == 0 else None
         self._flusher = Flusher(self.root, self._layouts, self._snapshots, self._progress, self.trace, keep=keep,
                                 dist=self._dist, group=self._group, promoter=self._promoter, tiles=tile_checksums,
-                                compress=compress, compress_threads=compress_threads)
+                                compress=compress, compress_threads=compress_threads, local=self._local)
         self._copier = Copier(self._snapshots, self._progress, self.trace, rank, device=self._device,
                               then=self._flusher.submit, stored=self._layouts.stored, tiles=tile_checksums)
         self._hook = optimizer.register_step_pre_hook(lambda *a: self._fence()) if optimizer is not None else None
@@ -143,9 +158,11 @@ class Checkpointer:
         # written: steps that are multiples of N, and any save after N - 1 unwritten ones in a row
         persist = step % self.persist_every == 0 or self._unwritten + 1 >= self.persist_every
         self._unwritten = 0 if persist else self._unwritten + 1
+        shared = persist  # with a local tier every snapshot is written there, these to root too
+        persist = persist or self._local is not None
         self._newest = step if self._newest is None else max(self._newest, step)
         snap = Snapshot(step, extra, layout, region, offsets, persist, self._state(step, extra),
-                        holders={"memory"} | ({"flush"} if persist else set()))
+                        holders={"memory"} | ({"flush"} if persist else set()), shared=shared)
         if self._device is not None:
             import torch
             snap.ready_event = torch.cuda.Event()
@@ -186,6 +203,13 @@ class Checkpointer:
                 if not self._dist:
                     raise
                 problem = [str(e), getattr(e, "code", "UCL410")]
+        if self._local is not None and self._local.nodes.leads and os.path.isdir(self._local.root.root):
+            try:  # what a killed job left in this node's folder
+                self._local.root.take_over()
+            except (UclError, OSError) as e:
+                if not self._dist:
+                    raise
+                problem = problem if problem[0] else [f"local tier {self._local.root.root}: {e}", "UCL410"]
         if self._dist:
             problems = [p for p in allgather_json(problem, group=self._group) if p[0]]
             if problems:
@@ -240,7 +264,12 @@ class Checkpointer:
                                 self._group)
         restored = restore.from_memory(target, self._snapshots, self.root, step, self.trace,
                                        usable=not self._progress.failed)
-        if restored is None:
+        if restored is not None:
+            self.last_load = LoadReport(restored[0], {"memory": 0})
+        elif self._local is not None or self.tiers:
+            restored, self.last_load = Recovery(target, self._local, [self.root] + self.tiers, step,
+                                                self.trace).run()
+        else:
             path = self.root.newest() if step is None else self.root.path_for(step)
             if path is None:
                 raise StoreError(f"no checkpoint in {self.root.root}", code="UCL404")
@@ -249,7 +278,11 @@ class Checkpointer:
                 shown = ", ".join(map(str, steps[-20:])) if steps else "none"
                 raise StoreError(f"no checkpoint of step {step} in {self.root.root}; the steps there: "
                                  f"{'... ' if len(steps) > 20 else ''}{shown}", code="UCL404")
-            restored = restore.from_checkpoint(target, path)
+            stats = IOStats()
+            restored = restore.from_checkpoint(
+                target, path, read=lambda layout: restore.read_layout(self._layouts, path, layout, stats=stats))
+            read = sum(allgather_json(stats.bytes_read, group=self._group)) if self._dist else stats.bytes_read
+            self.last_load = LoadReport(restored[0], {"root": read})
         self._newest = restored[0]  # the run goes on from here: newer steps are abandoned
         return restored
 

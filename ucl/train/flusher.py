@@ -14,6 +14,7 @@ from ..ops.dist import allgather_json
 from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 from .layouts import SPEC_NAME, Layouts
+from .local import LocalTier, copy_to_root
 from .progress import Progress, Stage
 from .promoter import Promoter
 from .snapshot import Snapshot, Snapshots
@@ -26,10 +27,12 @@ TEMPLATES_KEPT = 2  # rank-file templates kept: the current layout and the one b
 class Flusher(Stage):
     def __init__(self, root: CheckpointRoot, layouts: Layouts, snapshots: Snapshots, progress: Progress,
                  trace: Trace, *, keep: int, dist=None, group=None, promoter: Promoter | None = None,
-                 tiles: bool = True, compress: str | None = None, compress_threads: int = 1):
+                 tiles: bool = True, compress: str | None = None, compress_threads: int = 1,
+                 local: LocalTier | None = None):
         self.compress, self.compress_threads = compress, compress_threads  # coded here, never in training
         self.root, self.layouts, self.snapshots, self.progress, self.trace = root, layouts, snapshots, progress, trace
         self.keep, self.dist, self.group, self.promoter, self.tiles = keep, dist, group, promoter, tiles
+        self.local = local  # the node-local tier: every snapshot goes there, those with snap.shared on to root
         self.rank = dist.get_rank() if dist else 0
         self.world = dist.get_world_size() if dist else 1
         self._templates: dict = {}  # (rank, datasets) -> RankTemplate, most recently used last
@@ -89,7 +92,10 @@ class Flusher(Stage):
                       params={n: list(s) for n, s in model.params.items()}, frozen=sorted(model.frozen),
                       state=snap.state)
         path = self.root.path_for(snap.step)
-        if self.world == 1:  # the same step saved again replaces it (root.publish: the old copy until then)
+        if self.local is not None:
+            if not self._persist_local(snap, path, fields):
+                return
+        elif self.world == 1:  # the same step saved again replaces it (root.publish: the old copy until then)
             with CheckpointWriter(path, layout.mesh.size, write_behind=True, publish=self.root.publish,
                                   compress=self.compress, compress_threads=self.compress_threads, **fields) as w:  # the pool holds still
                 writers.append(w)
@@ -109,6 +115,20 @@ class Flusher(Stage):
         if self.world > 1:
             self.dist.barrier(group=self.group)  # every rank's wait() returns after `latest` moved
         self.trace.flush()
+
+    def _persist_local(self, snap: Snapshot, path: str, fields: dict) -> bool:
+        """Into every node's local folder; then, for a ``shared`` snapshot, copied on to ``root``.
+        Returns whether it went to ``root`` too."""
+        t0 = time.perf_counter()
+        layout = snap.layout
+        entries = self.local.write(snap.step, layout.mesh.size, layout.rank, fields, lambda w: self._write(w, snap))
+        self.trace.add("local", t0, time.perf_counter(), step=snap.step, bytes=snap.region.stop - snap.region.start)
+        if not snap.shared:
+            self.trace.flush()
+            return False
+        copy_to_root(self.local.root.path_for(snap.step), self.root, snap.step, layout.mesh.size, layout.rank,
+                     fields, entries, dist=self.dist if self.world > 1 else None, group=self.group)
+        return True
 
     def _write(self, writer: CheckpointWriter, snap: Snapshot) -> None:
         """The rank's file, replayed from its layout's template (store.template: the HDF5 structure

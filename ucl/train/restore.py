@@ -89,12 +89,14 @@ def _broadcast(entries, group) -> None:
                 t.copy_(buf.view(t.dtype).reshape(t.shape))
 
 
-def from_checkpoint(target: Target, path: str) -> tuple[int, Any]:
+def from_checkpoint(target: Target, path: str, read=None, manifest=None) -> tuple[int, Any]:
     """Restore the committed checkpoint at ``path``, written on any layout. A checkpoint of another
     model is refused before anything changes; the optimizer then holds state for exactly the
-    parameters the checkpoint has it for."""
-    with open_checkpoint(path) as ck:
-        manifest = ck.manifest
+    parameters the checkpoint has it for. ``read(layout)``, with the checkpoint's ``manifest``: the
+    arrays of this rank in ``layout`` from elsewhere than ``path``'s files (``train.recover``)."""
+    if manifest is None:
+        with open_checkpoint(path) as ck:
+            manifest = ck.manifest
     saved = manifest.state or {}
     optimizer = target.optimizer
     layout = target.layouts.current(target.module, optimizer, reading=True)
@@ -117,7 +119,7 @@ def from_checkpoint(target: Target, path: str) -> tuple[int, Any]:
         optimizer.state.clear()  # the state created for it above goes: the optimizer is as it was
         optimizer.state.update(kept)
         raise
-    arrays = _read(target.layouts, path, layout)
+    arrays = read(layout) if read is not None else read_layout(target.layouts, path, layout)
     import torch
     with torch.no_grad():
         for e in layout.entries if layout.rank >= 0 or layout.mesh.is_universal else ():
@@ -170,11 +172,18 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def _read(layouts: Layouts, path: str, layout: TrainLayout) -> dict[str, np.ndarray]:
-    """This rank's datasets in the current layout, from a checkpoint of any layout."""
+def read_layout(layouts: Layouts, path, layout: TrainLayout, source=None, stats=None) -> dict[str, np.ndarray]:
+    """This rank's datasets in the current layout, from a checkpoint of any layout (``path``, or an
+    open ``CheckpointLike`` read through ``source``: see ``load_rank``)."""
     rank = max(layout.rank, 0)
     model = layouts.model_of(layout)
     want = expected_datasets(model, layout.mesh, rank) if layout.rank >= 0 or layout.mesh.is_universal else {}
     into = {e.key: e.tensor for e in layout.entries
             if e.key in want and tuple(e.tensor.shape) == tuple(want[e.key][0])}
-    return load_rank(path, mesh=layout.mesh, rank=rank, model=model, out=into)
+    return load_rank(path, mesh=layout.mesh, rank=rank, model=model, out=into, source=source, stats=stats)
+
+
+def reads(layout: TrainLayout) -> int | None:
+    """The rank of the layout this process restores (a DDP replica: rank 0 of the universal layout),
+    or None when it restores nothing."""
+    return max(layout.rank, 0) if layout.rank >= 0 or layout.mesh.is_universal else None

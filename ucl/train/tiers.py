@@ -109,6 +109,15 @@ class RemoteTier:
                 self.fs.rm_file(self._join(CheckpointRoot.dir_name(old), MANIFEST_NAME))  # uncommit first
                 self.fs.rm(self._join(CheckpointRoot.dir_name(old)), recursive=True)
 
+    def manifest_text(self, step: int) -> bytes:
+        """The committed manifest of ``step``."""
+        return self.fs.cat_file(self._join(CheckpointRoot.dir_name(step), MANIFEST_NAME))
+
+    def get(self, step: int, name: str, dst: str) -> int:
+        """Download one file of checkpoint ``step`` to the path ``dst``; returns its size."""
+        self.fs.get_file(self._join(CheckpointRoot.dir_name(step), name), dst)
+        return os.path.getsize(dst)
+
     def fetch(self, step: int | None, dst: str) -> str:
         """Download checkpoint ``step`` (default: the tier's ``latest``) into the new folder ``dst``."""
         step = self.latest_step() if step is None else step

@@ -1,0 +1,218 @@
+"""The node-local tier (``Checkpointer(local=...)``) and loading from whatever survives: each
+"node" is a folder of its own on this machine (docs/resilience.md)."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.multiprocessing as tmp_mp  # noqa: E402
+
+import ucl  # noqa: E402
+from ucl.store.manifest import file_name  # noqa: E402
+
+DIM, OUT, STEPS = 8, 4, 6
+
+
+def _model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Linear(16, OUT))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(4, DIM, generator=g), torch.randn(4, OUT, generator=g)
+
+
+def _train(model, opt, start, stop, ck=None):
+    losses = []
+    for i in range(start, stop):
+        x, y = _batch(i)
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if ck is not None:
+            ck.save(i + 1)
+    return losses
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_every_save_goes_to_the_local_tier_and_one_in_persist_every_to_root(tmp_path):
+    m, o = _model()
+    with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local", persist_every=3, keep=2) as ck:
+        _train(m, o, 0, 7, ck)
+    assert ucl.store.CheckpointRoot(tmp_path / "root").steps() == [3, 6]
+    local = ucl.store.CheckpointRoot(tmp_path / "local")
+    assert local.steps() == [6, 7] and local.latest_step() == 7  # keep=2 there too
+    folder = local.path_for(7)
+    assert json.load(open(os.path.join(folder, "ucl_node.json"))) == {"node": 0, "ranks": [0]}
+    with ucl.open(folder) as ck:
+        assert ck.verify() == [] and ck.state["step"] == 7
+
+
+def test_load_reads_the_local_tier_then_root_then_a_further_tier(tmp_path):
+    m, o = _model()
+    with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local", tiers=[tmp_path / "far"],
+                          persist_every=2) as ck:
+        _train(m, o, 0, 5, ck)
+        want = _state(m)
+    m2, o2 = _model()
+    with ucl.Checkpointer(tmp_path / "root", m2, o2, local=tmp_path / "local", tiers=[tmp_path / "far"]) as ck:
+        assert ck.load()[0] == 5
+        assert set(ck.last_load.bytes_from) == {"local"} and ck.last_load.bytes_from["local"] > 0
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in want.items())
+    shutil.rmtree(tmp_path / "local")  # the node is gone: root's newest step
+    with ucl.Checkpointer(tmp_path / "root", m2, o2, local=tmp_path / "local", tiers=[tmp_path / "far"]) as ck:
+        assert ck.load()[0] == 4 and set(ck.last_load.bytes_from) == {"root"}
+    shutil.rmtree(tmp_path / "root")  # the shared file system is gone too: the further tier, no manual fetch
+    with ucl.Checkpointer(tmp_path / "root", m2, o2, local=tmp_path / "local", tiers=[tmp_path / "far"]) as ck:
+        assert ck.load()[0] == 4
+        assert set(ck.last_load.bytes_from) == {str(tmp_path / "far")}
+        assert ck.last_load.parts == {"0": str(tmp_path / "far")}
+
+
+def test_a_local_copy_with_flipped_bytes_is_refused_and_root_serves(tmp_path):
+    m, o = _model()
+    with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local") as ck:
+        _train(m, o, 0, 2, ck)
+        want = _state(m)
+    path = os.path.join(ucl.store.CheckpointRoot(tmp_path / "local").path_for(2), file_name(0))
+    with ucl.open(os.path.dirname(path)) as ck:
+        offset = ck.info(0, "param/0.weight").offset
+    with open(path, "r+b") as f:
+        f.seek(offset + 5)
+        b = f.read(1)
+        f.seek(offset + 5)
+        f.write(bytes([b[0] ^ 0x40]))
+    m2, o2 = _model()
+    with ucl.Checkpointer(tmp_path / "root", m2, o2, local=tmp_path / "local") as ck:
+        assert ck.load()[0] == 2
+        assert ck.last_load.bytes_from.get("root", 0) > 0
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in want.items())
+
+
+def test_stale_and_half_written_local_steps_are_never_served(tmp_path):
+    m, o = _model()
+    with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local", persist_every=2) as ck:
+        _train(m, o, 0, 4, ck)
+        want = _state(m)
+    local = ucl.store.CheckpointRoot(tmp_path / "local")
+    # a step folder whose manifest is damaged, and one without its node file (not a local tier's)
+    shutil.copytree(local.path_for(4), local.path_for(9))
+    with open(os.path.join(local.path_for(9), "manifest.json"), "w") as f:
+        f.write("{")
+    shutil.copytree(local.path_for(4), local.path_for(8))
+    os.unlink(os.path.join(local.path_for(8), "ucl_node.json"))
+    m2, o2 = _model()
+    with ucl.Checkpointer(tmp_path / "root", m2, o2, local=tmp_path / "local") as ck:
+        assert ck.load()[0] == 4 and set(ck.last_load.bytes_from) == {"local"}
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in want.items())
+
+
+def test_replicas_are_refused_until_they_exist(tmp_path):
+    m, o = _model()
+    with pytest.raises(ucl.UclError) as e:
+        ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local", replicas=1)
+    assert e.value.code == "UCL430"
+
+
+# ---- several processes, two simulated nodes ------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SAVE_AT = 3
+
+
+def _worker(rank: int, world: int, nodes: list, port: int, base: str, phase: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    result: dict = {"rank": rank}
+    try:
+        model, _ = _model()
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        node = nodes[rank]
+        with ucl.Checkpointer(os.path.join(base, "root"), model, opt, local=os.path.join(base, f"node{node}"),
+                              node=node) as ck:
+            if phase == "save":
+                result["losses"] = _train(model, opt, 0, SAVE_AT, ck) + _train(model, opt, SAVE_AT, STEPS)
+            else:
+                start, _ = ck.load()
+                result["start"] = start
+                result["bytes_from"] = ck.last_load.bytes_from
+                result["losses"] = _train(model, opt, start, STEPS)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        with open(os.path.join(out, f"{phase}_{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.destroy_process_group()
+
+
+def _spawn(nodes, base, phase, limit_s=120.0):
+    out = os.path.join(base, "out")
+    os.makedirs(out, exist_ok=True)
+    world = len(nodes)
+    ctx = tmp_mp.spawn(_worker, args=(world, list(nodes), _free_port(), str(base), phase, out), nprocs=world,
+                       join=False)
+    deadline = time.time() + limit_s
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.time() > deadline:
+                pytest.fail(f"{phase}: processes did not finish within {limit_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = [json.load(open(os.path.join(out, f"{phase}_{r}.json"))) for r in range(world)]
+    for r in results:
+        assert "error" not in r, r["error"]
+    return results
+
+
+@pytest.mark.slow
+def test_a_lost_node_costs_only_its_parts_from_root_on_any_world_size(tmp_path):
+    """4 FSDP2 processes as 2 nodes save steps 1-3 to their nodes' folders and to root. Loaded
+    as saved, every byte is local. Node 1's folder deleted: the same 4 processes read node 1's parts
+    from root, the rest locally; 2 processes (another mesh), one on node 1 and one on node 0, read
+    what node 0 holds from it (the one on node 1 receives it over the group) and the rest from root.
+    Every load continues the saving run's losses."""
+    saved = _spawn([0, 0, 1, 1], tmp_path, "save")
+    want = saved[0]["losses"][SAVE_AT:]
+    same = _spawn([0, 0, 1, 1], tmp_path, "load")
+    assert same[0]["start"] == SAVE_AT and set(same[0]["bytes_from"]) == {"local"}
+    assert same[0]["losses"] == pytest.approx(want, rel=1e-6, abs=1e-7)
+    shutil.rmtree(tmp_path / "node1")
+    lost = _spawn([0, 0, 1, 1], tmp_path, "load")
+    got = lost[0]["bytes_from"]
+    assert set(got) == {"local", "root"} and got["local"] == got["root"], got  # 2 parts each, of like size
+    assert lost[0]["losses"] == pytest.approx(want, rel=1e-6, abs=1e-7)
+    smaller = _spawn([1, 0], tmp_path, "load")
+    got = smaller[0]["bytes_from"]
+    assert set(got) == {"peer", "root"} and got["peer"] == got["root"], got
+    for r in smaller:
+        assert r["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
