@@ -198,21 +198,22 @@ def _spawn(nodes, base, phase, limit_s=120.0):
 def test_a_lost_node_costs_only_its_parts_from_root_on_any_world_size(tmp_path):
     """4 FSDP2 processes as 2 nodes save steps 1-3 to their nodes' folders and to root. Loaded
     as saved, every byte is local. Node 1's folder deleted: the same 4 processes read node 1's parts
-    from root, the rest locally; 2 processes (another mesh), one on node 1 and one on node 0, read
+    from root, the rest locally (and Adam's step, which rank 0 alone stores, from a peer); 2 processes (another mesh), one on node 1 and one on node 0, read
     what node 0 holds from it (the one on node 1 receives it over the group) and the rest from root.
     Every load continues the saving run's losses."""
     saved = _spawn([0, 0, 1, 1], tmp_path, "save")
     want = saved[0]["losses"][SAVE_AT:]
     same = _spawn([0, 0, 1, 1], tmp_path, "load")
-    assert same[0]["start"] == SAVE_AT and set(same[0]["bytes_from"]) == {"local"}
+    got = same[0]["bytes_from"]  # Adam's step, stored by rank 0 alone, reaches node 1 from node 0
+    assert same[0]["start"] == SAVE_AT and set(got) == {"local", "peer"} and got["peer"] * 20 < got["local"], got
     assert same[0]["losses"] == pytest.approx(want, rel=1e-6, abs=1e-7)
     shutil.rmtree(tmp_path / "node1")
     lost = _spawn([0, 0, 1, 1], tmp_path, "load")
     got = lost[0]["bytes_from"]
-    assert set(got) == {"local", "root"} and got["local"] == got["root"], got  # 2 parts each, of like size
+    assert set(got) == {"local", "peer", "root"} and got["local"] > got["root"] > got["peer"], got
     assert lost[0]["losses"] == pytest.approx(want, rel=1e-6, abs=1e-7)
     smaller = _spawn([1, 0], tmp_path, "load")
     got = smaller[0]["bytes_from"]
-    assert set(got) == {"peer", "root"} and got["peer"] == got["root"], got
+    assert got["peer"] > 0 and got["root"] > 0, got
     for r in smaller:
         assert r["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)

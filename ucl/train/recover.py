@@ -144,7 +144,8 @@ class Routed:
 
 
 def _box_key(rank: int, slot, start, size) -> tuple:
-    return rank, slot.key, slot.base, tuple(int(x) for x in start), tuple(int(x) for x in size)
+    return (rank, slot.key, slot.base, tuple(slot.shape), tuple(int(x) for x in start),
+            tuple(int(x) for x in size))
 
 
 class Recovery:
@@ -389,7 +390,8 @@ class Recovery:
             parts = []
             for r, slot, start, size in _unique(boxes):
                 try:
-                    parts.append(np.ascontiguousarray(source.read(r, slot, start, size)).reshape(-1).view(np.uint8))
+                    # a copy: the source's arena reuses its memory at the next read
+                    parts.append(np.array(source.read(r, slot, start, size), order="C").reshape(-1).view(np.uint8))
                 except StoreError:
                     state["failed"] = state["failed"] or [self.node_of[self.me], r]
                     n = int(np.prod(size, dtype=np.int64)) * _itemsize(manifest, r, slot.key)
