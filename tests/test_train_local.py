@@ -120,6 +120,23 @@ def test_stale_and_half_written_local_steps_are_never_served(tmp_path):
     assert all(torch.equal(v, m2.state_dict()[k]) for k, v in want.items())
 
 
+def test_ucl_verify_checks_a_local_folder_and_names_the_parts_elsewhere(tmp_path, capsys):
+    import ucl.cli
+    m, o = _model()
+    with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local") as ck:
+        _train(m, o, 0, 1, ck)
+    folder = ucl.store.CheckpointRoot(tmp_path / "local").path_for(1)
+    # as another node's processes would have left it: rank 0 held elsewhere, its file not here
+    with open(os.path.join(folder, "ucl_node.json"), "w") as f:
+        json.dump({"node": 1, "ranks": []}, f)
+    os.unlink(os.path.join(folder, file_name(0)))
+    capsys.readouterr()
+    assert ucl.cli.main(["verify", folder]) == 0
+    out = capsys.readouterr().out
+    assert "node 1's local copy" in " ".join(out.split()) and "on other nodes" in out
+    assert ucl.cli.main(["inspect", folder]) == 0
+
+
 def test_replicas_are_refused_until_they_exist(tmp_path):
     m, o = _model()
     with pytest.raises(ucl.UclError) as e:

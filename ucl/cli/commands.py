@@ -214,17 +214,29 @@ def cmd_verify(args) -> int:
     from ..ops.prepare import check_stored, model_of, open_checkpoint
     con = console()
     path = checkpoint_arg(args.ckpt)
+    from ..train.local import node_file
+    held = node_file(path)  # a node-local tier's folder holds its node's rank files only
     with open_checkpoint(path) as ck:
-        problems, fmt = ck.verify(), getattr(ck, "format", None)
+        ranks = None if held is None else sorted(r for r in held["ranks"] if isinstance(r, int) and 0 <= r < ck.nranks)
+        problems, fmt = ck.verify(ranks), getattr(ck, "format", None)
         if ck.manifest.spec is not None and not problems:
             try:  # the datasets are the ones the checkpoint's own spec puts on each rank (what readers need)
-                check_stored(ck, model_of(ck))
+                check_stored(ck, model_of(ck), ranks)
             except UclError as e:
                 problems.append(f"{e} [{e.code}]")
+        elsewhere = [] if ranks is None else sorted(set(range(ck.nranks)) - set(ranks))
     ok = f"{path}: every file present, every checksum matches, the datasets are what its spec lays out" \
         if fmt is None else f"{path}: every {fmt} file present and holding its tensors' bytes ({fmt} files " \
         "carry no checksums)"
+    if held is not None:
+        ok = (f"{path}: node {held['node']}'s local copy: rank files {_ranks_text(ranks)} present, every checksum "
+              f"matches, the datasets are what its spec lays out"
+              + (f"; rank files {_ranks_text(elsewhere)} are on other nodes" if elsewhere else ""))
     return report(con, problems, f"in {path}", ok)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (f" ... ({len(ranks)} in all)" if len(ranks) > 16 else "") or "none"
 
 
 def cmd_demo(args) -> int:
