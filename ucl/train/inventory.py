@@ -84,8 +84,12 @@ class Choice:
 def choose(nodes_view: list[tuple[int, list]], shared: list[list], step: int | None,
            bad: frozenset = frozenset()) -> Choice | None:
     """The newest step (or ``step``) whose every rank file some copy holds: a node's local folder or
-    a shared tier. ``bad``: copies refused earlier (``(node, rank)`` or ``("tier", index)``)."""
+    the first shared tier that holds any (such) step. ``bad``: copies refused earlier (``(node, rank)`` or ``("tier", index)``)."""
     cands: dict[tuple[int, str], dict] = {}
+    # root first, each further tier only when the ones before hold no (such) step: a tier ahead of
+    # root (root lost its newest) is not what a load of root's newest means
+    usable = [h for h in shared if ("tier", h[0]) not in bad and (step is None or h[1] == step)]
+    shared = [h for h in usable if h[0] == min(x[0] for x in usable)] if usable else []
     for node, holdings in nodes_view:
         for s, ident, nranks, ranks in holdings:
             c = cands.setdefault((s, ident), {"nranks": nranks, "holders": {}, "shared": None})
