@@ -137,11 +137,26 @@ def test_ucl_verify_checks_a_local_folder_and_names_the_parts_elsewhere(tmp_path
     assert ucl.cli.main(["inspect", folder]) == 0
 
 
-def test_replicas_are_refused_until_they_exist(tmp_path):
+def test_replicas_need_a_local_tier_and_more_nodes_than_copies(tmp_path):
     m, o = _model()
-    with pytest.raises(ucl.UclError) as e:
-        ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local", replicas=1)
-    assert e.value.code == "UCL430"
+    for kw in (dict(replicas=1), dict(replicas=1, local=tmp_path / "local"), dict(replicas=-1, local=tmp_path)):
+        with pytest.raises(ucl.UclError) as e:
+            ucl.Checkpointer(tmp_path / "root", m, o, **kw)
+        assert e.value.code == "UCL430", kw
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 1), (4, 2), (5, 3)])
+def test_replica_placement_loses_nothing_when_any_k_nodes_are_lost(nodes, per_node):
+    import itertools
+    from ucl.train.replicas import receivers
+    of = tuple(n for n in range(nodes) for _ in range(per_node))
+    for k in range(nodes):
+        to = receivers(of, k)
+        for p, qs in to.items():
+            assert len({of[q] for q in qs} | {of[p]}) == k + 1  # k + 1 copies on distinct nodes
+        for lost in itertools.combinations(range(nodes), k):
+            for p in range(len(of)):  # some copy of every process's file survives
+                assert any(of[q] not in lost for q in [p] + to[p]), (k, lost, p)
 
 
 # ---- several processes, two simulated nodes ------------------------------------------------------
@@ -156,7 +171,8 @@ def _free_port() -> int:
 SAVE_AT = 3
 
 
-def _worker(rank: int, world: int, nodes: list, port: int, base: str, phase: str, out: str) -> None:
+def _worker(rank: int, world: int, nodes: list, port: int, base: str, phase: str, out: str,
+            replicas: int = 0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -173,9 +189,11 @@ def _worker(rank: int, world: int, nodes: list, port: int, base: str, phase: str
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         node = nodes[rank]
         with ucl.Checkpointer(os.path.join(base, "root"), model, opt, local=os.path.join(base, f"node{node}"),
-                              node=node) as ck:
+                              node=node, replicas=replicas if phase == "save" else 0) as ck:
             if phase == "save":
                 result["losses"] = _train(model, opt, 0, SAVE_AT, ck) + _train(model, opt, SAVE_AT, STEPS)
+                ck.wait()
+                result["replicated"] = [e["step"] for e in ck.trace.events() if e["phase"] == "replicated"]
             else:
                 start, _ = ck.load()
                 result["start"] = start
@@ -190,12 +208,12 @@ def _worker(rank: int, world: int, nodes: list, port: int, base: str, phase: str
         dist.destroy_process_group()
 
 
-def _spawn(nodes, base, phase, limit_s=120.0):
+def _spawn(nodes, base, phase, limit_s=120.0, replicas=0):
     out = os.path.join(base, "out")
     os.makedirs(out, exist_ok=True)
     world = len(nodes)
-    ctx = tmp_mp.spawn(_worker, args=(world, list(nodes), _free_port(), str(base), phase, out), nprocs=world,
-                       join=False)
+    ctx = tmp_mp.spawn(_worker, args=(world, list(nodes), _free_port(), str(base), phase, out, replicas),
+                       nprocs=world, join=False)
     deadline = time.time() + limit_s
     try:
         while not ctx.join(timeout=0.5):
@@ -234,3 +252,30 @@ def test_a_lost_node_costs_only_its_parts_from_root_on_any_world_size(tmp_path):
     assert got["peer"] > 0 and got["root"] > 0, got
     for r in smaller:
         assert r["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_with_one_replica_a_lost_node_costs_no_byte_from_root(tmp_path):
+    """4 FSDP2 processes as 2 nodes, replicas=1: every step is fast-recoverable (traced). Node 1's
+    folder deleted: 2 processes on node 0 (another mesh) and 4 on the two nodes (node 1 empty) read
+    nothing from root and continue the saving run's losses. A replica whose bytes were flipped is
+    refused by its checksums and root serves that part."""
+    saved = _spawn([0, 0, 1, 1], tmp_path, "save", replicas=1)
+    assert saved[0]["replicated"] == [1, 2, 3]
+    want = saved[0]["losses"][SAVE_AT:]
+    held = json.load(open(tmp_path / "node0" / "step_00000003" / "ucl_node.json"))
+    assert held == {"node": 0, "ranks": [0, 1, 2, 3]}
+    shutil.rmtree(tmp_path / "node1")
+    smaller = _spawn([0, 0], tmp_path, "load")
+    assert set(smaller[0]["bytes_from"]) == {"local"}, smaller[0]["bytes_from"]
+    for r in smaller:
+        assert r["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    again = _spawn([0, 0, 1, 1], tmp_path, "load")
+    got = again[0]["bytes_from"]
+    assert "root" not in got and got["peer"] > 0, got
+    assert again[0]["losses"] == pytest.approx(want, rel=1e-6, abs=1e-7)
+    from tests.corrupt import flip_byte
+    flip_byte(str(tmp_path / "node0" / "step_00000003" / file_name(2)), "param/0.weight", offset=4)
+    flipped = _spawn([0, 0], tmp_path, "load")
+    assert flipped[0]["bytes_from"].get("root", 0) > 0, flipped[0]["bytes_from"]
+    assert flipped[0]["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)

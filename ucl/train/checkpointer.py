@@ -30,6 +30,7 @@ from .derive import TrainLayout
 from .flusher import Flusher
 from .local import LocalTier, agree_nodes, node_id
 from .recover import LoadReport, Recovery
+from .replicas import placement
 from .layouts import Layouts
 from .optim import hyperparameters
 from .pool import HostPool, default_pool_bytes, layout_bytes
@@ -57,7 +58,7 @@ class Checkpointer:
     (docs/format.md), coded by the flusher in ``compress_threads`` threads, never in the training thread.
     ``local``: a folder only this node sees (docs/resilience.md): every snapshot is written there,
     one in ``persist_every`` also to ``root``; ``node``: this process's node (default: from torchrun's
-    environment); ``replicas``: peer copies (only 0 for now). After ``load()``, ``last_load`` says
+    environment); ``replicas``: k copies of each rank file on other nodes. After ``load()``, ``last_load`` says
     where the bytes came from.
     """
 
@@ -71,9 +72,11 @@ class Checkpointer:
             raise UclError(f"persist_every must be a positive integer, got {persist_every!r}", code="UCL430")
         if not isinstance(keep, int) or keep < 1:
             raise UclError(f"keep must be a positive integer, got {keep!r}", code="UCL430")
-        if replicas != 0:
-            raise UclError(f"replicas={replicas!r}: peer replicas are not available yet; only replicas=0 "
-                           "(docs/resilience.md)", code="UCL430")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise UclError(f"replicas must be a non-negative integer, got {replicas!r}", code="UCL430")
+        if replicas and local is None:
+            raise UclError(f"replicas={replicas} needs local= (the copies go to other nodes' local folders)",
+                           code="UCL430")
         self.root = CheckpointRoot(root)
         self.tiers = [open_tier(t) for t in (tiers or [])]
         self.last_load: LoadReport | None = None
@@ -89,8 +92,11 @@ class Checkpointer:
         if self._dist:
             self._check_same_root()
         rank = self._process_rank()
-        self._local = LocalTier(local, agree_nodes(node_id(node), local, rank, self._world(), self._group), keep,
-                                self._group) if local is not None else None
+        self._local = None
+        if local is not None:
+            nodes = agree_nodes(node_id(node), local, rank, self._world(), self._group)
+            placement(list(nodes.of), replicas)  # UCL430 unless there are more than `replicas` nodes
+            self._local = LocalTier(local, nodes, keep, self._group, replicas)
         # The root lock (store.rootlock) is taken by the first save(), by process rank 0 for the job:
         # until then this is a reader, which changes nothing in the root (an evaluation job may load
         # from a root a training job is writing).

@@ -15,6 +15,7 @@ from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 from .layouts import SPEC_NAME, Layouts
 from .local import LocalTier, copy_to_root
+from .replicas import replicate
 from .progress import Progress, Stage
 from .promoter import Promoter
 from .snapshot import Snapshot, Snapshots
@@ -123,6 +124,7 @@ class Flusher(Stage):
         layout = snap.layout
         entries = self.local.write(snap.step, layout.mesh.size, layout.rank, fields, lambda w: self._write(w, snap))
         self.trace.add("local", t0, time.perf_counter(), step=snap.step, bytes=snap.region.stop - snap.region.start)
+        replicate(self.local, snap.step, layout.rank, self.local.replicas, self.group, self.trace)
         if not snap.shared:
             self.trace.flush()
             return False

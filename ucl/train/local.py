@@ -96,11 +96,12 @@ def node_file(path: str) -> dict | None:
 class LocalTier:
     """This node's local folder and the collective writing of one step into every node's folder."""
 
-    def __init__(self, path: str, nodes: Nodes, keep: int, group=None):
+    def __init__(self, path: str, nodes: Nodes, keep: int, group=None, replicas: int = 0):
         self.root = CheckpointRoot(path)
-        self.nodes, self.keep, self.group = nodes, keep, group
+        self.nodes, self.keep, self.group, self.replicas = nodes, keep, group, replicas
 
-    def _gather(self, value: Any) -> list:
+    def gather(self, value: Any) -> list:
+        """Every process's JSON ``value`` over the checkpointer's group."""
         if len(self.nodes.of) == 1:
             return [value]
         try:
@@ -123,7 +124,7 @@ class LocalTier:
                 staged = TempDir(final)
             except OSError as e:
                 problem = f"local tier {self.root.root}: cannot create a temp folder: {e}"
-        views = self._gather([staged.path if staged else None, problem])
+        views = self.gather([staged.path if staged else None, problem])
         try:
             problems = [p for _, p in views if p]
             tmp = views[self.nodes.leader(self.nodes.node)][0]
@@ -135,7 +136,7 @@ class LocalTier:
                     entries = {str(r): e for r, e in writer.finish([rank]).items()}
                 except Exception as e:  # reported to every process
                     problem = f"rank {self.nodes.me}: {e}"
-            shared = self._gather([entries, problem, fields["state"].get("rng", {})])
+            shared = self.gather([entries, problem, fields["state"].get("rng", {})])
             problems += [p for _, p, _ in shared if p]
             if problems:
                 raise StoreError(f"step {step} not written to the local tier: {'; '.join(problems)}", code="UCL410")
@@ -147,7 +148,7 @@ class LocalTier:
                     staged = None
                 except Exception as e:
                     committed = f"node {self.nodes.node}: {e}"
-            failed = [c for c in self._gather(committed) if c]
+            failed = [c for c in self.gather(committed) if c]
         except BaseException:
             if staged is not None:
                 staged.discard()
