@@ -279,3 +279,35 @@ def test_with_one_replica_a_lost_node_costs_no_byte_from_root(tmp_path):
     flipped = _spawn([0, 0], tmp_path, "load")
     assert flipped[0]["bytes_from"].get("root", 0) > 0, flipped[0]["bytes_from"]
     assert flipped[0]["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_every_checkpoint_records_its_runs_and_a_rewind_starts_one(tmp_path):
+    from ucl.train.lineage import of_state
+    m, o = _model()
+    with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local") as ck:
+        _train(m, o, 0, 3, ck)
+    m, o = _model()
+    with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local") as ck:
+        ck.save(4)  # no load: it goes on from the newest step, in a run of its own
+        ck.wait()
+        ck.load(step=2)
+        ck.save(3)
+    lineage = [of_state(ucl.open(ucl.store.CheckpointRoot(tmp_path / p).path_for(s)).state)
+               for p, s in (("root", 2), ("local", 3))]
+    assert [r for _, r in lineage[0]] == [None]
+    # the run that saved step 4 is not in the history any more: step 3 follows step 2 of the first run
+    assert [r for _, r in lineage[1]] == [None, 2] and lineage[1][0] == lineage[0][0]
+
+
+def test_a_node_with_steps_of_an_abandoned_run_never_serves_them():
+    """Node 1 holds every part of steps 2 and 3 of run A (replicas); while it was away the job went
+    back to step 1 and saved step 2 again in run B. Node 1's step 3 is newer, but abandoned."""
+    from ucl.train.inventory import choose
+    a, b = [["1-A", None]], [["1-A", None], ["2-B", 1]]
+    node0 = [[1, "s1", 2, [0, 1], a], [2, "s2B", 2, [0, 1], b]]
+    node1 = [[2, "s2A", 2, [0, 1], a], [3, "s3A", 2, [0, 1], a]]
+    root = [[0, 1, "s1", 2, a], [0, 2, "s2B", 2, b]]
+    got = choose([(0, node0), (1, node1)], root, None)
+    assert (got.step, got.ident) == (2, "s2B")
+    assert choose([(1, node1)], [], None).step == 3  # alone, nothing says run A was abandoned
+    assert choose([(0, node0), (1, node1)], root, 3) is None

@@ -22,6 +22,7 @@ from ..ops.stats import IOStats
 from ..store.checksum import checksum_of
 from ..store.codec import check_codec
 from ..store.manifest import plain_json
+from ..store.reader import Checkpoint
 from ..store.root import CheckpointRoot
 from ..store.rootlock import RootLock, acquire
 from . import restore, rng
@@ -29,6 +30,7 @@ from .copier import Copier
 from .derive import TrainLayout
 from .flusher import Flusher
 from .local import LocalTier, agree_nodes, node_id
+from .lineage import new_run, of_state
 from .recover import LoadReport, Recovery
 from .replicas import placement
 from .layouts import Layouts
@@ -105,6 +107,10 @@ class Checkpointer:
         self._closed = False
         self._last: Snapshot | None = None  # the snapshot the next fence waits for
         self._unwritten = 0  # saves since the last one written to disk (persist_every)
+        # the run the saves belong to (train.lineage): made at the first save and at the first after a load
+        self._lineage: list | None = None
+        self._base: list | None = None  # the lineage of what load() restored (None: no load yet)
+        self._resumed: int | None = None  # the step load() restored
         # the newest step saved in root (load() sets it to the step it restored: a rollback)
         newest = [r.newest() for r in [self.root] + ([self._local.root] if self._local else []) if os.path.isdir(r.root)]
         steps = [self.root.step_of(os.path.basename(n)) for n in newest if n]
@@ -144,6 +150,8 @@ class Checkpointer:
             raise UclError(f"step must be a non-negative integer, got {step!r}", code="UCL430")
         extra = _frozen_json(step, extra)
         self._hold()
+        if self._lineage is None:
+            self._new_run()
         if self._newest is not None and step < self._newest:
             raise UclError(f"step {step}: {self.root.root} already holds step {self._newest}; saving an older step "
                            "would delete the newer ones once it is durable (they would belong to an abandoned "
@@ -227,6 +235,23 @@ class Checkpointer:
                 raise cls(f"process rank 0: {text}" if self._process_rank() else text, code=code)
         self._holding = True
 
+    def _new_run(self) -> None:
+        """A run starts (train.lineage): after a load, from what was restored; else it goes on from the
+        newest step in ``root`` or this node's folder (process rank 0's view, shared)."""
+        base = self._base
+        if base is None and self._process_rank() == 0:
+            newest = [(self.root.step_of(os.path.basename(p)), p) for p in
+                      [r.newest() for r in [self.root] + ([self._local.root] if self._local else [])
+                       if os.path.isdir(r.root)] if p]
+            try:
+                base = of_state(_manifest_of(max(newest)[1]).state) if newest else []
+            except (UclError, OSError):
+                base = []
+        run = [new_run(), base or []]
+        if self._dist:
+            run = allgather_json(run, group=self._group)[0]
+        self._lineage = run[1] + [[run[0], self._resumed]]
+
     def fence(self) -> None:
         """Wait until the last snapshot's copy is done (on CUDA: the current stream waits on the GPU,
         the CPU does not), and raise a background error. The optimizer step pre-hook fences too, but
@@ -270,11 +295,13 @@ class Checkpointer:
                                 self._group)
         restored = restore.from_memory(target, self._snapshots, self.root, step, self.trace,
                                        usable=not self._progress.failed)
+        base = self._lineage or self._base or []  # a rollback from memory: the run it was saved in
         if restored is not None:
             self.last_load = LoadReport(restored[0], {"memory": 0})
         elif self._local is not None or self.tiers:
-            restored, self.last_load = Recovery(target, self._local, [self.root] + self.tiers, step,
-                                                self.trace).run()
+            recovery = Recovery(target, self._local, [self.root] + self.tiers, step, self.trace)
+            restored, self.last_load = recovery.run()
+            base = recovery.lineage
         else:
             path = self.root.newest() if step is None else self.root.path_for(step)
             if path is None:
@@ -289,7 +316,9 @@ class Checkpointer:
                 target, path, read=lambda layout: restore.read_layout(self._layouts, path, layout, stats=stats))
             read = sum(allgather_json(stats.bytes_read, group=self._group)) if self._dist else stats.bytes_read
             self.last_load = LoadReport(restored[0], {"root": read})
-        self._newest = restored[0]  # the run goes on from here: newer steps are abandoned
+            base = of_state(_manifest_of(path).state)
+        self._newest = restored[0]
+        self._base, self._resumed, self._lineage = base, restored[0], None  # the next save starts a run  # the run goes on from here: newer steps are abandoned
         return restored
 
     def close(self) -> None:
@@ -345,6 +374,7 @@ class Checkpointer:
         if self.optimizer is not None:
             groups = hyperparameters(self.optimizer)
         return {"step": step, "extra": extra, "rng": {str(self._process_rank()): rng.capture()},
+                "lineage": self._lineage,
                 "optimizer": {"type": type(self.optimizer).__name__, "param_groups": groups} if groups else None}
 
     @staticmethod
@@ -367,3 +397,8 @@ def _frozen_json(step: int, extra: Any) -> Any:
     except (TypeError, ValueError) as e:
         raise UclError(f"step {step}: extra must be a JSON value (dicts, lists, str, int, finite float, bool, "
                        f"None): {e}", code="UCL430") from None
+
+
+def _manifest_of(path: str):
+    with Checkpoint.open(path) as ck:
+        return ck.manifest

@@ -18,6 +18,7 @@ from ..errors import StoreError
 from ..store.manifest import Manifest, file_name
 from ..store.reader import Checkpoint
 from ..store.root import CheckpointRoot
+from .lineage import abandoned, authority, of_state
 from .local import node_file
 from .tiers import RemoteTier, describe
 
@@ -31,7 +32,7 @@ def ident_of(manifest: Manifest) -> str:
 
 
 def local_holdings(root: CheckpointRoot | None) -> list[list]:
-    """``[step, ident, nranks, [ranks whose file is there]]`` of every committed step of a node's
+    """``[step, ident, nranks, [ranks whose file is there], lineage]`` of every committed step of a node's
     local folder; a folder that cannot be read (half-written, damaged manifest) is left out."""
     out = []
     if root is None or not os.path.isdir(root.root):
@@ -48,12 +49,12 @@ def local_holdings(root: CheckpointRoot | None) -> list[list]:
             continue
         ranks = [r for r in held["ranks"] if isinstance(r, int) and 0 <= r < manifest.nranks
                  and os.path.isfile(os.path.join(path, file_name(r)))]
-        out.append([step, ident_of(manifest), manifest.nranks, ranks])
+        out.append([step, ident_of(manifest), manifest.nranks, ranks, of_state(manifest.state)])
     return out
 
 
 def shared_holdings(tiers: list) -> list[list]:
-    """``[tier index, step, ident, nranks]`` of every committed step of the shared tiers (``root`` is
+    """``[tier index, step, ident, nranks, lineage]`` of every committed step of the shared tiers (``root`` is
     index 0, then ``tiers=`` in order); a tier that cannot be read is left out."""
     out = []
     for i, tier in enumerate(tiers):
@@ -61,11 +62,11 @@ def shared_holdings(tiers: list) -> list[list]:
             if isinstance(tier, RemoteTier):
                 for step in tier.steps():
                     m = Manifest.from_json(tier.manifest_text(step).decode("utf-8"))
-                    out.append([i, step, ident_of(m), m.nranks])
+                    out.append([i, step, ident_of(m), m.nranks, of_state(m.state)])
             elif os.path.isdir(tier.root):
                 for step in tier.steps():
                     with Checkpoint.open(tier.path_for(step)) as ck:
-                        out.append([i, step, ident_of(ck.manifest), ck.manifest.nranks])
+                        out.append([i, step, ident_of(ck.manifest), ck.manifest.nranks, of_state(ck.manifest.state)])
         except (StoreError, OSError, ValueError):
             continue
     return out
@@ -85,18 +86,21 @@ def choose(nodes_view: list[tuple[int, list]], shared: list[list], step: int | N
            bad: frozenset = frozenset()) -> Choice | None:
     """The newest step (or ``step``) whose every rank file some copy holds: a node's local folder or
     the first shared tier that holds any (such) step. ``bad``: copies refused earlier (``(node, rank)`` or ``("tier", index)``)."""
+    newest = authority([h[4] for _, hs in nodes_view for h in hs] + [h[4] for h in shared])
+    nodes_view = [(n, [h for h in hs if not abandoned(h[0], h[4], newest)]) for n, hs in nodes_view]
+    shared = [h for h in shared if not abandoned(h[1], h[4], newest)]
     cands: dict[tuple[int, str], dict] = {}
     # root first, each further tier only when the ones before hold no (such) step: a tier ahead of
     # root (root lost its newest) is not what a load of root's newest means
     usable = [h for h in shared if ("tier", h[0]) not in bad and (step is None or h[1] == step)]
     shared = [h for h in usable if h[0] == min(x[0] for x in usable)] if usable else []
     for node, holdings in nodes_view:
-        for s, ident, nranks, ranks in holdings:
+        for s, ident, nranks, ranks, _ in holdings:
             c = cands.setdefault((s, ident), {"nranks": nranks, "holders": {}, "shared": None})
             for r in ranks:
                 if (node, r) not in bad:
                     c["holders"].setdefault(r, set()).add(node)
-    for i, s, ident, nranks in shared:
+    for i, s, ident, nranks, _ in shared:
         if ("tier", i) in bad:
             continue
         c = cands.setdefault((s, ident), {"nranks": nranks, "holders": {}, "shared": None})

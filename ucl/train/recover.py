@@ -30,6 +30,7 @@ from ..store.reader import Checkpoint
 from ..store.source import StoreSource
 from . import restore
 from .inventory import LOCAL, PEER, choose, local_holdings, shared_holdings, steps_seen, tier_name
+from .lineage import of_state
 from .local import LocalTier
 from .tiers import RemoteTier
 
@@ -157,6 +158,7 @@ class Recovery:
         self.world, self.me = target.world, target.rank
         self.group = target.group
         self.scratch: str | None = None  # downloads from a remote tier
+        self.lineage: list = []  # of the checkpoint restored (train.lineage)
 
     def gather(self, value: Any) -> list:
         if self.world == 1:
@@ -244,6 +246,7 @@ class Recovery:
         for _, _, b in outcome:
             for k, v in b.items():
                 total[k] = total.get(k, 0) + v
+        self.lineage = of_state(manifest.state)
         if self.trace is not None:
             self.trace.add("restore", t0, time.perf_counter(), step=choice.step, bytes_from=total)
         return restored, LoadReport(choice.step, total, dict(state.get("parts", {})))
