@@ -53,6 +53,9 @@ def test_every_save_goes_to_the_local_tier_and_one_in_persist_every_to_root(tmp_
     with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local", persist_every=3, keep=2) as ck:
         _train(m, o, 0, 7, ck)
     assert ucl.store.CheckpointRoot(tmp_path / "root").steps() == [3, 6]
+    from ucl.train.timeline import load_trace
+    phases = [e["phase"] for e in load_trace(tmp_path / "root")]
+    assert phases.count("local") == 7 and phases.count("flush") == 2
     local = ucl.store.CheckpointRoot(tmp_path / "local")
     assert local.steps() == [6, 7] and local.latest_step() == 7  # keep=2 there too
     folder = local.path_for(7)
@@ -311,3 +314,16 @@ def test_a_node_with_steps_of_an_abandoned_run_never_serves_them():
     assert (got.step, got.ident) == (2, "s2B")
     assert choose([(1, node1)], [], None).step == 3  # alone, nothing says run A was abandoned
     assert choose([(0, node0), (1, node1)], root, 3) is None
+
+
+def test_a_step_only_some_nodes_published_is_not_served_and_bad_copies_are_left_out():
+    """A job killed between node 0's and node 1's rename left step 3 on node 0 only: step 2 is the
+    newest whole one; a copy that failed its checksums is not used again, another one is."""
+    from ucl.train.inventory import choose
+    node0 = [[2, "s2", 2, [0], []], [3, "s3", 2, [0], []]]
+    node1 = [[2, "s2", 2, [1], []]]
+    got = choose([(0, node0), (1, node1)], [], None)
+    assert (got.step, got.holders) == (2, {0: (0,), 1: (1,)})
+    assert choose([(0, node0), (1, node1)], [], None, frozenset({(1, 1)})) is None
+    got = choose([(0, node0), (1, node1)], [[0, 2, "s2", 2, []]], None, frozenset({(1, 1)}))
+    assert (got.step, got.holders, got.shared) == (2, {0: (0,)}, 0)  # rank 1 from root

@@ -20,13 +20,15 @@ from ..errors import StoreError, UclError
 MAX_TRACE_BYTES = 256 << 20
 TRACE_GLOB = "trace-rank*.jsonl"
 # phase -> lane (Chrome tid): the training thread, the snapshot copier, the flusher, the promoter
-LANES = {"blocked": 0, "fence": 0, "restore": 0, "snapshot": 1, "flush": 2, "promote": 3}
+LANES = {"blocked": 0, "fence": 0, "restore": 0, "snapshot": 1, "flush": 2, "local": 2, "replicated": 2,
+         "promote": 3}
 LANE_NAMES = ("training", "snapshot", "flush", "promote")
 COLOURS = {"blocked": "#d62728", "fence": "#ff7f0e", "snapshot": "#1f77b4", "flush": "#2ca02c",
-           "promote": "#9467bd", "restore": "#8c564b"}
+           "promote": "#9467bd", "restore": "#8c564b", "local": "#17becf", "replicated": "#bcbd22"}
 LEGEND = {"blocked": "blocked in save()", "fence": "fence (optimizer step waited)", "snapshot": "snapshot copy",
           "flush": "flush (write, commit, latest, prune)", "promote": "promote to a further tier",
-          "restore": "load from host memory (tier 0)"}
+          "restore": "load (host memory, or the tiers)", "local": "write to the node-local tier",
+          "replicated": "copies sent to peer nodes"}
 
 
 class TraceWarning(UserWarning):
