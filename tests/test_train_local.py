@@ -185,15 +185,20 @@ def _worker(rank: int, world: int, nodes: list, port: int, base: str, phase: str
     result: dict = {"rank": rank}
     try:
         model, _ = _model()
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        if phase.endswith("-tp"):  # tensor parallel: another parallelism family
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+            parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        else:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         node = nodes[rank]
         with ucl.Checkpointer(os.path.join(base, "root"), model, opt, local=os.path.join(base, f"node{node}"),
-                              node=node, replicas=replicas if phase == "save" else 0) as ck:
-            if phase == "save":
+                              node=node, replicas=replicas if phase.startswith("save") else 0) as ck:
+            if phase.startswith("save"):
                 result["losses"] = _train(model, opt, 0, SAVE_AT, ck) + _train(model, opt, SAVE_AT, STEPS)
                 ck.wait()
                 result["replicated"] = [e["step"] for e in ck.trace.events() if e["phase"] == "replicated"]
@@ -327,3 +332,29 @@ def test_a_step_only_some_nodes_published_is_not_served_and_bad_copies_are_left_
     assert choose([(0, node0), (1, node1)], [], None, frozenset({(1, 1)})) is None
     got = choose([(0, node0), (1, node1)], [[0, 2, "s2", 2, []]], None, frozenset({(1, 1)}))
     assert (got.step, got.holders, got.shared) == (2, {0: (0,)}, 0)  # rank 1 from root
+
+
+def _stored_bytes(path) -> int:
+    with ucl.open(path) as ck:
+        return sum(ck.info(r, k).nbytes for r in range(ck.nranks) for k in ck.keys(r))
+
+
+@pytest.mark.slow
+def test_a_load_across_families_reads_each_box_once_per_job(tmp_path):
+    """Saved with FSDP2 on 4 processes (2 nodes), loaded with TP on 2 (one a node), and saved with TP,
+    loaded with FSDP2: the job reads about the checkpoint once in all, not once per process, and
+    continues the saving run's losses."""
+    saved = _spawn([0, 0, 1, 1], tmp_path / "a", "save")
+    want = saved[0]["losses"][SAVE_AT:]
+    tp = _spawn([0, 1], tmp_path / "a", "load-tp")
+    stored = _stored_bytes(ucl.store.CheckpointRoot(tmp_path / "a" / "root").latest())
+    assert "root" not in tp[0]["bytes_from"] and sum(tp[0]["bytes_from"].values()) < 1.5 * stored, \
+        (tp[0]["bytes_from"], stored)
+    assert tp[0]["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    saved = _spawn([0, 1], tmp_path / "b", "save-tp")
+    want = saved[0]["losses"][SAVE_AT:]
+    back = _spawn([0, 0, 1, 1], tmp_path / "b", "load")
+    stored = _stored_bytes(ucl.store.CheckpointRoot(tmp_path / "b" / "root").latest())
+    assert "root" not in back[0]["bytes_from"] and sum(back[0]["bytes_from"].values()) < 1.5 * stored, \
+        (back[0]["bytes_from"], stored)
+    assert back[0]["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
