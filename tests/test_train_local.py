@@ -19,15 +19,23 @@ from ucl.store.manifest import file_name  # noqa: E402
 DIM, OUT, STEPS = 8, 4, 6
 
 
+def _dims() -> tuple[int, int, int]:
+    """(in, hidden, out); wide (UCL_TEST_WIDE, inherited by spawned workers): matrices of 128 KiB, over
+    the 16 KiB checksum chunks, so partial reads are not rounded out to whole datasets."""
+    return (64, 512, 64) if os.environ.get("UCL_TEST_WIDE") else (DIM, 16, OUT)
+
+
 def _model():
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Linear(16, OUT))
+    d, h, o = _dims()
+    m = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.ReLU(), torch.nn.Linear(h, o))
     return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
 
 
 def _batch(i):
     g = torch.Generator().manual_seed(100 + i)
-    return torch.randn(4, DIM, generator=g), torch.randn(4, OUT, generator=g)
+    d, _, o = _dims()
+    return torch.randn(4, d, generator=g), torch.randn(4, o, generator=g)
 
 
 def _train(model, opt, start, stop, ck=None):
@@ -340,10 +348,11 @@ def _stored_bytes(path) -> int:
 
 
 @pytest.mark.slow
-def test_a_load_across_families_reads_each_box_once_per_job(tmp_path):
+def test_a_load_across_families_reads_each_box_once_per_job(tmp_path, monkeypatch):
     """Saved with FSDP2 on 4 processes (2 nodes), loaded with TP on 2 (one a node), and saved with TP,
-    loaded with FSDP2: the job reads about the checkpoint once in all, not once per process, and
-    continues the saving run's losses."""
+    loaded with FSDP2: the job reads about the checkpoint once in all (verified reads round out to
+    checksum chunks and tiles), not once per process, and continues the saving run's losses."""
+    monkeypatch.setenv("UCL_TEST_WIDE", "1")
     saved = _spawn([0, 0, 1, 1], tmp_path / "a", "save")
     want = saved[0]["losses"][SAVE_AT:]
     tp = _spawn([0, 1], tmp_path / "a", "load-tp")
