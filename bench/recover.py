@@ -91,18 +91,18 @@ def _worker(rank, world, nodes, port, layers, base, task, out):
             from torch.distributed.checkpoint.state_dict import get_state_dict
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(base, "dcp"))
-        elif task["kind"] == "load":
-            dist.barrier()
-            t0 = time.perf_counter()
+        elif task["kind"] == "load":  # load() alone is timed (its process group is made before, as dcp's is)
             with ucl.Checkpointer(os.path.join(base, "root"), model, opt, node=node,
                                   local=os.path.join(base, f"node{node}")) as ck:
+                dist.barrier()
+                t0 = time.perf_counter()
                 ck.load()
                 dist.barrier()
                 result = {"seconds": time.perf_counter() - t0, "bytes_from": ck.last_load.bytes_from}
         elif task["kind"] == "dcp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-            _step(model, opt)  # the optimizer state exists, as dcp.load needs
+            _step(model, opt)  # the optimizer state exists, as dcp.load needs (ucl's load() creates it itself)
             dist.barrier()
             t0 = time.perf_counter()
             msd, osd = get_state_dict(model, opt)
@@ -114,8 +114,9 @@ def _worker(rank, world, nodes, port, layers, base, task, out):
         else:  # the training loop
             times = []
             every, k = task["every"], task["replicas"]
-            ck = ucl.Checkpointer(os.path.join(base, "loop-root"), model, opt, node=node, replicas=k,
-                                  local=os.path.join(base, f"loop-node{node}"), persist_every=10 ** 9, keep=2) \
+            loop = os.path.join(base, task["name"])  # a fresh root and node folders for each loop
+            ck = ucl.Checkpointer(os.path.join(loop, "root"), model, opt, node=node, replicas=k,
+                                  local=os.path.join(loop, f"node{node}"), persist_every=10 ** 9, keep=2) \
                 if every else None
             for i in range(task["iters"]):
                 times.append(_step(model, opt))
@@ -190,12 +191,12 @@ def main() -> None:
                   f"{statistics.median(runs) / gib:5.2f} s/GiB")
         base = bases[0]
         plain = max(r["iter"] for r in _run([0, 0, 1, 1], layers, base, {"kind": "loop", "every": 0, "replicas": 0,
-                                                                            "iters": args.iters}))
+                                                                            "iters": args.iters, "name": "loop"}))
         print(f"training loop, no checkpoint: {plain * 1000:.1f} ms an iteration")
         for every in (1, 10):
             for k in (0, 1):
-                it = max(r["iter"] for r in _run([0, 0, 1, 1], layers, base, {"kind": "loop", "every": every,
-                                                                                "replicas": k, "iters": args.iters}))
+                it = max(r["iter"] for r in _run([0, 0, 1, 1], layers, base, {
+                    "kind": "loop", "every": every, "replicas": k, "iters": args.iters, "name": f"loop-{every}-{k}"}))
                 print(f"  checkpoint every {every:2d}, replicas={k}: {it * 1000:.1f} ms ({it / plain:.2f}x)")
     finally:
         shutil.rmtree(work, ignore_errors=True)

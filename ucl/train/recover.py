@@ -403,7 +403,7 @@ class Recovery:
             if buf.numel():
                 keep.append(buf)
                 ops.append(dist.isend(buf, p, group=self.group))
-        if source is not None:
+        if source is not None and source.bytes_read:
             state["bytes"][PEER] = state["bytes"].get(PEER, 0) + source.bytes_read
         incoming = []
         for q, boxes in sorted(recvs.items()):
