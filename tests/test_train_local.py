@@ -131,6 +131,18 @@ def test_stale_and_half_written_local_steps_are_never_served(tmp_path):
     assert all(torch.equal(v, m2.state_dict()[k]) for k, v in want.items())
 
 
+def test_a_checkpoint_of_another_model_is_refused_with_its_own_code(tmp_path):
+    m, o = _model()
+    with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local") as ck:
+        _train(m, o, 0, 1, ck)
+    other = torch.nn.Sequential(torch.nn.Linear(DIM, 8))
+    with ucl.Checkpointer(tmp_path / "root", other, torch.optim.AdamW(other.parameters()),
+                          local=tmp_path / "local") as ck:
+        with pytest.raises(ucl.StoreError) as e:
+            ck.load()
+    assert e.value.code == "UCL434" and "another model" in str(e.value)
+
+
 def test_ucl_verify_checks_a_local_folder_and_names_the_parts_elsewhere(tmp_path, capsys):
     import ucl.cli
     m, o = _model()
@@ -367,3 +379,23 @@ def test_a_load_across_families_reads_each_box_once_per_job(tmp_path, monkeypatc
     assert "root" not in back[0]["bytes_from"] and sum(back[0]["bytes_from"].values()) < 1.5 * stored, \
         (back[0]["bytes_from"], stored)
     assert back[0]["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_a_replica_cut_short_by_a_kill_is_not_counted(tmp_path):
+    """A process killed while writing a copy leaves a temp file the node file does not name (the copy
+    is named only once renamed into place): the step counts the parts it had, and a file named but
+    gone is not counted either."""
+    from ucl.store.atomic import tmp_name
+    from ucl.train.inventory import local_holdings
+    m, o = _model()
+    with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local") as ck:
+        _train(m, o, 0, 2, ck)
+    local = ucl.store.CheckpointRoot(tmp_path / "local")
+    with open(os.path.join(local.path_for(2), tmp_name(file_name(1))), "wb") as f:
+        f.write(b"half a copy")
+    assert [h[3] for h in local_holdings(local)] == [[0], [0]]
+    with open(os.path.join(local.path_for(1), "ucl_node.json"), "w") as f:
+        json.dump({"node": 0, "ranks": [0, 1]}, f)
+    assert [h[3] for h in local_holdings(local)] == [[0], [0]]
+    os.unlink(os.path.join(local.path_for(2), file_name(0)))
+    assert [h[3] for h in local_holdings(local)] == [[0], []]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StoreError, UclError
+from ..errors import StoreError, UclError, code_agrees
 from ..ops.dist import allgather_json, initialized_dist
 from ..ops.prepare import mesh_of, model_of, plan_between
 from ..plan.buffers import Arena
@@ -227,7 +227,8 @@ class Recovery:
                 raise StoreError(error, code="UCL404")
             restored = restore.from_checkpoint(self.target, path, read=read, manifest=manifest)
         except UclError as e:
-            state["error"] = state["error"] or f"process {self.me}: {e}"
+            if not state["error"]:
+                state["error"], state["code"] = f"process {self.me}: {e}", e.code
             if not state.get("gathered"):  # failed before the exchanges: the others wait in them
                 self.gather(None)
             if not state.get("exchanged"):
@@ -235,15 +236,17 @@ class Recovery:
         finally:
             for ck in opened:
                 ck.close()
-        outcome = self.gather([state["failed"], state["error"], state["bytes"]])
-        failed = {tuple(f) for f, _, _ in outcome if f}
+        outcome = self.gather([state["failed"], state["error"], state["bytes"], state.get("code", "UCL404")])
+        failed = {tuple(f) for f, _, _, _ in outcome if f}
         if failed:
             return failed
-        errors = list(dict.fromkeys(e for _, e, _ in outcome if e))
-        if errors:
-            raise StoreError("; ".join(errors[:3]), code="UCL404")
+        errors = [(e, c) for _, e, _, c in outcome if e]
+        if errors:  # the first cause's code (UCL434: another model...), every distinct message
+            code = errors[0][1]
+            cls = StoreError if code_agrees(StoreError, code) else UclError
+            raise cls("; ".join(list(dict.fromkeys(e for e, _ in errors))[:3]), code=code)
         total: dict[str, int] = {}
-        for _, _, b in outcome:
+        for _, _, b, _ in outcome:
             for k, v in b.items():
                 total[k] = total.get(k, 0) + v
         self.lineage = of_state(manifest.state)
