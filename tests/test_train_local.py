@@ -72,6 +72,20 @@ def test_every_save_goes_to_the_local_tier_and_one_in_persist_every_to_root(tmp_
         assert ck.verify() == [] and ck.state["step"] == 7
 
 
+def test_a_compressed_local_tier_loads_bit_for_bit(tmp_path):
+    pytest.importorskip("zstandard")
+    m, o = _model()
+    with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local", compress="zstd") as ck:
+        _train(m, o, 0, 2, ck)
+        want = _state(m)
+    with ucl.open(ucl.store.CheckpointRoot(tmp_path / "local").path_for(2)) as ck:
+        assert ck.verify() == []
+    m2, o2 = _model()
+    with ucl.Checkpointer(tmp_path / "root", m2, o2, local=tmp_path / "local") as ck:
+        assert ck.load()[0] == 2 and set(ck.last_load.bytes_from) == {"local"}
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in want.items())
+
+
 def test_load_reads_the_local_tier_then_root_then_a_further_tier(tmp_path):
     m, o = _model()
     with ucl.Checkpointer(tmp_path / "root", m, o, local=tmp_path / "local", tiers=[tmp_path / "far"],

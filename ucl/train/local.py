@@ -21,7 +21,7 @@ from typing import Any, Callable
 from ..errors import StoreError, UclError
 from ..ops.dist import allgather_json
 from ..store.atomic import TempDir, fsync_path, write_atomic
-from ..store.manifest import MANIFEST_NAME, Manifest, file_name
+from ..store.manifest import COMPRESSED_VERSION, MANIFEST_NAME, Manifest, file_name
 from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 
@@ -110,7 +110,8 @@ class LocalTier:
             raise StoreError(f"local tier: another process of the job stopped answering: {e}", code="UCL424") from None
 
     def write(self, step: int, nranks: int, rank: int, fields: dict,
-              write: Callable[[CheckpointWriter], None]) -> dict[int, dict]:
+              write: Callable[[CheckpointWriter], None], compress: str | None = None,
+              compress_threads: int = 1) -> dict[int, dict]:
         """Called by every process: write this process's rank file (mesh rank ``rank``, negative for
         none) with ``write(writer)`` into its node's folder for ``step``; every node's folder is
         published once every file is durable, with the job's whole manifest. Returns every rank's
@@ -131,7 +132,8 @@ class LocalTier:
             entries: dict = {}
             if not problems and rank >= 0:
                 try:
-                    writer = CheckpointWriter.join(tmp, nranks, write_behind=True)
+                    writer = CheckpointWriter.join(tmp, nranks, write_behind=True, compress=compress,
+                                                   compress_threads=compress_threads)
                     write(writer)
                     entries = {str(r): e for r, e in writer.finish([rank]).items()}
                 except Exception as e:  # reported to every process
@@ -170,6 +172,8 @@ class LocalTier:
         state["rng"] = {k: v for s in rngs for k, v in s.items()}
         manifest = Manifest(files=[file_name(r) for r in range(nranks)],
                             datasets=[entries.get(r, {}) for r in range(nranks)], **{**fields, "state": state})
+        if any("encoding" in e for es in entries.values() for e in es.values()):
+            manifest.version = COMPRESSED_VERSION  # as CheckpointWriter.commit says it
         write_atomic(os.path.join(staged.path, NODE_NAME),
                      json.dumps({"node": self.nodes.node, "ranks": ranks}).encode())
         write_atomic(os.path.join(staged.path, MANIFEST_NAME), manifest.to_json().encode())
