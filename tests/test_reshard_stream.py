@@ -116,7 +116,7 @@ def test_a_source_altered_during_the_reshard_is_never_copied_unchecked(demo, sav
         at = c.info(0, key).offset + 8192  # inside the first checksum chunk, which spans several blocks
     real, done = store_writer.CheckpointWriter.write_stream, []
 
-    def write_stream(self, targets, k, shape, dtype, pieces):
+    def write_stream(self, targets, k, shape, dtype, pieces, **kw):
         def altered():  # the source byte changes once the target's first block has been taken
             for n, piece in enumerate(pieces):
                 yield piece
@@ -127,7 +127,7 @@ def test_a_source_altered_during_the_reshard_is_never_copied_unchecked(demo, sav
                         b = fh.read(1)
                         fh.seek(at)
                         fh.write(bytes([b[0] ^ 0x7F]))
-        return real(self, targets, k, shape, dtype, altered())
+        return real(self, targets, k, shape, dtype, altered(), **kw)
     monkeypatch.setattr(store_writer.CheckpointWriter, "write_stream", write_stream)
     try:
         ucl.reshard(src, tmp_path / "out", M("tp=4"), workers=1, durable=False)

@@ -20,6 +20,15 @@ WORKERS_PER_CORE = 8  # more processes than this per core only add contention
 PIECE_BYTES = 128
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: ``taskset``, a container's cpuset),
+    which can be fewer than the machine has."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 def max_workers() -> int:
     return WORKERS_PER_CORE * (os.cpu_count() or 1)
 

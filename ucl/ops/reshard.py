@@ -29,7 +29,7 @@ from .dist import allgather_json, gloo_group, initialized_dist
 from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for, resolve_root
 from .stats import IOStats
 from . import streamed
-from .machine import check_workers
+from .machine import check_workers, usable_cores
 from .workers import run_forked
 
 
@@ -140,7 +140,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
         return _reshard_distributed(os.fspath(src), os.fspath(dst), to, workers or 1, durable, verify, progress,
                                     float(timeout), t0, format, user, compress)
     prep = _prepare(src, to, format, user=user)
-    workers = max(1, workers or min(2, os.cpu_count() or 1))
+    workers = max(1, workers or min(2, usable_cores()))  # taskset -c 0: one worker, not two on one core
     groups = replica_groups(prep.plan)
     stats = IOStats(compile_seconds=prep.compile_seconds, open_seconds=prep.open_seconds)
     writer = CheckpointWriter(dst, to.size, durable=durable, **manifest_fields(prep.model, to, prep.state))
@@ -457,11 +457,13 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
                 buf = targets[i % 2].array(g.shape, storage_dtype(g.dtype),
                                            zero=covered < int(np.prod(g.shape, dtype=np.int64)))
                 stats.bytes_needed += run_copies(job.plan, g.rows, source, {g.key: buf})
+                # a dataset copied whole and verified keeps the source's checksums (not hashed again)
+                known = streamed.whole_copy(job.plan, g.rows, g.shape, g.dtype, ckpt) if job.verify else None
                 for r in t.ranks:
                     if r in laid:
-                        writer.fill(r, g.key, laid[r][g.key], buf, dtype=g.dtype)
+                        writer.fill(r, g.key, laid[r][g.key], buf, dtype=g.dtype, digests=known)
                     else:
-                        writer.write(r, g.key, buf, dtype=g.dtype)
+                        writer.write(r, g.key, buf, dtype=g.dtype, digests=known)
             for _ in t.ranks:
                 stats.bytes_written += g.nbytes
                 stats.datasets_written += 1

@@ -3,8 +3,9 @@ of a block read from the source into memory of our own and verified there, each 
 written while in cache (CheckpointWriter.write_stream); memory stays at a few blocks."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -12,6 +13,7 @@ from ..dtypes import storage_dtype
 from ..plan.buffers import Arena, ArenaRing
 from ..plan.ir import Plan
 from ..plan.stream import StridedCopy, fill_block, strided_copies
+from ..store.checksum import Digests
 from ..store.like import CheckpointLike
 from ..store.reader import Checkpoint
 from ..store.writer import STREAM_DEPTH, CheckpointWriter
@@ -52,6 +54,7 @@ def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: st
     copies = strided_copies(plan, rows)
     if copies is None or any(ckpt.info(cp.src_rank, cp.src_key).offset is None for cp in copies):
         return None
+    known = carried_digests(copies, shape, dtype, ckpt) if verify else None
     covered = sum(cp.count for cp in copies)
     step = max(1, STREAM_BLOCK_BYTES // sdtype.itemsize)
     staging, read = Arena(), 0
@@ -69,5 +72,33 @@ def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: st
             out = blocks.array((min(step, total - lo),), sdtype, zero=covered < total)
             fill_block(copies, lo, out, fill)
             yield out
-    writer.write_stream(targets, key, shape, dtype, pieces())
+    writer.write_stream(targets, key, shape, dtype, pieces(), digests=known)
     return Streamed(read, covered * sdtype.itemsize)
+
+
+def whole_copy(plan: Plan, rows, shape: tuple[int, ...], dtype: str, ckpt: CheckpointLike) -> Digests | None:
+    """``carried_digests`` of the target dataset plan ``rows`` fill, for the whole-dataset path."""
+    if not isinstance(ckpt, Checkpoint) or not len(rows):
+        return None
+    copies = strided_copies(plan, rows)
+    return None if copies is None else carried_digests(copies, shape, dtype, ckpt)
+
+
+def carried_digests(copies: Sequence[StridedCopy], shape: tuple[int, ...], dtype: str,
+                    ckpt: CheckpointLike) -> Digests | None:
+    """The source's checksums when ``copies`` fill the target dataset (``shape``, ``dtype``) with one
+    source dataset of the same shape and dtype, each element at its own offset (byte for byte a
+    copy): a target read with verification then carries them over rather than hashing its bytes
+    again (docs/format.md, "Digests carried over"). None for any other copy (a fill, another
+    source, a move), or a source that binds no chunk table."""
+    total = math.prod(shape)
+    if not copies or not total or not isinstance(ckpt, Checkpoint):
+        return None
+    rank, key = copies[0].src_rank, copies[0].src_key
+    if any((cp.src_rank, cp.src_key) != (rank, key) or cp.src != cp.dst or cp.src_strides != cp.dst_strides
+           for cp in copies) or sum(cp.count for cp in copies) != total:
+        return None  # (the plan's coverage proof: no target element is written twice)
+    info = ckpt.info(rank, key)
+    if (info.shape, info.dtype) != (tuple(shape), dtype):
+        return None
+    return ckpt.digests(rank, key)

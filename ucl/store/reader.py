@@ -19,7 +19,7 @@ from ..plan.buffers import Arena
 from . import h5
 from .atomic import is_tmp_name
 from . import raw
-from .checksum import (TileGrid, TilePlan, band_digests, checksum_of, checksums, chunk_count, chunk_digests,
+from .checksum import (Digests, TileGrid, TilePlan, band_digests, checksum_of, checksums, chunk_count, chunk_digests,
                        chunk_size, chunk_table_digest, raw_bytes, tile_grid, tile_plan, tile_table_digest)
 from .codec import units_of
 from .manifest import MANIFEST_NAME, TABLES_NAME, DatasetInfo, Manifest
@@ -374,6 +374,20 @@ class Checkpoint:
                     out[pos:pos + take] = have[c][b - c * per:b - c * per + take]
                     pos, b, left = pos + take, b + take, left - take
         return read
+
+    def digests(self, rank: int, key: str) -> Digests | None:
+        """The dataset's checksums as its manifest entry binds them (the whole checksum, the chunk
+        table, the tile table where the entry records one), for a writer copying the dataset whole
+        to reuse once every byte copied was verified against them (docs/format.md, "Digests carried
+        over"); None where the entry binds no chunk table (written before ``chunks`` existed)."""
+        with self._lock, self._guard(rank, key):
+            info = self.info(rank, key)
+            if chunk_count(info.nbytes) and info.chunks is None:
+                return None
+            chunks = self._bound_chunk_table(rank, key, info)
+            tiles = self._bound_tile_table(rank, key, info)
+            return Digests(info.checksum, None if chunks is None else (int(chunks[0]), np.asarray(chunks[1], np.uint64)),
+                           None if tiles is None else (tiles[0], np.asarray(tiles[1], np.uint64)))
 
     def _check_chunks(self, rank: int, key: str, info: DatasetInfo, buf: np.ndarray, first: int, per: int,
                       digests) -> None:

@@ -17,7 +17,8 @@ from ..errors import StoreError
 from ..layout.boxes import flat_boxes
 from . import h5
 from .atomic import TempDir, final_name_of, fsync_path, is_tmp_name, publish_dir, write_atomic
-from .checksum import Digests, IncrementalChecksum, checksum_fields, checksums, raw_bytes
+from .checksum import (Digests, IncrementalChecksum, checksum_fields, checksums, chunk_count, chunk_size, is_checksum,
+                       raw_bytes, tile_grid)
 from .codec import check_codec, encode, frame_table_digest
 from .direct import MIN_DIRECT_BYTES, DirectWriter
 from .template import RankTemplate, allocate
@@ -46,6 +47,24 @@ def entry_fields(dtype: str, shape: Sequence[int], digests: Digests, offset: int
     if tables is not None:
         e["tables"] = tables
     return e
+
+
+def known_digests(digests: Digests, shape: Sequence[int], sdtype: Any, key: str) -> Digests:
+    """``digests`` handed to a writer for data it does not hash again (``write``, ``fill``,
+    ``write_stream``): those of a source dataset of the same shape and storage type whose every byte
+    the caller read and verified against them (a dataset copied whole; docs/format.md, "Digests
+    carried over"). Their tables must be what the format's rules give for that shape (UCL409)."""
+    shape, sdtype = tuple(int(x) for x in shape), np.dtype(sdtype)
+    size = chunk_size(math.prod(shape) * sdtype.itemsize)
+    grid = tile_grid(shape, sdtype.itemsize)
+    chunks_ok = (digests.chunks is None) if size is None else (
+        digests.chunks is not None and digests.chunks[0] == size and digests.chunks[1].shape == (chunk_count(
+            math.prod(shape) * sdtype.itemsize),))
+    tiles_ok = digests.tiles is None or (digests.tiles[0] == grid and digests.tiles[1].shape == (grid.count,))
+    if not (is_checksum(digests.whole) and chunks_ok and tiles_ok):
+        raise StoreError(f"checksums handed over for {key!r} do not fit a {sdtype} dataset of shape {list(shape)}",
+                         code="UCL409")
+    return digests
 
 
 STREAM_DEPTH = 2  # write_stream pieces queued for the write-behind thread at most
@@ -192,8 +211,9 @@ class CheckpointWriter:
     def write(self, rank: int, key: str, data: Any, *, dtype: str | None = None,
               digests: Digests | None = None) -> None:
         """Write a whole dataset from an array or tensor; ``dtype`` declares raw-bit numpy input.
-        ``digests``: its checksums, computed as it was filled (``store.checksum.copy_checksummed``);
-        the caller vouches that it has not changed since."""
+        ``digests``: its checksums, known already, so it is not hashed again: computed as it was filled
+        (``store.checksum.copy_checksummed``; the caller vouches that it has not changed since), or
+        carried over from a verified source (``known_digests``)."""
         with self._lock:
             kind, name = self._new_key(rank, key)
             arr, logical = _dt.to_numpy(data, dtype)
@@ -210,7 +230,7 @@ class CheckpointWriter:
                     d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
                     offset = h5.data_offset(d)
                 d.attrs["ucl_dtype"] = logical
-                digests = digests or checksums(arr)
+                digests = checksums(arr) if digests is None else known_digests(digests, arr.shape, arr.dtype, key)
                 h5.set_checksum_tables(d, digests)
             self._entries[rank][key] = self._entry(rank, key, logical, arr.shape, digests, offset)
 
@@ -235,7 +255,7 @@ class CheckpointWriter:
         self._entries[rank][key] = e
 
     def write_stream(self, targets: Mapping[int, int | None], key: str, shape: Sequence[int], dtype: str,
-                     pieces: Iterable[np.ndarray]) -> None:
+                     pieces: Iterable[np.ndarray], *, digests: Digests | None = None) -> None:
         """Write one dataset (logical ``dtype``) into the file of every rank in ``targets`` from
         ``pieces``: 1-D storage arrays that follow each other in flat order and cover it exactly.
         ``targets`` maps a rank to the byte offset of the dataset in a file another writer laid out
@@ -244,7 +264,8 @@ class CheckpointWriter:
         few blocks of memory. With ``write_behind`` up to ``STREAM_DEPTH`` pieces are still being
         written when the next is drawn, and when this returns (the next call of any other method
         waits for them): a piece's memory may be reused ``STREAM_DEPTH + 1`` pieces later, counted
-        across calls, not sooner."""
+        across calls, not sooner. ``digests``: the dataset's checksums, known already (``known_digests``),
+        so the pieces are not hashed again."""
         with self._lock:
             shape = tuple(int(x) for x in shape)
             sdtype = _dt.storage_dtype(dtype)
@@ -264,17 +285,19 @@ class CheckpointWriter:
                     else:
                         self._check_open()
                     at[rank] = (path, offset)
-                h, pos = IncrementalChecksum(shape, sdtype), 0
+                known = None if digests is None else known_digests(digests, shape, sdtype, key)
+                h, pos = None if known is not None else IncrementalChecksum(shape, sdtype), 0
                 for piece in pieces:
                     if piece.dtype != sdtype or piece.ndim != 1 or pos + piece.size > total:
                         raise StoreError(f"write_stream of {key!r}: a piece of {piece.dtype} {list(piece.shape)} "
                                          f"at element {pos} of {total} ({sdtype})", code="UCL409")
-                    h.advance(pos, piece)
+                    if h is not None:
+                        h.advance(pos, piece)
                     raw = raw_bytes(piece)
                     spots = [(p, o + pos * sdtype.itemsize) for p, o in at.values()]
                     self._write_pieces(spots, raw)
                     pos += piece.size
-                digests = h.result(total)
+                digests = (known if pos == total else None) if h is None else h.result(total)
                 if digests is None:
                     raise StoreError(f"write_stream of {key!r}: pieces cover {pos} of its {total} elements",
                                      code="UCL409")
@@ -319,9 +342,11 @@ class CheckpointWriter:
                 self._handles.release(rank)  # others write into it from now on
             return {key: offset for key, (_, _, offset) in laid.items()}
 
-    def fill(self, rank: int, key: str, offset: int | None, data: Any, *, dtype: str | None = None) -> None:
+    def fill(self, rank: int, key: str, offset: int | None, data: Any, *, dtype: str | None = None,
+             digests: Digests | None = None) -> None:
         """Write a whole dataset's bytes at ``offset`` of a file another writer laid out (``lay_out``),
-        and hash them; the report joins ``self.filled`` for that writer's ``adopt_filled``."""
+        and hash them (unless their ``digests`` are known, as for ``write``); the report joins
+        ``self.filled`` for that writer's ``adopt_filled``."""
         with self._lock:
             self._check_open()
             arr, logical = _dt.to_numpy(data, dtype)
@@ -329,7 +354,7 @@ class CheckpointWriter:
                 self._settle()
                 if offset is not None and arr.nbytes:
                     self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
-                digests = checksums(arr)
+                digests = checksums(arr) if digests is None else known_digests(digests, arr.shape, arr.dtype, key)
             self.filled.append(Filled(int(rank), key, logical, tuple(arr.shape), digests))
 
     def adopt_filled(self, filled: Iterable[Filled]) -> None:
