@@ -1,7 +1,7 @@
 """Reshard benchmark: a ~2 GB Llama-shaped checkpoint (fp32 weights + Adam moments, ZeRO-1 flat
 optimizer buffers) on TP2·PP2·DP2, against `cp -r` of the same directory measured in the same run.
 
-    python bench/reshard.py [--size-gb 2] [--repeat 3] [--workdir DIR]
+    python bench/reshard.py [--size-gb 2] [--repeat 3] [--workdir DIR] [--cores 1,2]
     python bench/reshard.py --procs 1,2,4 [--to pp=1,dp=2,tp=4] [--size-gb 2] [--repeat 3]
     python bench/reshard.py --growth [--size-gb 1] [--repeat 3]
 
@@ -9,7 +9,11 @@ Each operation runs as its own process (like a user would run it), in interleave
 warm-up round; the source is read (untimed) right before every run, so it is in the page cache
 ("warm") even on machines that reclaim cached pages; medians with min-max are printed, plus ratios to `cp -r`
 (of the medians, and of the fastest runs), the CPU time of each run's process tree (steadier than wall time
-on a shared machine), bytes read vs needed and the peak RSS of the largest process. Before each timed run the benchmark
+on a shared machine), bytes read vs needed and the peak RSS of the largest process. ``--cores 1,2`` repeats
+the comparison with every command (cp -r included) pinned to 1, then 2 cores (taskset), so the single-core
+ratio is visible (a reshard's default workers follow the cores it may use). Runs load ucl's bytecode
+from a cache (written by the warm-up round), as an installed package does, even where the environment
+sets PYTHONDONTWRITEBYTECODE (``--no-bytecode-cache``: compile every run, as before). Before each timed run the benchmark
 touches and frees ``--pretouch-gb`` of memory, so that every run (cp -r included) finds hot free
 pages on VMs that hand freed memory back to the host.
 
@@ -284,6 +288,56 @@ def scaling(args, src: Path, size: int, work: Path) -> None:
               f"{size / med / 1e9:6.2f} {med / cp:8.2f} {speedup} {inner}")
 
 
+def pinned(cores: int | None) -> list[str]:
+    """A command prefix running it on the first ``cores`` cores this process may use (taskset), or []."""
+    if cores is None:
+        return []
+    usable = sorted(os.sched_getaffinity(0))
+    if not 1 <= cores <= len(usable):
+        raise SystemExit(f"--cores {cores}: this process may use {len(usable)} cores")
+    return ["taskset", "-c", ",".join(str(c) for c in usable[:cores])]
+
+
+def compare(args, src: Path, work: Path, cores: int | None) -> None:
+    """cp -r (and + sync) against the reshards to TP4 and to universal (page cache and durable), all
+    pinned to ``cores`` cores (None: as the machine lets them run)."""
+    pin = pinned(cores)
+    env_cli = pin + [sys.executable, "-m", "ucl.cli"]
+    ops = {
+        "cp -r": lambda out: pin + ["cp", "-r", str(src), str(out)],
+        "cp -r + sync": lambda out: pin + ["sh", "-c", f"cp -r '{src}' '{out}' && sync '{out}'/*"],
+        "reshard -> TP4·PP1·DP2": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "pp=1,dp=2,tp=4",
+                                                         "--quiet", "--no-fsync"],
+        "  -> TP4·PP1·DP2, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "pp=1,dp=2,tp=4", "--quiet"],
+        "reshard -> universal": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet",
+                                                       "--no-fsync"],
+        "  -> universal, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet"],
+    }
+    cpu: dict = {}
+    times, last, cached = interleaved(ops, work, args.repeat, src, cpu)
+    results = {name: (times[name], last[name]) for name in ops}
+    base = statistics.median(results["cp -r"][0])
+    fastest = min(results["cp -r"][0])
+    where = "" if cores is None else f"; pinned to {cores} core{'s' if cores > 1 else ''} (taskset)"
+    print(f"\n{'operation':<28} {'median s':>9} {'min-max s':>13} {'x cp -r':>8} {'min/min':>7} {'CPU s':>6} "
+          f"{'cached':>6}  notes  (warm cache, {args.repeat} interleaved rounds; min/min: fastest run over cp -r's "
+          "fastest; CPU s: median user + system time of the whole process tree; cached: least share of the source "
+          "in the page cache after a run" + where + ")")
+    for name, (times, text) in results.items():
+        med = statistics.median(times)
+        note = text.strip().splitlines()[-1][:110] if text.strip() else ""
+        share = "?" if cached[name] is None else f"{cached[name]:.0%}"
+        print(f"{name:<28} {med:9.2f} {min(times):6.2f}-{max(times):<6.2f} {med / base:8.2f} {min(times) / fastest:7.2f} "
+              f"{statistics.median(cpu[name]):6.2f} {share:>6}  {note}")
+    if any(c is not None and c < 0.95 for c in cached.values()):
+        print("warning: the source was partly evicted from the page cache before some runs (the machine reclaims "
+              "it): those runs read from disk and are not comparable to cp -r from cache")
+    synced = statistics.median(results["cp -r + sync"][0])
+    for name in ("  -> TP4·PP1·DP2, fsync", "  -> universal, fsync"):
+        print(f"{name.strip():<28} vs cp -r + sync: {statistics.median(results[name][0]) / synced:.2f}x")
+    return base
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0)
@@ -296,7 +350,15 @@ def main() -> None:
     ap.add_argument("--to", default="pp=1,dp=2,tp=4", metavar="MESH", help="the target of --procs")
     ap.add_argument("--growth", action="store_true", help="time vs size (0.25-2 GB) and vs source rank count "
                     "at equal bytes, each against cp -r")
+    ap.add_argument("--cores", default=None, metavar="N,N,...", help="run the comparison once per number of cores, "
+                    "every command (cp -r too) pinned to that many cores with taskset, e.g. 1,2")
+    ap.add_argument("--no-bytecode-cache", action="store_true", help="let every run compile ucl's sources afresh "
+                    "where the environment says so (PYTHONDONTWRITEBYTECODE), instead of loading bytecode from a "
+                    "cache the warm-up round writes, as an installed package does")
     args = ap.parse_args()
+    if not args.no_bytecode_cache:  # an installed package has its bytecode: runs should not compile ucl each time
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        os.environ["PYTHONPYCACHEPREFIX"] = os.path.join(tempfile.gettempdir(), f"ucl-bench-pycache-{os.getuid()}")
     global PRETOUCH_BYTES
     PRETOUCH_BYTES = int(args.pretouch_gb * 2**30)
     if args.workdir:
@@ -309,8 +371,6 @@ def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     py = sys.executable
-    env_cli = [py, "-m", "ucl.cli"]
-    os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     try:
         dims = dims_for(args.size_gb)
         src = work / "src"
@@ -321,37 +381,8 @@ def main() -> None:
         if args.procs:
             return scaling(args, src, size, work)
 
-        ops = {
-            "cp -r": lambda out: ["cp", "-r", str(src), str(out)],
-            "cp -r + sync": lambda out: ["sh", "-c", f"cp -r '{src}' '{out}' && sync '{out}'/*"],
-            "reshard -> TP4·PP1·DP2": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "pp=1,dp=2,tp=4",
-                                                             "--quiet", "--no-fsync"],
-            "  -> TP4·PP1·DP2, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "pp=1,dp=2,tp=4", "--quiet"],
-            "reshard -> universal": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet",
-                                                           "--no-fsync"],
-            "  -> universal, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet"],
-        }
-        cpu: dict = {}
-        times, last, cached = interleaved(ops, work, args.repeat, src, cpu)
-        results = {name: (times[name], last[name]) for name in ops}
-        base = statistics.median(results["cp -r"][0])
-        fastest = min(results["cp -r"][0])
-        print(f"\n{'operation':<28} {'median s':>9} {'min-max s':>13} {'x cp -r':>8} {'min/min':>7} {'CPU s':>6} "
-              f"{'cached':>6}  notes  (warm cache, {args.repeat} interleaved rounds; min/min: fastest run over cp -r's "
-              "fastest; CPU s: median user + system time of the whole process tree; cached: least share of the source "
-              "in the page cache after a run)")
-        for name, (times, text) in results.items():
-            med = statistics.median(times)
-            note = text.strip().splitlines()[-1][:110] if text.strip() else ""
-            share = "?" if cached[name] is None else f"{cached[name]:.0%}"
-            print(f"{name:<28} {med:9.2f} {min(times):6.2f}-{max(times):<6.2f} {med / base:8.2f} {min(times) / fastest:7.2f} "
-                  f"{statistics.median(cpu[name]):6.2f} {share:>6}  {note}")
-        if any(c is not None and c < 0.95 for c in cached.values()):
-            print("warning: the source was partly evicted from the page cache before some runs (the machine reclaims "
-                  "it): those runs read from disk and are not comparable to cp -r from cache")
-        synced = statistics.median(results["cp -r + sync"][0])
-        for name in ("  -> TP4·PP1·DP2, fsync", "  -> universal, fsync"):
-            print(f"{name.strip():<28} vs cp -r + sync: {statistics.median(results[name][0]) / synced:.2f}x")
+        for cores in ([None] if args.cores is None else [int(x) for x in args.cores.split(",")]):
+            base = compare(args, src, work, cores)
         # (d) load one target rank straight from the source (hyperslab reads only)
         loads = []
         for i in range(args.repeat + 1):

@@ -16,10 +16,6 @@ from typing import Callable
 
 from ..errors import ForeignFormatError, StoreError
 from ..store.extents import ExtentCheckpoint
-from . import deepspeed
-from .dcp import read as dcp
-from .hf import read as hf
-from .megatron import dist as megatron, legacy as megatron_legacy
 from .base import Description, UserSpec
 
 FORMATS = ("deepspeed", "dcp", "megatron", "megatron-legacy", "hf")
@@ -28,6 +24,11 @@ _MAX_CACHED = 8
 
 
 def _describers() -> dict[str, tuple[Callable[[str], bool], Callable[[str], Description]]]:
+    # imported when a foreign folder is met, not by every reshard of a ucl checkpoint (~50 ms of start-up)
+    from . import deepspeed
+    from .dcp import read as dcp
+    from .hf import read as hf
+    from .megatron import dist as megatron, legacy as megatron_legacy
     # Megatron's torch_dist folders are DCP folders too: asked first
     return {"deepspeed": (deepspeed.detect, deepspeed.describe), "megatron": (megatron.detect, megatron.describe),
             "megatron-legacy": (megatron_legacy.detect, megatron_legacy.describe),

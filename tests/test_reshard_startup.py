@@ -1,0 +1,33 @@
+"""A reshard's start-up: what a run of ``ucl reshard`` on a ucl checkpoint pays before the first
+byte moves (bench/reshard.py counts every process's CPU time)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PROBE = """
+import sys
+from ucl.ops.reshard import reshard
+import ucl.cli.commands
+reshard(sys.argv[1], sys.argv[2], "universal", workers=1, durable=False)
+print(" ".join(sorted(m for m in sys.modules if m.startswith("ucl.formats."))))
+"""
+
+
+def test_a_ucl_reshard_imports_no_foreign_format_reader(tmp_path):
+    """The DeepSpeed, DCP, Megatron and Hugging Face readers load only when a foreign folder is met."""
+    import ucl
+    from tests.test_checkpoint import M
+    from ucl.demo import llama_model, universal_state
+    model = llama_model()
+    mesh = M("dp=2,tp=2")
+    shards = ucl.execute_memory(ucl.compile(model, ucl.UNIVERSAL, mesh), {0: universal_state(model, seed=0)})
+    src = ucl.save(tmp_path / "src", shards, model=model, mesh=mesh, state={"step": 1})
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", PROBE, str(src), str(tmp_path / "dst")], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ucl.formats.base", "ucl.formats.registry"], out.stdout
