@@ -12,7 +12,7 @@ import numpy as np
 from ..dtypes import storage_dtype
 from ..plan.buffers import Arena, ArenaRing
 from ..plan.ir import Plan
-from ..plan.stream import StridedCopy, fill_block, strided_copies
+from ..plan.stream import StridedCopy, fill_block, fill_parts, parts_in, strided_copies
 from ..store.checksum import Digests
 from ..store.like import CheckpointLike
 from ..store.reader import Checkpoint
@@ -69,8 +69,14 @@ def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: st
 
     def pieces() -> Iterator[np.ndarray]:
         for lo in range(0, total, step):
-            out = blocks.array((min(step, total - lo),), sdtype, zero=covered < total)
-            fill_block(copies, lo, out, fill)
+            n = min(step, total - lo)
+            parts = list(parts_in(copies, lo, lo + n)) if covered < total else None
+            # only a block with elements no copy writes (padding, a gap between flat partitions) is zeroed
+            out = blocks.array((n,), sdtype, zero=parts is not None and sum(p.count for p in parts) < n)
+            if parts is None:
+                fill_block(copies, lo, out, fill)
+            else:
+                fill_parts(parts, lo, out, fill)
             yield out
     writer.write_stream(targets, key, shape, dtype, pieces(), digests=known)
     return Streamed(read, covered * sdtype.itemsize)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -132,8 +132,15 @@ def fill_block(copies: Sequence[StridedCopy], lo: int, out: np.ndarray,
     ``copies`` (sorted by ``dst``) landing there: ``read(part, view)`` puts the part's source elements into ``view``,
     the part's (strided) box view of ``out``. Elements no copy writes are left as they are.
     Returns the elements filled."""
+    return fill_parts(parts_in(copies, lo, lo + out.size), lo, out, read)
+
+
+def fill_parts(parts: Iterable[StridedCopy], lo: int, out: np.ndarray,
+               read: Callable[[StridedCopy, np.ndarray], None]) -> int:
+    """``fill_block`` from the block's ``parts`` (``parts_in``), listed beforehand by a caller that
+    needs them first (to tell whether they cover the block). Returns the elements filled."""
     done = 0
-    for p in parts_in(copies, lo, lo + out.size):
+    for p in parts:
         read(p, strided(out, p.dst - lo, p.sizes, p.dst_strides, True))
         done += p.count
     return done
