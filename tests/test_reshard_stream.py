@@ -5,6 +5,7 @@ bit, and corrupt or truncated sources are refused with nothing published."""
 from __future__ import annotations
 
 import importlib
+import numpy as np
 import json
 import os
 
@@ -153,3 +154,35 @@ def test_only_blocks_with_gaps_are_zeroed(demo, saved, tmp_path, streamed, monke
     ucl.reshard(saved("pp=4,dp=1,tp=1"), tmp_path / "B", M("dp=3"), workers=1, durable=False)
     assert_intact(tmp_path / "B", model, truth, M("dp=3"))
     assert any(zeroed) and sum(zeroed) < len(zeroed) / 4, (sum(zeroed), len(zeroed))
+
+
+def test_a_dataset_assembled_whole_has_its_gaps_zeroed_only(demo, saved, tmp_path, monkeypatch):
+    """The durable path assembles datasets whole in reused memory: the elements no copy writes (each
+    partition's padding) are zeroed, and blocks the copies cover are not zeroed first."""
+    model, truth = demo
+    monkeypatch.setattr(streamed_module, "STREAM_BLOCK_BYTES", 4096)
+    plan = ucl.compile(model, M("pp=4,dp=1,tp=1"), M("dp=3"))
+    c = plan.copies
+    key = "fp32/@flat0"
+    slot_keys = np.array([s.key for s in plan.slots], dtype=object)
+    rows = np.flatnonzero((c["dst_rank"] == 2) & (slot_keys[c["dst_slot"]] == key))
+    shape = next(tuple(d["shape"]) for d in plan.datasets if d["key"] == key)
+    covered = np.zeros(int(np.prod(shape)), bool)
+    for cp in streamed_module.strided_copies(plan, rows):
+        covered[strided_pos(cp)] = True
+    assert 0 < covered.sum() < covered.size  # padding at the end of the partition
+    out = np.full(shape, -1, np.float32)
+    streamed_module.zero_gaps(plan, rows, out)
+    flat = out.reshape(-1)
+    assert (flat[~covered] == 0).all()
+    assert (flat[covered] == -1).mean() > 0.9  # covered blocks were left alone
+    ucl.reshard(saved("pp=4,dp=1,tp=1"), tmp_path / "B", M("dp=3"), workers=1)  # arenas reused with old bytes
+    assert_intact(tmp_path / "B", model, truth, M("dp=3"))
+
+
+def strided_pos(cp) -> np.ndarray:
+    """The target flat offsets a strided copy writes."""
+    pos = np.array([cp.dst])
+    for n, st in zip(cp.sizes, cp.dst_strides):
+        pos = (pos[:, None] + np.arange(n) * st).reshape(-1)
+    return pos

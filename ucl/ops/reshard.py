@@ -454,8 +454,9 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
                 stats.bytes_needed += done.bytes_needed
             else:
                 covered = int(np.prod(c["size"][g.rows], axis=1).sum()) if len(g.rows) else 0
-                buf = targets[i % 2].array(g.shape, storage_dtype(g.dtype),
-                                           zero=covered < int(np.prod(g.shape, dtype=np.int64)))
+                buf = targets[i % 2].array(g.shape, storage_dtype(g.dtype))
+                if covered < int(np.prod(g.shape, dtype=np.int64)):
+                    streamed.zero_gaps(job.plan, g.rows, buf)
                 stats.bytes_needed += run_copies(job.plan, g.rows, source, {g.key: buf})
                 # a dataset copied whole and verified keeps the source's checksums (not hashed again)
                 known = streamed.whole_copy(job.plan, g.rows, g.shape, g.dtype, ckpt) if job.verify else None

@@ -82,6 +82,22 @@ def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: st
     return Streamed(read, covered * sdtype.itemsize)
 
 
+def zero_gaps(plan: Plan, rows, out: np.ndarray) -> None:
+    """Zero the elements of ``out`` (a target dataset assembled whole) that plan ``rows`` do not
+    write, a block of ``STREAM_BLOCK_BYTES`` at a time: blocks the copies cover are left as they are
+    (zeroing them would be a pass over memory for nothing: a padded flat buffer is mostly covered)."""
+    flat = out.reshape(-1)
+    copies = strided_copies(plan, rows) if len(rows) else []
+    if copies is None:
+        flat.fill(0)
+        return
+    step = max(1, STREAM_BLOCK_BYTES // flat.itemsize)
+    for lo in range(0, flat.size, step):
+        hi = min(lo + step, flat.size)
+        if sum(p.count for p in parts_in(copies, lo, hi)) < hi - lo:
+            flat[lo:hi] = 0
+
+
 def whole_copy(plan: Plan, rows, shape: tuple[int, ...], dtype: str, ckpt: CheckpointLike) -> Digests | None:
     """``carried_digests`` of the target dataset plan ``rows`` fill, for the whole-dataset path."""
     if not isinstance(ckpt, Checkpoint) or not len(rows):
