@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "instead of the stdlib or derived one; see ucl import --help)")
     p.add_argument("--dims", metavar="DIMS", help="the dims of --spec (default for Hugging Face: its config.json)")
     p.add_argument("--workers", type=positive_int, default=None, metavar="N",
-                   help="processes, 1 to 8 a core (default: min(2, cores); under torchrun: forked processes per "
-                   "torchrun process, default 1)")
+                   help="processes, 1 to 8 a core (default: min(2, cores it may use); under torchrun: forked "
+                   "processes per torchrun process, default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files: still atomic if the "
                    "process dies, but not if the machine loses power before the OS writes the pages")
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", metavar="DST", help="must not exist; appears atomically when complete")
     p.add_argument("--from", dest="format", choices=["deepspeed", "dcp", "megatron", "megatron-legacy", "hf"], default=None,
                    help="the source's format (default: detected)")
-    p.add_argument("--workers", type=positive_int, default=None, metavar="N", help="processes, 1 to 8 a core (default: min(2, cores))")
+    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                   help="processes, 1 to 8 a core (default: min(2, cores it may use))")
     p.add_argument("--spec", metavar="SPEC", help="the parameters' spec where the files do not give it: DeepSpeed "
                    "tensor-parallel checkpoints (`mesh tp, dp` and a rule with a shape per parameter; the optimizer "
                    "state's layout stays generated), or a Hugging Face folder (instead of the stdlib or derived spec)")
