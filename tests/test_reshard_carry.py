@@ -150,3 +150,22 @@ def test_default_workers_follow_the_cores_this_process_may_use(saved, tmp_path, 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     ucl.reshard(saved(SRC), tmp_path / "B", M(DST), durable=False)
     assert seen == [1]
+
+
+def test_a_compressed_source_carries_nothing(demo, tmp_path, monkeypatch):
+    """A compressed dataset's reads check its stored bytes against the frame table, not the chunk
+    digests: its copies are hashed afresh, none takes the source's checksums."""
+    from tests.test_checkpoint import shards_for
+    from ucl.store.reader import Checkpoint
+    model, truth = demo
+    src = ucl.save(tmp_path / "src", shards_for(model, truth, M(SRC)), model=model, mesh=M(SRC), state={"step": 1},
+                   compress="zstd")
+    asked = []
+    real = Checkpoint.digests
+    monkeypatch.setattr(Checkpoint, "digests", lambda self, r, k: (asked.append((r, k)), real(self, r, k))[1])
+    monkeypatch.setattr(streamed_module, "MIN_STREAM_BYTES", 0)
+    for durable in (False, True):
+        ucl.reshard(src, tmp_path / f"B{durable}", M(DST), workers=1, durable=durable)
+        assert_intact(tmp_path / f"B{durable}", model, truth, M(DST))
+    with ucl.open(src) as c:
+        assert all(c.info(r, k).encoding is None for r, k in asked), asked  # only datasets coding did not shrink

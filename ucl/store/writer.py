@@ -238,7 +238,7 @@ class CheckpointWriter:
                       enc: Any, digests: Digests | None) -> None:
         """``write`` in the compressed encoding: the units coded (``enc``, codec.encode) into a uint8
         dataset of the stored bytes, with its frame table, and the checksums of the logical bytes."""
-        digests = digests or checksums(arr)
+        digests = checksums(arr) if digests is None else known_digests(digests, arr.shape, arr.dtype, key)
         with self._io():
             self._settle()
             f, _ = self._handles.get(rank)
