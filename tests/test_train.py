@@ -207,10 +207,7 @@ def test_tiny_pool_applies_back_pressure(tmp_path):
     events = ck.trace.events()
     assert [e["step"] for e in events if e["phase"] == "flush"] == [1, 2, 3, 4]
     assert all(e["pool_high_water"] <= need + 64 for e in events if e["phase"] == "flush")
-    with pytest.raises(ucl.UclError) as err:
-        with ucl.Checkpointer(tmp_path / "small", model, optimizer, pool_bytes=need // 2) as ck:
-            ck.save(1)
-    assert err.value.code == "UCL431" and "pool_bytes" in str(err.value)
+    # a pool smaller than one snapshot streams it (tests/test_train_ring.py)
 
 
 def test_pool_reclaims_a_cached_region_handed_over_while_waiting():

@@ -131,39 +131,66 @@ class RankTemplate:
         hashed again. The small datasets' bytes are staged in the template's own image, so one
         template serves one writer at a time."""
         known = digests or {}
+        fd = self.begin(path)
+        try:
+            found: dict[str, Digests] = {}
+            for key in self.datasets:
+                arr = arrays[key]
+                self.put(path, key, 0, arr.reshape(-1).view(np.uint8), write_large)
+                found[key] = known.get(key) or checksums(arr, tiles=self.tiles)
+            return self.finish(fd, path, found, write_large)
+        finally:
+            os.close(fd)
+
+    def begin(self, path: str) -> int:
+        """Create rank file ``path`` (it must not exist) at its full size; its open descriptor, for
+        ``finish`` (the caller closes it). Between the two, ``put`` each dataset's bytes."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             os.ftruncate(fd, self.size)
-            table = np.zeros(self.tables.nbytes // 8 if self.tables is not None else 0, "<u8")
-            placed: dict[str, Placed] = {}
-            for key, t in self.datasets.items():
-                arr = arrays[key]
-                raw = arr.reshape(-1).view(np.uint8)
-                if t.offset is not None and t.nbytes:
-                    if t.piece >= 0:
-                        self.pieces[t.piece][1][t.at:t.at + t.nbytes] = raw
-                    else:
-                        write_large(path, t.offset, raw)
-                d = known.get(key) or checksums(arr, tiles=self.tiles)
-                values, at = d.table(), None
-                if (0 if values is None else values.size) != t.table_len:
-                    raise StoreError(f"rank {self.rank} dataset {key!r}: its checksums have "
-                                     f"{0 if values is None else values.size} table values, the template "
-                                     f"{'with' if self.tiles else 'without'} tiles lays out {t.table_len}",
-                                     code="UCL409")
-                if t.table_at is not None:
-                    table[t.table_at:t.table_at + t.table_len] = values
-                    at = self.tables.offset + 8 * t.table_at
-                placed[key] = Placed(d, at)
-            if self.tables is not None:
-                if self.tables.piece >= 0:
-                    self.pieces[self.tables.piece][1][self.tables.at:self.tables.at + table.nbytes] = table.view(np.uint8)
-                else:
-                    write_large(path, self.tables.offset, table.view(np.uint8))
-            for start, buf in self.pieces:
-                pwrite_all(fd, buf, start)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
+
+    def put(self, path: str, key: str, start: int, raw: np.ndarray, write_large) -> None:
+        """Bytes ``raw`` of dataset ``key`` from byte ``start`` of it: a small dataset's into the
+        image, a large one's to ``write_large(path, offset, raw)``."""
+        t = self.datasets[key]
+        if start < 0 or start + raw.size > t.nbytes:
+            raise StoreError(f"rank {self.rank} dataset {key!r}: bytes {start}..{start + raw.size} are outside "
+                             f"its {t.nbytes}", code="UCL409")
+        if t.offset is None or not raw.size:
+            return
+        if t.piece >= 0:
+            self.pieces[t.piece][1][t.at + start:t.at + start + raw.size] = raw
+        else:
+            write_large(path, t.offset + start, raw)
+
+    def finish(self, fd: int, path: str, digests: Mapping[str, Digests], write_large) -> dict[str, Placed]:
+        """The digest tables of ``digests`` (one per dataset) and the image, into the file ``begin``
+        made: after this the file is complete."""
+        table = np.zeros(self.tables.nbytes // 8 if self.tables is not None else 0, "<u8")
+        placed: dict[str, Placed] = {}
+        for key, t in self.datasets.items():
+            d = digests[key]
+            values, at = d.table(), None
+            if (0 if values is None else values.size) != t.table_len:
+                raise StoreError(f"rank {self.rank} dataset {key!r}: its checksums have "
+                                 f"{0 if values is None else values.size} table values, the template "
+                                 f"{'with' if self.tiles else 'without'} tiles lays out {t.table_len}",
+                                 code="UCL409")
+            if t.table_at is not None:
+                table[t.table_at:t.table_at + t.table_len] = values
+                at = self.tables.offset + 8 * t.table_at
+            placed[key] = Placed(d, at)
+        if self.tables is not None:
+            if self.tables.piece >= 0:
+                self.pieces[self.tables.piece][1][self.tables.at:self.tables.at + table.nbytes] = table.view(np.uint8)
+            else:
+                write_large(path, self.tables.offset, table.view(np.uint8))
+        for start, buf in self.pieces:
+            pwrite_all(fd, buf, start)
         return placed
 
     def check(self, arrays: Mapping[str, np.ndarray]) -> None:

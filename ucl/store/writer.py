@@ -413,6 +413,43 @@ class CheckpointWriter:
                 p = placed[key]
                 self._entries[rank][key] = entry_fields(t.dtype, t.shape, p.digests, t.offset, p.tables)
 
+    def write_pieces(self, rank: int, template: RankTemplate, pieces: Iterable[tuple[str, int, np.ndarray]],
+                     digests: Callable[[], Mapping[str, Digests]]) -> None:
+        """Write rank ``rank``'s file from ``template`` piece by piece: each (key, byte offset in
+        the dataset, flat uint8 bytes) is on its way to disk (or staged) before the next is taken,
+        so the caller may reuse a piece's memory then (a snapshot streamed through a ring of host
+        memory). ``digests()``, called after the last piece, gives every dataset's checksums,
+        computed as the pieces were filled; the bytes each dataset got must add up to its size."""
+        with self._lock:
+            self._check_open()
+            for key in template.datasets:
+                self._new_key(rank, key)
+            path = os.path.join(self.tmp_path, file_name(rank))
+
+            def write_large(p: str, offset: int, raw: np.ndarray) -> None:
+                self._direct.write(p, offset, raw, self.direct)  # here: the piece is released after
+            with self._io():
+                self._settle()
+                fd = template.begin(path)
+                try:
+                    got = dict.fromkeys(template.datasets, 0)
+                    for key, start, raw in pieces:
+                        template.put(path, key, start, raw, write_large)
+                        got[key] += raw.size
+                    found = digests()
+                    short = [k for k, t in template.datasets.items() if got[k] != t.nbytes or k not in found]
+                    if short:
+                        raise StoreError(f"rank {rank}: {len(short)} datasets were not streamed whole (e.g. "
+                                         f"{short[0]!r}: {got[short[0]]} of {template.datasets[short[0]].nbytes} "
+                                         "bytes)", code="UCL409")
+                    placed = template.finish(fd, path, found, write_large)
+                finally:
+                    os.close(fd)
+            self._created.add(rank)
+            for key, t in template.datasets.items():
+                p = placed[key]
+                self._entries[rank][key] = entry_fields(t.dtype, t.shape, p.digests, t.offset, p.tables)
+
     def _entry(self, rank: int, key: str, dtype: str, shape: Sequence[int], digests: Any,
                offset: int | None, frames: np.ndarray | None = None) -> dict[str, Any]:
         """A manifest entry; its digest tables (and a compressed dataset's ``frames`` table after

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 from ..dtypes import to_numpy
@@ -35,9 +36,10 @@ from .recover import LoadReport, Recovery
 from .replicas import placement
 from .layouts import Layouts
 from .optim import hyperparameters
-from .pool import HostPool, default_pool_bytes, layout_bytes
+from .pool import MIN_POOL_BYTES, HostPool, default_pool_bytes, layout_bytes
 from .progress import Progress
 from .promoter import Promoter
+from .ring import PieceStream
 from .snapshot import Snapshot, Snapshots
 from .tiers import latest_of, open_tier
 from .trace import Trace
@@ -52,7 +54,8 @@ class Checkpointer:
     fsspec URLs each checkpoint is copied to, in the background, after it is durable.
     ``persist_every``: every ``save`` snapshots to host memory; steps that are multiples of N, and any
     save after N - 1 unwritten ones, are written.
-    ``pool_bytes``: host pool size (default: two snapshots). ``tile_checksums``: also hash each
+    ``pool_bytes``: host pool size (default: one snapshot; any size down to 4 KiB works, a snapshot
+    larger than what is free streams through it, train.ring). ``tile_checksums``: also hash each
     matrix by tiles, so a later load that takes column slices (another tensor-parallel degree)
     verifies only those columns; off, snapshots cost about a third less CPU and such loads read whole
     rows. ``debug``: detect state mutated between ``save`` and the next fence (checksums).
@@ -72,6 +75,9 @@ class Checkpointer:
         compress = check_codec(compress)  # UCL418 before anything is started
         if not isinstance(persist_every, int) or persist_every < 1:
             raise UclError(f"persist_every must be a positive integer, got {persist_every!r}", code="UCL430")
+        if pool_bytes is not None and (not isinstance(pool_bytes, int) or pool_bytes < MIN_POOL_BYTES):
+            raise UclError(f"pool_bytes must be an integer of at least {MIN_POOL_BYTES:,} (one block), got "
+                           f"{pool_bytes!r}", code="UCL430")
         if not isinstance(keep, int) or keep < 1:
             raise UclError(f"keep must be a positive integer, got {keep!r}", code="UCL430")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
@@ -111,6 +117,7 @@ class Checkpointer:
         self._lineage: list | None = None
         self._base: list | None = None  # the lineage of what load() restored (None: no load yet)
         self._resumed: int | None = None  # the step load() restored
+        self._not_kept: tuple[int, int] | None = None  # (step, bytes) of the last unwritten save the pool could not hold
         # the newest step saved in root (load() sets it to the step it restored: a rollback)
         newest = [r.newest() for r in [self.root] + ([self._local.root] if self._local else []) if os.path.isdir(r.root)]
         steps = [self.root.step_of(os.path.basename(n)) for n in newest if n]
@@ -166,17 +173,30 @@ class Checkpointer:
         pool = self._snapshots.pool
         default = default_pool_bytes(total)
         if pool is None or (self.pool_bytes is None and pool.nbytes < default):
-            self._new_pool(max(self.pool_bytes or default, 1))
-        region, waited = self._snapshots.pool.allocate(
-            total, closed=lambda: self._progress.failed or self._closed, reclaim=self._snapshots.forget)
+            self._new_pool(self.pool_bytes or default)
+        pool = self._snapshots.pool
         # written: steps that are multiples of N, and any save after N - 1 unwritten ones in a row
         persist = step % self.persist_every == 0 or self._unwritten + 1 >= self.persist_every
         self._unwritten = 0 if persist else self._unwritten + 1
         shared = persist  # with a local tier every snapshot is written there, these to root too
         persist = persist or self._local is not None
         self._newest = step if self._newest is None else max(self._newest, step)
+        region, waited = None, 0.0
+        if persist:  # one region if free now (it stays in memory as tier 0), else through the ring
+            region = pool.try_allocate(total, reclaim=self._snapshots.forget)
+        elif pool.nbytes >= total:  # kept in memory only: it needs a region
+            region, waited = pool.allocate(total, closed=lambda: self._progress.failed or self._closed,
+                                           reclaim=self._snapshots.forget)
+        else:  # a pool smaller than one snapshot keeps none in memory (docs/training.md)
+            self._not_kept = (step, total)
+            self._last = None
+            self.trace.add("blocked", t0, time.perf_counter(), step=step, not_kept=total)
+            return
         snap = Snapshot(step, extra, layout, region, offsets, persist, self._state(step, extra),
-                        holders={"memory"} | ({"flush"} if persist else set()), shared=shared)
+                        holders={"flush"} if region is None else {"memory"} | ({"flush"} if persist else set()),
+                        shared=shared, nbytes=total)
+        if region is None:
+            snap.stream = PieceStream(pool)
         if self._device is not None:
             import torch
             snap.ready_event = torch.cuda.Event()
@@ -184,7 +204,9 @@ class Checkpointer:
         if self.debug:
             snap.state["debug_checksums"] = self._checksums(layout)
         for e, off in zip(layout.entries, offsets):
-            if e.eager:
+            if e.eager and region is None:
+                snap.eager[e.key] = e.tensor.detach().to("cpu", copy=True)
+            elif e.eager:
                 self._snapshots.view(snap, e, off).copy_(e.tensor)
         if persist:
             self._progress.begin()
@@ -307,6 +329,11 @@ class Checkpointer:
             if path is None:
                 raise StoreError(f"no checkpoint in {self.root.root}", code="UCL404")
             if step is not None and not os.path.isdir(path):
+                if self._not_kept is not None and self._not_kept[0] == step:
+                    raise StoreError(f"step {step} was saved to host memory only (persist_every={self.persist_every}) "
+                                     f"and not kept: its snapshot ({self._not_kept[1]:,} bytes) is larger than the "
+                                     f"pool ({self._snapshots.pool.nbytes:,} bytes); roll back from memory with "
+                                     f"pool_bytes >= the snapshot", code="UCL404")
                 steps = self.root.steps()
                 shown = ", ".join(map(str, steps[-20:])) if steps else "none"
                 raise StoreError(f"no checkpoint of step {step} in {self.root.root}; the steps there: "
@@ -317,6 +344,10 @@ class Checkpointer:
             read = sum(allgather_json(stats.bytes_read, group=self._group)) if self._dist else stats.bytes_read
             self.last_load = LoadReport(restored[0], {"root": read})
             base = of_state(_manifest_of(path).state)
+            if step is None and self._not_kept is not None and self._not_kept[0] > restored[0]:
+                warnings.warn(f"load() restored step {restored[0]}, the newest written; step {self._not_kept[0]} "
+                              "was newer but not kept in host memory (the pool is smaller than its snapshot)",
+                              stacklevel=2)
         self._newest = restored[0]
         self._base, self._resumed, self._lineage = base, restored[0], None  # the next save starts a run  # the run goes on from here: newer steps are abandoned
         return restored
@@ -361,7 +392,7 @@ class Checkpointer:
             self._promoter.submit(self.root.path_for(step), step, behind)
 
     def _new_pool(self, nbytes: int) -> None:
-        """The default pool holds two snapshots; it is replaced (once every region is free) when the
+        """The default pool holds one snapshot; it is replaced (once every region is free) when the
         snapshots grow, e.g. when the optimizer state appears after the first step."""
         import torch
         if self._snapshots.pool is not None:

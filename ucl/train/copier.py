@@ -13,6 +13,7 @@ from ..errors import StoreError
 from ..store.checksum import copy_checksummed
 from .derive import TrainLayout
 from .progress import Progress, Stage
+from .ring import copy_streamed, host_bytes
 from .snapshot import Snapshot, Snapshots
 from .trace import Trace
 
@@ -32,21 +33,46 @@ class Copier(Stage):
 
     def _handle(self, snap: Snapshot) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        streamed, info = snap.stream is not None, {}
+        if streamed:  # the flusher drains the ring while this fills it
+            self.then(snap)
         try:
-            self._copy(snap)
+            if streamed:
+                info["pieces"], info["waited_for_ring"] = self._copy_streamed(snap)
+            else:
+                self._copy(snap)
         except BaseException as e:  # surfaces on the next call
-            self.progress.fail(StoreError(f"rank {self.rank} step {snap.step}: snapshot failed: {e}",
-                                          code="UCL432"))
+            if not (streamed and snap.stream.abandoned):  # abandoned: the flusher's reason is the error
+                self.progress.fail(StoreError(f"rank {self.rank} step {snap.step}: snapshot failed: {e}",
+                                              code="UCL432"))
+            if streamed:  # after the failure is recorded: the flusher then reports nothing of its own
+                snap.stream.close(e)
             snap.copied.set()
             self.snapshots.drop(snap, *[h for h in list(snap.holders) if h != "flush"])
-            if snap.persist:  # the flusher writes nothing of it, but takes part in the processes' agreement
+            if snap.persist and not streamed:  # the flusher writes nothing of it, but takes part in the agreement
                 self.then(snap)
             return
-        self.trace.add("snapshot", t0, time.perf_counter(), step=snap.step,
-                       bytes=snap.region.stop - snap.region.start, cpu=round(time.thread_time() - cpu0, 6))
-        self.snapshots.remember(snap)
-        if snap.persist:
-            self.then(snap)
+        self.trace.add("snapshot", t0, time.perf_counter(), step=snap.step, bytes=snap.nbytes,
+                       cpu=round(time.thread_time() - cpu0, 6), **info)
+        if streamed:
+            snap.stream.close()
+        else:
+            self.snapshots.remember(snap)
+            if snap.persist:
+                self.then(snap)
+
+    def _copy_streamed(self, snap: Snapshot) -> tuple[int, float]:
+        """Through the ring in pieces (train.ring); the fence waits for the last piece's copy."""
+        import torch
+        stream = self._stream
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            if snap.ready_event is not None:
+                stream.wait_event(snap.ready_event)
+            done = copy_streamed(snap, snap.stream, self.stored(snap.layout), tiles=self.tiles, cuda_stream=stream,
+                                 waiting=lambda: self.progress.failed, reclaim=self.snapshots.forget)
+        snap.copied.set()
+        return done
 
     def _copy(self, snap: Snapshot) -> None:
         import torch
@@ -79,13 +105,3 @@ class Copier(Stage):
         if snap.cuda_event is not None:
             snap.cuda_event.synchronize()  # the flusher reads host memory: off the training thread
 
-
-def host_bytes(t) -> np.ndarray | None:
-    """The bytes of a dense, contiguous CPU tensor as a flat uint8 array sharing its memory, or None
-    (another device, a strided view, a subclass such as DTensor, no elements)."""
-    import torch
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        return None
-    if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous() or t.numel() == 0:
-        return None
-    return t.detach().reshape(-1).view(torch.uint8).numpy()

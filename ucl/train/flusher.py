@@ -53,12 +53,16 @@ class Flusher(Stage):
             if go:
                 self._persist(snap)
         except BaseException as e:
+            if snap.stream is not None and snap.stream.failed:
+                return  # the copier reported why (the finally below still runs)
             ours = isinstance(e, UclError)  # named again with the rank and step it happened at
             error = StoreError(f"rank {self.rank} step {snap.step}: " + (str(e) if ours else f"writing failed: {e}"),
                                code=e.code if ours else "UCL410")
             error.__cause__ = e
             self.progress.fail(error)
         finally:
+            if snap.stream is not None:  # pieces not written (nothing was, or it failed) go back to the pool
+                snap.stream.abandon()
             self.snapshots.drop(snap, "flush")
             self.progress.done()
 
@@ -109,7 +113,7 @@ class Flusher(Stage):
             self.root.discard_after(snap.step)  # after load(step=k), later steps belong to an abandoned run
             self.root.prune(self.keep)
         cpu = time.thread_time() - cpu0 + sum(w.write_cpu_seconds for w in writers)
-        self.trace.add("flush", t0, time.perf_counter(), step=snap.step, bytes=snap.region.stop - snap.region.start,
+        self.trace.add("flush", t0, time.perf_counter(), step=snap.step, bytes=snap.nbytes,
                        pool_high_water=self.snapshots.pool.high_water, cpu=round(cpu, 6))
         if self.rank == 0 and self.promoter is not None:
             self.promoter.submit(path, snap.step)  # waits while the promoter's queue is full
@@ -141,7 +145,8 @@ class Flusher(Stage):
         for e, off in zip(snap.layout.entries, snap.offsets):
             if e.key not in stored:
                 continue
-            arrays[e.key] = self.snapshots.array(snap, e, off)
+            if snap.stream is None:
+                arrays[e.key] = self.snapshots.array(snap, e, off)
             datasets[e.key] = (tuple(e.tensor.shape), logical_of_torch_dtype(e.tensor.dtype))
         rank = snap.layout.rank
         if writer.compress:  # coded sizes differ at every checkpoint: no template, each dataset written
@@ -153,7 +158,10 @@ class Flusher(Stage):
         self._templates[signature] = template
         while len(self._templates) > TEMPLATES_KEPT:
             self._templates.pop(next(iter(self._templates)))
-        writer.write_from(rank, template, arrays, snap.digests)  # hashed by the copier
+        if snap.stream is not None:  # pieces from the ring, as the copier fills them (train.ring)
+            writer.write_pieces(rank, template, snap.stream.pieces(), lambda: snap.digests)
+        else:
+            writer.write_from(rank, template, arrays, snap.digests)  # hashed by the copier
 
     def _persist_collective(self, snap: Snapshot, path: str, fields: dict, writers: list) -> None:
         """Every process writes its rank file; rank 0 commits once all are durable (ops.collective)."""

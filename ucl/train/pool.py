@@ -1,5 +1,7 @@
 """The host buffer pool snapshots are copied into: allocated once, handed out as contiguous
-regions in FIFO order, and when full a new region waits (back-pressure) instead of growing."""
+regions in FIFO order (a ring), and when full a new region waits (back-pressure) instead of growing.
+A snapshot that fits takes one region (it can stay in memory as tier 0); one that does not goes
+through the ring in pieces (train.ring), so any pool of a few blocks works."""
 from __future__ import annotations
 
 import threading
@@ -44,18 +46,14 @@ class HostPool:
         only as a cache); ``closed()`` is polled so a failing flusher cannot leave the caller
         waiting forever."""
         if nbytes > self.nbytes:
-            raise UclError(f"a snapshot of this rank needs {nbytes:,} bytes but the pool holds {self.nbytes:,}; "
-                           "pass a larger pool_bytes", code="UCL431")
+            # never from the checkpointer: a snapshot larger than the pool is streamed in pieces
+            raise UclError(f"a region of {nbytes:,} bytes cannot come from a pool of {self.nbytes:,}",
+                           code="UCL431")
         t0 = time.perf_counter()
         with self._cond:
             while True:
-                while self._regions and self._regions[0].released:
-                    self._regions.popleft()
-                start = self._fit(nbytes)
-                if start is not None:
-                    region = Region(start, start + nbytes)
-                    self._regions.append(region)
-                    self.high_water = max(self.high_water, self._used())
+                region = self._take(nbytes)
+                if region is not None:
                     return region, time.perf_counter() - t0
                 if closed():
                     raise StoreError("the checkpointer stopped while waiting for pool space", code="UCL432")
@@ -70,6 +68,30 @@ class HostPool:
                     self._regions.popleft()
                 if self._fit(nbytes) is None:
                     self._cond.wait(timeout=0.1)
+
+    def try_allocate(self, nbytes: int, reclaim=lambda: None) -> Region | None:
+        """A region of ``nbytes`` if one is free now (after ``reclaim()``), else None: no waiting."""
+        if nbytes > self.nbytes:
+            return None
+        with self._cond:
+            region = self._take(nbytes)
+        if region is None:
+            reclaim()
+            with self._cond:
+                region = self._take(nbytes)
+        return region
+
+    def _take(self, nbytes: int) -> Region | None:
+        """A region of ``nbytes`` where one fits now (the lock held), or None."""
+        while self._regions and self._regions[0].released:
+            self._regions.popleft()
+        start = self._fit(nbytes)
+        if start is None:
+            return None
+        region = Region(start, start + nbytes)
+        self._regions.append(region)
+        self.high_water = max(self.high_water, self._used())
+        return region
 
     def _fit(self, nbytes: int) -> int | None:
         """Start of a free stretch after the newest region (wrapping to 0), or None. Regions start on
@@ -93,9 +115,19 @@ class HostPool:
         return self.buffer[region.start:region.stop]
 
 
+MIN_POOL_BYTES = BLOCK  # the smallest pool: one piece of one block in flight at a time
+MAX_PIECE_BYTES = 16 << 20  # a streamed piece: big enough for the disk, small enough to overlap copy and write
+
+
 def default_pool_bytes(total: int) -> int:
-    """The default pool for snapshots of ``total`` bytes: two of them, each starting on a block."""
-    return max(2 * -(-total // BLOCK) * BLOCK, 1)
+    """The default pool for snapshots of ``total`` bytes: one of them, starting on a block."""
+    return max(-(-total // BLOCK) * BLOCK, MIN_POOL_BYTES)
+
+
+def piece_bytes(pool_bytes: int) -> int:
+    """Bytes per piece of a snapshot streamed through a pool of ``pool_bytes``: a quarter of the
+    pool (the copier fills pieces while the flusher writes others), in whole blocks, 16 MiB at most."""
+    return max(BLOCK, min(pool_bytes // 4, MAX_PIECE_BYTES) // BLOCK * BLOCK)
 
 
 def layout_bytes(sizes) -> tuple[list[int], int]:

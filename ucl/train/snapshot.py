@@ -1,5 +1,5 @@
-"""A snapshot (what ``save(step)`` captured, living in a region of the host pool) and who holds
-its region: ``memory`` (tier 0: the newest copied snapshot stays in host memory), ``flush`` (until
+"""A snapshot (what ``save(step)`` captured, living in a region of the host pool, or streamed
+through it in pieces: train.ring) and who holds its region: ``memory`` (tier 0: the newest copied snapshot stays in host memory), ``flush`` (until
 written) and ``load`` (while restored from). The region goes back to the pool when the last holder
 lets go."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Snapshot:
     step: int
     extra: Any
     layout: TrainLayout
-    region: Region
+    region: Region | None  # None: streamed through the pool in pieces (``stream``)
     offsets: list[int]
     persist: bool  # written to disk (the local tier when there is one, else root)
     state: dict  # JSON: step, extra, rng, optimizer hyperparameters
@@ -30,6 +30,9 @@ class Snapshot:
     ready_event: Any = None  # CUDA: recorded on the training stream at save(); the copy waits for it
     cuda_event: Any = None  # CUDA: recorded on the copy stream after the copy; the fence waits for it
     shared: bool = True  # with a local tier: copied on to the shared root too (persist_every)
+    stream: Any = None  # train.ring.PieceStream of a streamed snapshot
+    nbytes: int = 0  # the whole snapshot's bytes (laid out as in a region)
+    eager: dict = field(default_factory=dict)  # streamed: key -> host copy of a buffer, taken in save()
 
 
 class Snapshots:
@@ -62,7 +65,7 @@ class Snapshots:
             for h in holders:
                 snap.holders.discard(h)
             free = not snap.holders
-        if free and self.pool is not None:
+        if free and self.pool is not None and snap.region is not None:
             self.pool.release(snap.region)
 
     def remember(self, snap: Snapshot) -> None:
