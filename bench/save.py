@@ -9,8 +9,10 @@ transformer (torch.nn: embedding, N blocks of attention + MLP, AdamW; CPU).
 Variants: none; torch.save of model + optimizer state_dicts, then fsync; DCP save (FileSystemWriter
 fsyncs); DCP async_save in a thread (default stager: copies inside the call); DCP async_save with
 AsyncCheckpointerType.PROCESS and a shared-memory DefaultStager staging in the background (the
-optimizer step waits for it); ucl.Checkpointer; ucl-flat: the same with tile_checksums=False
-(flat chunk checksums only: about a third less snapshot CPU); ucl-host: persist_every=10. Async
+optimizer step waits for it); ucl.Checkpointer (its default pool: one snapshot); ucl-flat: the same
+with tile_checksums=False (flat chunk checksums only: about a third less snapshot CPU); ucl-host:
+persist_every=10; ucl-poolF: pool_bytes = F x one snapshot (--pools; below 1 the snapshot streams
+through the pool as a ring, docs/training.md "Sizing the host pool"). Async
 variants finish one checkpoint before the next (DCP: future.result(); ucl: pool back-pressure). Each (variant, interval) runs in its own process
 (`--variant X --interval K`, JSON on stdout), so peak RSS (getrusage maxrss) does not mix.
 
@@ -22,7 +24,8 @@ untimed drain. Alternating the phases lets the machine's drift hit both alike. M
 stall = training-thread time in the save call plus the wait in the next optimizer step's pre-hook
 (ucl fence, DCP staging); call = the save call alone (torch.save: before fsync); iteration time over
 the same process's no-saving ones (median and mean: other load on the machine moves both); durable =
-save call -> fsync'd (ucl: -> `latest` moved, from its trace); peak RSS; bytes on disk per checkpoint;
+save call -> fsync'd (ucl: -> `latest` moved, from its trace); peak RSS, and above the no-checkpoint run's
+(in MiB and in snapshots); bytes on disk per checkpoint;
 ratios to torch.save; for ucl, its trace's phases and the CPU time of its snapshot and flush threads per
 checkpoint (on a machine whose cores training keeps busy, about what checkpointing costs it).
 Baselines delete checkpoints beyond 3 between iterations (untimed); ucl prunes itself (keep=3). A last
@@ -172,11 +175,14 @@ class DCPAsync(Saver):
 
 
 class Ucl(Saver):
-    def __init__(self, root, model, opt, persist_every=1, tile_checksums=True):
+    def __init__(self, root, model, opt, persist_every=1, tile_checksums=True, pool=None):
         super().__init__(root, model, opt)
         import ucl
+        pool_bytes = None if pool is None else max(4096, int(pool * snapshot_bytes(model)))
         self.ck = ucl.Checkpointer(root, model, opt, keep=KEEP, persist_every=persist_every,  # + step pre-hook fence
-                                   tile_checksums=tile_checksums)
+                                   tile_checksums=tile_checksums, pool_bytes=pool_bytes)
+        if pool is not None:
+            self.note = f"pool_bytes {pool:g} x one snapshot = {pool_bytes / 2**20:.0f} MiB"
         if persist_every > 1:
             self.note = f"host-memory snapshot at every save, every {persist_every}th written to disk"
         if not tile_checksums:
@@ -192,6 +198,18 @@ class Ucl(Saver):
         ev = self.ck.trace.events()  # durable: save() called -> `latest` moved (wall-clock seconds)
         start = {e["step"]: e["start"] for e in ev if e["phase"] == "blocked"}
         self.durable.update({e["step"]: e["end"] - start[e["step"]] for e in ev if e["phase"] == "flush"})
+
+
+def snapshot_bytes(model) -> int:
+    """One AdamW snapshot: parameters and two moments (fp32 here), plus buffers; the steps are scalars."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 3 * params + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def saver_of(variant: str):
+    if variant.startswith("ucl-pool"):
+        return lambda *a: Ucl(*a, pool=float(variant[len("ucl-pool"):]))
+    return SAVERS[variant]
 
 
 SAVERS = {"none": Saver, "torch.save": TorchSave, "dcp": DCPSync, "dcp-async": DCPAsync,
@@ -210,7 +228,7 @@ def run_variant(args) -> dict:
     root.mkdir(parents=True)
     mark = {"t": 0.0, "wait": 0.0}
     opt.register_step_pre_hook(lambda *a: mark.__setitem__("t", time.perf_counter()))
-    saver = SAVERS[args.variant](root, model, opt)  # ucl's fence hook lands between ours
+    saver = saver_of(args.variant)(root, model, opt)  # ucl's fence hook lands between ours
 
     def after_fence(*a):  # times ucl's fence, and DCP's staging wait
         saver.pre_step()
@@ -279,6 +297,8 @@ def run_variant(args) -> dict:
         out["trace"] = {ph: [e["end"] - e["start"] for e in pick(ph)] for ph in ("blocked", "fence", "snapshot", "flush")}
         out["trace_cpu"] = {ph: [e["cpu"] for e in pick(ph) if "cpu" in e] for ph in ("snapshot", "flush")}
         out.update(pool_high_water=max(e.get("pool_high_water") or 0 for e in ev),
+                   snapshot_mb=max(e["bytes"] for e in ev if e["phase"] == "snapshot") / 2**20,
+                   ring_waits=[e.get("waited_for_ring", 0.0) for e in pick("snapshot")],
                    pool_waits=sum(b.get("waited_for_pool", 0) > 0.001 for b in pick("blocked")))
     out["writer_rss_mb"] = saver.writer_rss_mb() if isinstance(saver, DCPAsync) and saver.process else None
     saver.ck.close() if isinstance(saver, Ucl) else saver.close()
@@ -337,15 +357,18 @@ def report(results: list[dict], none: dict):
         rows = [r for r in results if r["interval"] == interval]
         ts = next((r for r in rows if r["variant"] == "torch.save" and "error" not in r), None)
         print(f"\ncheckpoint every {interval} iteration(s): medians (min-max); t.s = torch.save")
+        snap = next((r["snapshot_mb"] for r in rows if r.get("snapshot_mb")), None)
         print(f"{'variant':<15} {'stall ms':>18} {'call ms':>16} {'iter x none':>11} {'mean x none':>11} "
-              f"{'durable s':>17} {'1st durable s':>13} {'RSS MiB':>8} {'MiB/ckpt':>8} {'n':>3} {'stall/t.s':>9} "
-              f"{'durable/t.s':>11}")
+              f"{'durable s':>17} {'1st durable s':>13} {'RSS MiB':>8} {'+MiB':>6} {'+snaps':>6} {'MiB/ckpt':>8} "
+              f"{'n':>3} {'stall/t.s':>9} {'durable/t.s':>11}")
         for r in (r for r in rows if "error" not in r):
             ratio = lambda k: (f"{statistics.median(r[k]) / statistics.median(ts[k]):.2f}"
                                if ts and r[k] and ts[k] and statistics.median(ts[k]) else "-")
             print(f"{r['variant']:<15} {med(r['stall'], 1e3):>18} {med(r['call'], 1e3):>16} "
                   f"{x(r, statistics.median):11.2f} {x(r, statistics.mean):11.2f} "
                   f"{med(r['durable'], 1, '{:.2f}'):>17} {r['first_durable']:13.2f} {r['rss_mb']:8.0f} "
+                  f"{r['rss_mb'] - none['rss_mb']:6.0f} "
+                  f"{(r['rss_mb'] - none['rss_mb']) / snap if snap else float('nan'):6.2f} "
                   f"{r['bytes_per_ckpt'] / 2**20:8.0f} {r['ckpts']:3d} {ratio('stall'):>9} {ratio('durable'):>11}")
         for r in rows:
             if "error" in r:
@@ -359,7 +382,8 @@ def report(results: list[dict], none: dict):
                 print(f"  {r['variant']} trace: stall (blocked+fence) {med(r['trace_stall'], 1e3)} ms = blocked {med(t['blocked'], 1e3)}"
                       f" + fence {med(t['fence'], 1e3)} ms; snapshot {med(t['snapshot'], 1e3)} ms; flush "
                       f"{med(t['flush'], 1, '{:.2f}')} s; pool high water {r['pool_high_water'] / 2**20:.0f} MiB; "
-                      f"{r['pool_waits']} saves waited for pool space")
+                      f"{r['pool_waits']} saves waited for pool space; the copier waited for the ring "
+                      f"{med(r['ring_waits'], 1e3)} ms per snapshot")
                 cpu = r.get("trace_cpu") or {}
                 if cpu.get("snapshot") and cpu.get("flush"):  # what the background threads cost the cores, per checkpoint
                     print(f"  {r['variant']} CPU per checkpoint: snapshot {med(cpu['snapshot'], 1e3)} ms, flush "
@@ -379,6 +403,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny model, 4 timed iterations per round")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="which to measure")
+    ap.add_argument("--pools", type=float, nargs="*", default=[2, 0.5, 0.25, 0.0625],
+                    help="ucl pool sizes to measure besides the default (1), in snapshots (ucl-poolF variants)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the model, data and optimizer state on the GPU "
                     "(ucl: pinned pool, side stream); iteration time then ends with the training stream's sync")
     ap.add_argument("--bf16-autocast", action="store_true", help="with --device cuda: forward in bf16 autocast "
@@ -412,7 +438,8 @@ def main() -> None:
                 shutil.rmtree(Path(work) / f"{variant}-{interval}", ignore_errors=True)
 
         none = measured("none", 1, max(iters.values()))
-        results = [measured(v, k, iters[k]) for k in args.every for v in args.variants
+        variants = args.variants + [f"ucl-pool{f:g}" for f in args.pools]
+        results = [measured(v, k, iters[k]) for k in args.every for v in variants
                    if not (v == "ucl-host" and k != 1)]  # host snapshots matter when saving every iteration
         check = measured("verify", 1, 2)
         report(results, none)

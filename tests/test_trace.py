@@ -305,3 +305,19 @@ def test_runs_of_several_ranks_pair_by_order_and_old_events_count_as_the_first(t
     runs = split_runs(events)
     assert [[(e["rank"], e["start"]) for e in r] for r in runs] == [[(0, 0.0), (1, 0.5)], [(0, 100.0), (1, 100.1)],
                                                                    [(1, 200.0)]]
+
+
+def test_a_long_run_keeps_the_newest_events_in_memory_and_all_in_the_file(tmp_path, monkeypatch):
+    """Before the cap, every event of a run stayed in memory: a run of millions of checkpoints grew."""
+    from ucl.train import trace as trace_mod
+    monkeypatch.setattr(trace_mod, "KEPT_EVENTS", 50)
+    t = trace_mod.Trace(str(tmp_path), 0)
+    for i in range(400):
+        t.add("flush", 0.0, 1.0, step=i)
+        if i % 7 == 0:
+            t.flush()
+    t.flush()
+    kept = t.events()
+    assert [e["step"] for e in kept] == list(range(350, 400))
+    lines = (tmp_path / "trace-rank00000.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == list(range(400))
