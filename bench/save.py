@@ -182,7 +182,7 @@ class Ucl(Saver):
         self.ck = ucl.Checkpointer(root, model, opt, keep=KEEP, persist_every=persist_every,  # + step pre-hook fence
                                    tile_checksums=tile_checksums, pool_bytes=pool_bytes)
         if pool is not None:
-            self.note = f"pool_bytes {pool:g} x one snapshot = {pool_bytes / 2**20:.0f} MiB"
+            self.note = f"pool_bytes {pool:g} x one snapshot = {pool_bytes / 2**20:.1f} MiB"
         if persist_every > 1:
             self.note = f"host-memory snapshot at every save, every {persist_every}th written to disk"
         if not tile_checksums:

@@ -371,6 +371,9 @@ class Checkpointer:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+            if self._group is not None:  # its threads and sockets: a job that reopens checkpointers leaked them
+                self._dist.destroy_process_group(self._group)
+                self._group = None
 
     def __enter__(self) -> "Checkpointer":
         return self
