@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,15 @@ import ucl  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _settled(baseline) -> tuple[int, int]:
+    """Threads and open descriptors of this process, once those that are ending have ended (up to
+    a few seconds: threads of a pool shut down without waiting exit a little later)."""
+    deadline = time.monotonic() + 5
+    while True:
+        now = len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+        if baseline is None or (now[0] <= baseline[0] and now[1] <= baseline[1]) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
@@ -38,13 +46,13 @@ def test_closing_a_checkpointer_gives_back_its_process_group(tmp_path):
         model = torch.nn.Linear(8, 8)
         opt = torch.optim.AdamW(model.parameters())
         counts = []
-        for i in range(6):
+        for i in range(4):
             model(torch.randn(2, 8)).sum().backward()
             opt.step()
             with ucl.Checkpointer(tmp_path, model, opt) as ck:
                 ck.save(i)
-            counts.append((_threads(), len(os.listdir("/proc/self/fd"))))
-        assert counts[-1] <= counts[1], counts
+            counts.append(_settled(counts[0] if counts else None))
+        assert counts[-1][0] <= counts[0][0] and counts[-1][1] <= counts[0][1], counts  # threads, fds
     finally:
         dist.destroy_process_group()
 
@@ -61,7 +69,7 @@ def soak(tmp_path, *extra: str, limit: float = 900) -> dict:
 @pytest.mark.slow
 def test_soak_stays_flat_and_every_checkpoint_verifies(tmp_path):
     report = soak(tmp_path, "--checkpoints", "1000", "--procs", "2", "--rollback-every", "50",
-                  "--tier-fails-every", "150", "--reopen-every", "250", "--check-every", "24")
+                  "--tier-fails-every", "150", "--reopen-every", "250")
     assert not report["hung"]
     for r in report["ranks"]:
         assert r["errors"] == [] and r["grew"] == [], r

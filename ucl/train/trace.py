@@ -11,7 +11,7 @@ import threading
 import time
 
 
-KEPT_EVENTS = 20_000  # events kept in memory for events(); the file has them all (a long run's memory stays flat)
+KEPT_EVENTS = 4096  # events kept in memory for events(); the file has them all (a long run's memory stays flat)
 
 
 class Trace:
