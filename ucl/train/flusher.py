@@ -18,6 +18,7 @@ from .local import LocalTier, copy_to_root
 from .replicas import replicate
 from .progress import Progress, Stage
 from .promoter import Promoter
+from .ring import whole_datasets
 from .snapshot import Snapshot, Snapshots
 from .trace import Trace
 
@@ -150,7 +151,9 @@ class Flusher(Stage):
             datasets[e.key] = (tuple(e.tensor.shape), logical_of_torch_dtype(e.tensor.dtype))
         rank = snap.layout.rank
         if writer.compress:  # coded sizes differ at every checkpoint: no template, each dataset written
-            for key, arr in arrays.items():
+            if snap.stream is not None:  # coded whole: assembled from the ring one at a time
+                arrays = whole_datasets(snap.stream.pieces(), datasets)
+            for key, arr in (arrays if snap.stream is not None else arrays.items()):
                 writer.write(rank, key, arr, dtype=datasets[key][1], digests=snap.digests.get(key))  # hashed by the copier
             return
         signature = (rank, tuple(datasets.items()))

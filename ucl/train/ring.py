@@ -94,6 +94,8 @@ def copy_streamed(snap, stream: PieceStream, keys: frozenset[str], *, tiles: boo
         nbytes = t.numel() * t.element_size()
         h = IncrementalChecksum(tuple(t.shape), store, tiles=tiles)
         flat = _flat_bytes(t)
+        if not nbytes:
+            snap.digests[e.key] = h.result(0)
         for start in range(0, nbytes, size):
             n = min(size, nbytes - start)
             region, w = pool.allocate(n, closed=lambda: waiting() or stream.abandoned, reclaim=reclaim)
@@ -110,10 +112,31 @@ def copy_streamed(snap, stream: PieceStream, keys: frozenset[str], *, tiles: boo
                     cuda_stream.synchronize()
                 h.advance(start // store.itemsize, dst.view(store))
             count += 1
+            if start + n == nbytes:  # before its last piece goes: the flusher may take the digests with it
+                snap.digests[e.key] = h.result(t.numel())
             if not stream.put(e.key, start, region):
                 return count, waited
-        snap.digests[e.key] = h.result(t.numel())
     return count, waited
+
+
+def whole_datasets(pieces: Iterator[tuple[str, int, np.ndarray]], datasets) -> Iterator[tuple[str, np.ndarray]]:
+    """Each dataset of ``datasets`` (key -> (shape, logical dtype), in the copier's order) as a
+    whole storage array assembled from its pieces: for a writer that needs whole arrays (compressed
+    datasets are coded whole), holding one dataset at a time beside the pool."""
+    pieces = iter(pieces)
+    for key, (shape, dtype) in datasets.items():
+        arr = np.empty(shape, storage_dtype(dtype))
+        raw, filled = arr.reshape(-1).view(np.uint8), 0
+        while filled < raw.size:
+            got, start, data = next(pieces, (None, 0, None))
+            if got != key or start != filled:
+                raise StoreError(f"dataset {key!r}: the ring handed over {got!r} at byte {start}, not byte {filled} "
+                                 "of it", code="UCL432")
+            raw[filled:filled + data.size] = data
+            filled += data.size
+        yield key, arr
+    for _ in pieces:  # the iterator ends (and gives back its last region)
+        pass
 
 
 def _flat_bytes(t):
