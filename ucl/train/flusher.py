@@ -129,7 +129,7 @@ class Flusher(Stage):
         layout = snap.layout
         entries = self.local.write(snap.step, layout.mesh.size, layout.rank, fields, lambda w: self._write(w, snap),
                                    compress=self.compress, compress_threads=self.compress_threads)
-        self.trace.add("local", t0, time.perf_counter(), step=snap.step, bytes=snap.region.stop - snap.region.start)
+        self.trace.add("local", t0, time.perf_counter(), step=snap.step, bytes=snap.nbytes)
         replicate(self.local, snap.step, layout.rank, self.local.replicas, self.group, self.trace)
         if not snap.shared:
             self.trace.flush()
