@@ -423,3 +423,29 @@ def test_only_process_rank_0_warns_that_rng_states_are_not_restored():
             warnings.simplefilter("always")
             rng.restore(saved, rank, 4)
         assert len(caught) == expected, rank
+
+
+@pytest.mark.parametrize("bf16_layers", [(1,), (0,), (0, 1, 2)])
+def test_a_module_with_layers_in_several_dtypes_resumes(tmp_path, bf16_layers):
+    """One bf16 layer among fp32 ones (a half tie of dtypes, so no dtype is the common one by far):
+    every parameter's Adam state is declared, whatever dtype is the commonest (the derived spec
+    once declared the state only for the layers in the rarer dtype: UCL421 at the first save)."""
+    def make():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+        for i in bf16_layers:
+            net[i].to(torch.bfloat16)
+        return net, torch.optim.AdamW(net.parameters(), lr=0.1)
+
+    net, opt = make()
+    with ucl.Checkpointer(tmp_path, net, opt) as ck:
+        for p in net.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+        ck.save(1)
+    fresh, fresh_opt = make()
+    with ucl.Checkpointer(tmp_path, fresh, fresh_opt) as ck:
+        assert ck.load() == (1, None)
+    for a, b in zip(net.state_dict().values(), fresh.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    _same_state(opt.state_dict(), fresh_opt.state_dict())

@@ -234,8 +234,8 @@ def _spec_text(tensors, states, kinds, *, axes: list[str], rules: dict[str, str]
         if scalar:
             lines.append(f"state {kind} : scalar" if not dl or " for " in dl[0] else dl.pop(0) + "; scalar")
             lines += [x + "; scalar" for x in dl]
-        else:
-            lines += dl or [f"state {kind} : follow"]
+        else:  # the general statement declares the kind for every parameter; `for` lines only change dtypes
+            lines += ([f"state {kind} : follow"] if not dl or " for " in dl[0] else []) + dl
     return "\n".join(lines) + "\n"
 
 
