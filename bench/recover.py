@@ -9,10 +9,13 @@ processes recover the same state from:
 and the cost of replication on the training loop: iteration time without a checkpoint, and with one
 every iteration and every 10, with replicas=0 and replicas=1.
 
-    python bench/recover.py [--size-gb 0.25] [--repeat 3] [--iters 20] [--workdir DIR]
+    python bench/recover.py [--size-gb 0.25] [--repeat 3] [--iters 20] [--workdir DIR] [--cases abcde]
+                            [--no-loop]
 
 Printed: each recovery's wall time (slowest process, from a common barrier), median and min-max of
-``--repeat`` runs, bytes per source (``last_load.bytes_from``) and the seconds per GiB restored; for
+``--repeat`` runs after one warm-up run, bytes per source (``last_load.bytes_from``), the seconds per
+GiB restored, and the median of the slowest process's seconds in each phase of ``load()``
+(``last_load.seconds``: inventory, manifest, plan, exchange with peers, read into the model); for
 the training loop, the mean iteration time and its ratio to the loop without checkpoints. A lost
 node is a folder renamed away for the run. Not a test: figures depend on the machine.
 """
@@ -98,7 +101,8 @@ def _worker(rank, world, nodes, port, layers, base, task, out):
                 t0 = time.perf_counter()
                 ck.load()
                 dist.barrier()
-                result = {"seconds": time.perf_counter() - t0, "bytes_from": ck.last_load.bytes_from}
+                result = {"seconds": time.perf_counter() - t0, "bytes_from": ck.last_load.bytes_from,
+                          "phases": ck.last_load.seconds}
         elif task["kind"] == "dcp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -162,6 +166,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--iters", type=int, default=32)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--cases", default="abcde", help="which recoveries to time (letters a-e)")
+    ap.add_argument("--no-loop", action="store_true", help="skip the training-loop figures")
     args = ap.parse_args()
     layers = _layers(args.size_gb)
     work = tempfile.mkdtemp(prefix="ucl-recover-", dir=args.workdir)
@@ -176,19 +182,28 @@ def main() -> None:
                  ("(c) node 1 lost, replicas=0", bases[0], ("node1",)),
                  ("(d) shared root only", bases[0], ("node0", "node1"))]
         for label, base, lost in cases:
+            if label[1] not in args.cases:
+                continue
             for nodes in ([0, 0, 1, 1], [0, 1]):
-                runs, got = [], {}
+                runs, got, phases = [], {}, []
                 with _gone(base, *lost):
-                    for _ in range(args.repeat):
+                    for i in range(args.repeat + 1):  # the first run warms the page cache: not counted
                         res = _run(nodes, layers, base, {"kind": "load"})
-                        runs.append(max(r["seconds"] for r in res))
+                        if i:
+                            runs.append(max(r["seconds"] for r in res))
+                            phases.append(max(res, key=lambda r: r["seconds"])["phases"])
                         got = res[0]["bytes_from"]
                 shown = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(got.items()))
                 print(f"{label:30s} onto {len(nodes)}: {_fmt(runs)}  {statistics.median(runs) / gib:5.2f} s/GiB  {shown}")
-        for nodes in ([0, 0, 1, 1], [0, 1]):
-            runs = [max(r["seconds"] for r in _run(nodes, layers, bases[0], {"kind": "dcp"})) for _ in range(args.repeat)]
+                split = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
+                print(" " * 32 + "phases: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+        for nodes in ([0, 0, 1, 1], [0, 1]) if "e" in args.cases else ():
+            runs = [max(r["seconds"] for r in _run(nodes, layers, bases[0], {"kind": "dcp"}))
+                    for _ in range(args.repeat + 1)][1:]
             print(f"{'(e) dcp.load from shared':30s} onto {len(nodes)}: {_fmt(runs)}  "
                   f"{statistics.median(runs) / gib:5.2f} s/GiB")
+        if args.no_loop:
+            return
         base = bases[0]
         plain = max(r["iter"] for r in _run([0, 0, 1, 1], layers, base, {"kind": "loop", "every": 0, "replicas": 0,
                                                                             "iters": args.iters, "name": "loop"}))

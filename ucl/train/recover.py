@@ -35,16 +35,21 @@ from .local import LocalTier
 from .tiers import RemoteTier
 
 ATTEMPTS = 4  # loads tried, each without the copies the ones before found damaged
+PIECE = 32 << 20  # bytes one peer message holds at most (whole boxes): a send starts before all is read
 
 
 @dataclass(frozen=True)
 class LoadReport:
     """What the last ``load()`` restored and from where: ``bytes_from`` maps each source (``"memory"``,
     ``"local"``, ``"peer"``, ``"root"``, a further tier's path or URL) to the bytes the whole job read
-    from it; ``parts`` maps each rank file of the checkpoint to where this process would read it."""
+    from it; ``parts`` maps each rank file of the checkpoint to where this process would read it;
+    ``seconds`` maps each phase of a load from the tiers to this process's wall seconds in it
+    (``inventory``, ``manifest``, ``prepare``, ``plan``, ``exchange``, ``read``, ``copy``, ``agree``,
+    ``total``)."""
     step: int
     bytes_from: dict = field(default_factory=dict)
     parts: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
 
 
 class Assembled:
@@ -106,7 +111,7 @@ class Route:
 class Routed:
     """A plan source reading each source rank from where its route says; counts bytes per route."""
 
-    def __init__(self, routes: dict[int, Route], received: dict):
+    def __init__(self, routes: dict[int, Route], received: "Transfer"):
         self.routes, self.received = routes, received
         self.bytes_from: dict[str, int] = {}
         self.bytes_read = 0
@@ -159,6 +164,13 @@ class Recovery:
         self.group = target.group
         self.scratch: str | None = None  # downloads from a remote tier
         self.lineage: list = []  # of the checkpoint restored (train.lineage)
+        self.seconds: dict[str, float] = {}  # phase -> this process's wall seconds (LoadReport.seconds)
+
+    def timed(self, phase: str, t0: float) -> float:
+        """Adds the seconds since ``t0`` to ``phase``; returns now."""
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - t0
+        return now
 
     def gather(self, value: Any) -> list:
         if self.world == 1:
@@ -169,6 +181,7 @@ class Recovery:
             raise StoreError(f"load: another process of the job stopped answering: {e}", code="UCL424") from None
 
     def run(self) -> tuple[tuple[int, Any], LoadReport]:
+        t0 = time.perf_counter()
         node = self.local.nodes.node if self.local is not None else -1 - self.me
         mine = local_holdings(self.local.root if self.local is not None else None)
         shared = shared_holdings(self.shared) if self.me == 0 else []
@@ -176,6 +189,7 @@ class Recovery:
         self.node_of = [v[0] for v in views]
         self.nodes_view = [(v[0], v[1]) for v in views]
         shared = views[0][2]
+        self.timed("inventory", t0)
         bad: set = set()
         try:
             for _ in range(ATTEMPTS):
@@ -188,7 +202,9 @@ class Recovery:
                                      f"{', '.join(map(str, seen[-20:])) or 'none'}", code="UCL404")
                 result = self.attempt(choice)
                 if isinstance(result, tuple):
-                    return result
+                    self.timed("total", t0)
+                    return result[0], LoadReport(result[1].step, result[1].bytes_from, result[1].parts,
+                                                 {k: round(v, 6) for k, v in self.seconds.items()})
                 bad |= result
             raise StoreError(f"load: every copy tried failed its checks ({sorted(bad)})", code="UCL404")
         finally:
@@ -215,10 +231,14 @@ class Recovery:
         except (UclError, OSError) as e:
             error = f"process {self.me}: {e}"
         manifest = self._manifest_to_all(choice, holding, manifest)
+        self.timed("manifest", t0)
         path = path or f"step {choice.step} (from the nodes' local folders)"
         state: dict = {"failed": None, "bytes": {}, "error": error}
 
+        self.mark = time.perf_counter()
+
         def read(layout):
+            self.timed("prepare", self.mark)  # the optimizer's state made, the layout derived
             return self._read(choice, manifest, path, layout, opened, state)
 
         restored = None
@@ -226,17 +246,20 @@ class Recovery:
             if error:
                 raise StoreError(error, code="UCL404")
             restored = restore.from_checkpoint(self.target, path, read=read, manifest=manifest)
+            self.timed("copy", self.mark)  # what read_layout did not read in place, and the RNG
         except UclError as e:
             if not state["error"]:
                 state["error"], state["code"] = f"process {self.me}: {e}", e.code
             if not state.get("gathered"):  # failed before the exchanges: the others wait in them
                 self.gather(None)
             if not state.get("exchanged"):
-                self._exchange(None, {}, {}, manifest, state)
+                self._exchange(None, {}, {}, manifest, state).finish()
         finally:
             for ck in opened:
                 ck.close()
+        t1 = time.perf_counter()
         outcome = self.gather([state["failed"], state["error"], state["bytes"], state.get("code", "UCL404")])
+        self.timed("agree", t1)
         failed = {tuple(f) for f, _, _, _ in outcome if f}
         if failed:
             return failed
@@ -299,6 +322,7 @@ class Recovery:
     def _read(self, choice, manifest: Manifest, path: str, layout, opened: list, state: dict):
         """Every process: the plans of every process's rank, the boxes sent to peers, then this
         process's own load through a ``Routed`` source."""
+        t0 = time.perf_counter()
         model = self.target.layouts.model_of(layout)
         tr = restore.reads(layout)
         trs = self.gather(tr)
@@ -352,6 +376,8 @@ class Recovery:
         sends: dict[int, list] = {}
         recvs: dict[int, list] = {}
         for p in range(self.world):
+            if p != self.me and not any(self._route(choice, p, r) == (PEER, self.me) for r in range(manifest.nranks)):
+                continue  # p reads nothing from this process: its plan is not compiled here
             plan, rows = rows_of(p)
             if plan is None:
                 continue
@@ -364,24 +390,33 @@ class Recovery:
                 slot = plan.slots[c["src_slot"][i]]
                 box = (r, slot, c["src_start"][i], c["size"][i])
                 (sends.setdefault(p, []) if who == self.me else recvs.setdefault(who, [])).append(box)
-        received = self._exchange(home, sends, recvs, manifest, state)
-        routed = Routed(routes, received)
-        if state["error"] or state["failed"]:
-            raise StoreError(state["error"] or "a peer's copy failed its checks", code="UCL404")
+        t0 = self.timed("plan", t0)
+        transfer = self._exchange(home, sends, recvs, manifest, state)
+        t0 = self.timed("exchange", t0)
+        routed = Routed(routes, transfer)
         try:
+            if state["error"] or state["failed"]:
+                raise StoreError(state["error"] or "a peer's copy failed its checks", code="UCL404")
+            # this process's own reads go on while the peers' boxes are on the wire
             return restore.read_layout(self.target.layouts, ck, layout, source=routed)
         finally:
+            t0 = self.timed("read", t0)
+            transfer.finish()  # every message sent and received before the next collective
+            self.mark = self.timed("exchange", t0)
             state["failed"] = state["failed"] or routed.failed
             for k, v in routed.bytes_from.items():
                 state["bytes"][k] = state["bytes"].get(k, 0) + v
 
-    def _exchange(self, home, sends: dict, recvs: dict, manifest, state: dict) -> dict:
-        """Send every peer the boxes it reads from this node, receive those this process reads from
-        others (point to point over the group, all at once). A box that fails its checksums here is
-        sent as zeros and reported (the load is tried again without this copy)."""
+    def _exchange(self, home, sends: dict, recvs: dict, manifest, state: dict) -> "Transfer":
+        """Start receiving the boxes this process reads from others, then read and send every peer
+        the boxes it reads from this node (point to point over the group, in pieces of at most
+        ``PIECE`` bytes, each sent as soon as it is read). Returns at once: the receives complete
+        while this process reads its own boxes (``Transfer.get`` waits for a box's piece). A box that
+        fails its checksums here is sent as zeros and reported (the load is tried again without this copy)."""
         state["exchanged"] = True
+        transfer = Transfer(manifest)
         if self.world == 1:
-            return {}
+            return transfer
         import torch
         dist = initialized_dist()
         if state["error"]:  # this process cannot take part: it says so, the others give up too
@@ -389,44 +424,91 @@ class Recovery:
         flags = self.gather(bool(state["error"]))
         if any(flags):
             state["error"] = state["error"] or "another process failed before the transfer"
-            return {}
+            return transfer
+        for q, boxes in sorted(recvs.items()):
+            for piece, n in _pieces(boxes, manifest):  # (empty boxes: no message, as the sender's)
+                buf = torch.empty(n, dtype=torch.uint8)
+                transfer.expect(piece, buf, dist.irecv(buf, q, group=self.group) if n else None)
         source = StoreSource(home, Arena()) if home is not None and sends else None
-        ops, keep = [], []
         for p, boxes in sorted(sends.items()):
-            parts = []
-            for r, slot, start, size in _unique(boxes):
-                try:
-                    # a copy: the source's arena reuses its memory at the next read
-                    parts.append(np.array(source.read(r, slot, start, size), order="C").reshape(-1).view(np.uint8))
-                except StoreError:
-                    state["failed"] = state["failed"] or [self.node_of[self.me], r]
-                    n = int(np.prod(size, dtype=np.int64)) * _itemsize(manifest, r, slot.key)
-                    parts.append(np.zeros(n, dtype=np.uint8))
-            buf = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
-            if buf.numel():
-                keep.append(buf)
-                ops.append(dist.isend(buf, p, group=self.group))
+            for piece, n in _pieces(boxes, manifest):
+                buf = np.empty(n, dtype=np.uint8)
+                at = 0
+                for (r, slot, start, size), k in piece:
+                    view = buf[at:at + k].view(_dtype(manifest, r, slot.key)).reshape(tuple(int(x) for x in size))
+                    try:
+                        if not source.read_into(r, slot, start, size, view):
+                            view[...] = np.asarray(source.read(r, slot, start, size)).reshape(view.shape)
+                    except StoreError:
+                        state["failed"] = state["failed"] or [self.node_of[self.me], r]
+                        buf[at:at + k] = 0
+                    at += k
+                if n:
+                    t = torch.from_numpy(buf)
+                    transfer.sending(t, dist.isend(t, p, group=self.group))
         if source is not None and source.bytes_read:
             state["bytes"][PEER] = state["bytes"].get(PEER, 0) + source.bytes_read
-        incoming = []
-        for q, boxes in sorted(recvs.items()):
-            boxes = _unique(boxes)
-            sizes = [int(np.prod(size, dtype=np.int64)) * _itemsize(manifest, r, slot.key) for r, slot, _, size in boxes]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8)
-            if buf.numel():
-                ops.append(dist.irecv(buf, q, group=self.group))
-            incoming.append((boxes, sizes, buf))
-        for op in ops:
-            op.wait()
-        received = {}
-        for boxes, sizes, buf in incoming:
-            at = 0
-            raw = buf.numpy()
-            for (r, slot, start, size), n in zip(boxes, sizes):
-                dtype = np.dtype(Assembled("", manifest, {}).info(r, slot.key).storage_dtype)
-                received[_box_key(r, slot, start, size)] = raw[at:at + n].view(dtype).reshape(tuple(int(x) for x in size))
+        return transfer
+
+
+class Transfer:
+    """The peer messages of one load in flight: ``get`` waits for the piece holding a box (and
+    unpacks it), ``finish`` for every message, sent or received."""
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self.works: list = []  # (work, buffer kept alive until it completes)
+        self.pieces: list = []  # (work, buffer, boxes), unpacked on first use
+        self.where: dict = {}  # box key -> index into pieces
+        self.boxes: dict = {}  # box key -> array
+
+    def expect(self, piece: list, buf, work) -> None:
+        for b, _ in piece:
+            self.where[_box_key(*b)] = len(self.pieces)
+        self.pieces.append((work, buf, piece))
+        if work is not None:
+            self.works.append((work, buf))
+
+    def sending(self, buf, work) -> None:
+        self.works.append((work, buf))
+
+    def get(self, key: tuple) -> np.ndarray | None:
+        box = self.boxes.get(key)
+        if box is None and key in self.where:
+            i = self.where[key]
+            work, buf, piece = self.pieces[i]
+            if work is not None:  # a gloo work is waited for once: a second wait blocks
+                work.wait()
+                self.works = [(w, b) for w, b in self.works if w is not work]
+                self.pieces[i] = (None, buf, piece)
+            raw, at = buf.numpy(), 0
+            for (r, slot, start, size), n in piece:
+                self.boxes[_box_key(r, slot, start, size)] = raw[at:at + n].view(
+                    _dtype(self.manifest, r, slot.key)).reshape(tuple(int(x) for x in size))
                 at += n
-        return received
+            box = self.boxes.get(key)
+        return box
+
+    def finish(self) -> None:
+        for work, _ in self.works:
+            work.wait()
+        self.works = []
+
+
+def _pieces(boxes: list, manifest: Manifest) -> list:
+    """The distinct boxes in messages of at most ``PIECE`` bytes (a bigger box alone): ``(piece, bytes)``
+    with ``piece`` a list of ``(box, bytes)``; sender and receiver cut the same list the same way."""
+    out, cur, n = [], [], 0
+    for b in _unique(boxes):
+        k = int(np.prod(b[3], dtype=np.int64)) * _dtype(manifest, b[0], b[1].key).itemsize
+        if cur and n + k > PIECE:
+            out.append((cur, n))
+            cur, n = [], 0
+        cur.append((b, k))
+        n += k
+    if cur:
+        out.append((cur, n))
+    return out
 
 
 def _unique(boxes: list) -> list:
@@ -439,5 +521,5 @@ def _unique(boxes: list) -> list:
     return out
 
 
-def _itemsize(manifest: Manifest, rank: int, key: str) -> int:
-    return Assembled("", manifest, {}).info(rank, key).storage_dtype.itemsize
+def _dtype(manifest: Manifest, rank: int, key: str) -> np.dtype:
+    return np.dtype(Assembled("", manifest, {}).info(rank, key).storage_dtype)
