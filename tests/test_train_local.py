@@ -96,6 +96,9 @@ def test_load_reads_the_local_tier_then_root_then_a_further_tier(tmp_path):
     with ucl.Checkpointer(tmp_path / "root", m2, o2, local=tmp_path / "local", tiers=[tmp_path / "far"]) as ck:
         assert ck.load()[0] == 5
         assert set(ck.last_load.bytes_from) == {"local"} and ck.last_load.bytes_from["local"] > 0
+        # the phases of the load, this process's seconds in each (bench/recover.py prints them)
+        assert {"inventory", "plan", "read", "total"} <= set(ck.last_load.seconds)
+        assert ck.last_load.seconds["total"] >= ck.last_load.seconds["read"] >= 0
     assert all(torch.equal(v, m2.state_dict()[k]) for k, v in want.items())
     shutil.rmtree(tmp_path / "local")  # the node is gone: root's newest step
     with ucl.Checkpointer(tmp_path / "root", m2, o2, local=tmp_path / "local", tiers=[tmp_path / "far"]) as ck:
