@@ -200,25 +200,36 @@ def dist_barrier() -> None:
     dist.barrier()
 
 
+def unverified(roots, verified: set) -> list[tuple[str, int]]:
+    """(path, manifest mtime) of each committed checkpoint in roots not yet in verified, which
+    keeps only the keys still on disk: a key per checkpoint ever seen grew rank 0 with the run."""
+    from ucl.store import CheckpointRoot
+    present = []
+    for r in roots:
+        cr = CheckpointRoot(r)
+        for s in cr.steps():
+            path = cr.path_for(s)
+            try:
+                present.append((str(path), os.stat(os.path.join(path, "manifest.json")).st_mtime_ns))
+            except FileNotFoundError:  # pruned since it was listed
+                pass
+    verified.intersection_update(present)
+    return [key for key in present if key not in verified]
+
+
 def check(net, opt, step: int, roots, verified: set, stats: dict) -> None:
     """Every checkpoint committed since the last check verifies; the newest loads bit for bit (when
     it is the live state's step: not after an unwritten save)."""
     import numpy as np
     import ucl
     from ucl.store import CheckpointRoot
-    for r in roots:
-        cr = CheckpointRoot(r)
-        for s in cr.steps():
-            path = cr.path_for(s)
-            key = (str(path), os.stat(os.path.join(path, "manifest.json")).st_mtime_ns)
-            if key in verified:
-                continue
-            with ucl.open(path) as c:
-                bad = c.verify()
-            if bad:
-                raise AssertionError(f"{path} does not verify: {bad[:3]}")
-            verified.add(key)
-            stats["verified"] += 1
+    for key in unverified(roots, verified):
+        with ucl.open(key[0]) as c:
+            bad = c.verify()
+        if bad:
+            raise AssertionError(f"{key[0]} does not verify: {bad[:3]}")
+        verified.add(key)
+        stats["verified"] += 1
     if CheckpointRoot(roots[0]).latest_step() != step:
         return
     newest = CheckpointRoot(roots[0]).latest()

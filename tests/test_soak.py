@@ -78,3 +78,32 @@ def test_soak_stays_flat_and_every_checkpoint_verifies(tmp_path):
     assert zero["tier_failures"] >= 6 and zero["tier_errors_raised"] >= 1
     assert zero["verified"] >= 900 and zero["loads_checked"] >= 10
     assert report["ok"]
+
+
+def _soak_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ucl_bench_soak", ROOT / "bench" / "soak.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_soak_verified_set_stays_bounded_as_checkpoints_are_pruned(tmp_path):
+    """Rank 0's record of verified checkpoints keeps only those still on disk: it kept a key per
+    checkpoint ever committed, so it grew with the run (keep=3 here, 200 checkpoints)."""
+    from ucl.store import CheckpointRoot
+    unverified = _soak_module().unverified
+    cr, verified, fresh = CheckpointRoot(tmp_path), set(), 0
+    for step in range(200):
+        path = Path(cr.path_for(step))
+        path.mkdir()
+        (path / "manifest.json").write_text("{}")
+        if step >= 3:  # keep=3: the oldest goes
+            old = Path(cr.path_for(step - 3))
+            (old / "manifest.json").unlink()
+            old.rmdir()
+        todo = unverified([tmp_path], verified)
+        fresh += len(todo)
+        verified.update(todo)
+        assert len(verified) <= 3, len(verified)
+    assert fresh == 200  # each checkpoint came up for verification once
