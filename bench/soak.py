@@ -12,9 +12,9 @@ fails for a while and recovers (process rank 0 swaps the tier folder for a file,
 back; each failed promotion raises UCL435 on a later call, and that save is made again).
 
 Every --check-every saves each process waits for everything to be durable (under a timeout: a hang
-dumps every thread's stack and fails), then samples its resident memory, open file descriptors,
-threads, child processes and /dev/shm mappings and descriptors; process rank 0 verifies every
-checkpoint committed since the last check (in the root and the tier: keep and check-every are
+dumps every thread's stack and fails), then samples its resident memory (after malloc_trim: memory
+freed but kept by glibc is no growth), open file descriptors, threads, child processes and /dev/shm
+mappings and descriptors; process rank 0 verifies every checkpoint committed since the last check (in the root and the tier: keep and check-every are
 chosen so none is pruned unverified) and loads the newest, comparing it bit for bit with the live
 model and optimizer state. After warm-up (the first --warmup of the samples) the resources must
 stay flat: memory within --rss-tolerance-mib of the warm-up's peak, and the counts at most the
@@ -47,7 +47,19 @@ def _free_port() -> int:
 
 
 # ---- resources of this process -----------------------------------------------------------------------
+def _trim_heap() -> None:
+    """Hand glibc's free heap pages back before RSS is read: without it RSS also counts memory freed
+    but kept by malloc (rank 0's verify/load churn grew it ~7 KB a save; the live heap stayed flat)."""
+    import ctypes
+    import ctypes.util
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS as it is
+        pass
+
+
 def resources() -> dict:
+    _trim_heap()
     me = os.getpid()
     rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) / 1024
     fds = os.listdir("/proc/self/fd")
