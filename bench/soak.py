@@ -14,8 +14,8 @@ back; each failed promotion raises UCL435 on a later call, and that save is made
 Every --check-every saves each process waits for everything to be durable (under a timeout: a hang
 dumps every thread's stack and fails), then samples its resident memory (after malloc_trim: memory
 freed but kept by glibc is no growth), open file descriptors, threads, child processes and /dev/shm
-mappings and descriptors; process rank 0 verifies every checkpoint committed since the last check (in the root and the tier: keep and check-every are
-chosen so none is pruned unverified) and loads the newest, comparing it bit for bit with the live
+mappings and descriptors; process rank 0 verifies every checkpoint committed since the last check
+(in the root and the tier: keep and check-every are chosen so none is pruned unverified) and loads the newest, comparing it bit for bit with the live
 model and optimizer state. After warm-up (the first --warmup of the samples) the resources must
 stay flat: memory within --rss-tolerance-mib of the warm-up's peak, and the counts at most the
 warm-up's peak. Prints a report (or one JSON line with --json); exit status 1 when anything failed.
