@@ -11,14 +11,15 @@ step, after which the run goes on from there and re-saves the steps it abandoned
 fails for a while and recovers (process rank 0 swaps the tier folder for a file, then puts it
 back; each failed promotion raises UCL435 on a later call, and that save is made again).
 
-Every --check-every saves each process waits for everything to be durable (under a timeout: a hang
-dumps every thread's stack and fails), then samples its resident memory (after malloc_trim: memory
-freed but kept by glibc is no growth), open file descriptors, threads, child processes and /dev/shm
-mappings and descriptors; process rank 0 verifies every checkpoint committed since the last check
-(in the root and the tier: keep and check-every are chosen so none is pruned unverified) and loads the newest, comparing it bit for bit with the live
-model and optimizer state. After warm-up (the first --warmup of the samples) the resources must
-stay flat: memory within --rss-tolerance-mib of the warm-up's peak, and the counts at most the
-warm-up's peak. Prints a report (or one JSON line with --json); exit status 1 when anything failed.
+Every --check-every saves each process waits for everything to be durable (under a timeout: a hang dumps
+every thread's stack and fails), then samples its resident memory (after malloc_trim: memory freed but
+kept by glibc is no growth), open file descriptors, threads, child processes and /dev/shm mappings and
+descriptors; process rank 0 verifies every checkpoint committed since the last check (in the root and
+the tier: keep and check-every are chosen so none is pruned unverified) and loads the newest, comparing
+it bit for bit with the live model and optimizer state. After warm-up (the first --warmup of the
+samples) the resources must stay flat: memory within --rss-tolerance-mib of the warm-up's peak, and the
+counts at most the warm-up's peak. Prints a report (or one JSON line with --json); exit status 1 when
+anything failed.
 """
 from __future__ import annotations
 
