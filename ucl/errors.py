@@ -156,7 +156,7 @@ _SPEC_AND_BIND = (SpecError, BindError)
 ERROR_CODES: dict[str, tuple[type[UclError], ...]] = {
     # UclError itself: generic, and the command line
     "UCL000": (UclError, SpecError),  # generic; a spec file that cannot be read (SpecError)
-    "UCL009": (UclError,),
+    "UCL009": (UclError,), "UCL011": (UclError,),
     # the live training checkpointer (ucl.train)
     "UCL430": (UclError,), "UCL431": (UclError,), "UCL432": (StoreError,),
     "UCL433": (StoreError,), "UCL434": (StoreError,), "UCL435": (StoreError,), "UCL436": (StoreError,),

@@ -46,7 +46,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -56,6 +55,7 @@ import numpy as np
 from ...dtypes import DTYPES, FLOAT_DTYPES, to_numpy, torch_dtype
 from ...errors import ForeignFormatError, UclError
 from ...lang.spec import load_spec
+from ...memory import parse_size
 from ...model_config import CONFIG_NAME, load_config, read_raw_config
 from ...store.atomic import fsync_dir, staged_dir
 from ..base import ExportSource, Written
@@ -71,8 +71,6 @@ _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "f
 # descending; observed with safetensors 0.8), then by name: the same order keeps files byte-identical
 # to save_file's and every tensor aligned to its itemsize.
 _ST_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
-_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]I?B)?\s*$", re.IGNORECASE)
 _TIED_HEAD = "lm_head.weight"
 
 
@@ -102,11 +100,8 @@ class _Entry:
 
 def parse_shard_size(size: int | str) -> int:
     """Bytes of ``"5GB"`` (decimal, as transformers), ``"2GiB"`` (binary) or an int; UCL503 otherwise."""
-    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
-        value = int(size)
-    elif isinstance(size, str) and (m := _SIZE.match(size)):
-        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()]) if m.group(2) else int(float(m.group(1)))
-    else:
+    value = parse_size(size)
+    if value is None:
         raise ForeignFormatError(f"max_shard_size {size!r} is not a size: give bytes or a number with KB, MB, GB or TB "
                      "(decimal, as transformers) or KiB, MiB, GiB, TiB", code="UCL503")
     if value <= 0:
