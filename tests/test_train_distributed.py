@@ -8,8 +8,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
-import time
 
 import pytest
 
@@ -17,14 +15,9 @@ torch = pytest.importorskip("torch")
 import torch.multiprocessing as tmp_mp  # noqa: E402
 
 import ucl  # noqa: E402
+from spawned import free_port, spawn_ranks  # noqa: E402
 
 SAVE_AT, STEPS, DIM, OUT = 3, 6, 16, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -200,21 +193,8 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, phase: str, 
 
 
 def _spawn(world: int, root, mode: str, phase: str, out, limit_s: float = 120.0) -> list[dict]:
-    os.makedirs(out, exist_ok=True)
-    ctx = tmp_mp.spawn(_worker, args=(world, _free_port(), str(root), mode, phase, str(out)), nprocs=world, join=False)
-    deadline = time.time() + limit_s
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.time() > deadline:
-                pytest.fail(f"{mode} {phase}: ranks did not finish within {limit_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = [json.load(open(os.path.join(out, f"{phase}_{r}.json"))) for r in range(world)]
-    for r in results:
-        assert "error" not in r, r["error"]
-    return results
+    return spawn_ranks(_worker, world, (world, free_port(), str(root), mode, phase, str(out)), str(out), phase,
+                       limit_s, label=f"{mode} {phase}")
 
 
 def _reference() -> tuple[list[float], dict]:
@@ -349,7 +329,7 @@ def test_fsdp2_tp_with_a_parameter_on_the_dp_slice_saves_and_loads_anywhere(tmp_
     replicated over tp. Loaded into a plain module, every tensor equals torch's own full state."""
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    tmp_mp.spawn(_mixed_mesh_worker, args=(_free_port(), str(root), str(out)), nprocs=4)
+    tmp_mp.spawn(_mixed_mesh_worker, args=(free_port(), str(root), str(out)), nprocs=4)
     want = torch.load(out / "torch_full.pt", weights_only=True)
     assert want["meshes"] == [1, 2]  # the case at hand: parameters on two meshes
     model = _normed_model()

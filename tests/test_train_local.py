@@ -6,15 +6,14 @@ import datetime
 import json
 import os
 import shutil
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.multiprocessing as tmp_mp  # noqa: E402
 
 import ucl  # noqa: E402
 from ucl.store.manifest import file_name  # noqa: E402
+from spawned import free_port, spawn_ranks  # noqa: E402
 
 DIM, OUT, STEPS = 8, 4, 6
 
@@ -201,13 +200,6 @@ def test_replica_placement_loses_nothing_when_any_k_nodes_are_lost(nodes, per_no
 
 # ---- several processes, two simulated nodes ------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SAVE_AT = 3
 
 
@@ -255,23 +247,8 @@ def _worker(rank: int, world: int, nodes: list, port: int, base: str, phase: str
 
 def _spawn(nodes, base, phase, limit_s=120.0, replicas=0):
     out = os.path.join(base, "out")
-    os.makedirs(out, exist_ok=True)
-    world = len(nodes)
-    ctx = tmp_mp.spawn(_worker, args=(world, list(nodes), _free_port(), str(base), phase, out, replicas),
-                       nprocs=world, join=False)
-    deadline = time.time() + limit_s
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.time() > deadline:
-                pytest.fail(f"{phase}: processes did not finish within {limit_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = [json.load(open(os.path.join(out, f"{phase}_{r}.json"))) for r in range(world)]
-    for r in results:
-        assert "error" not in r, r["error"]
-    return results
+    return spawn_ranks(_worker, len(nodes), (len(nodes), list(nodes), free_port(), str(base), phase, out, replicas),
+                       out, phase, limit_s)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from ..dtypes import itemsize
 from ..errors import ForeignFormatError, StoreError
 from ..files import check_inside
 from .h5 import check_box, check_out
+from .like import ManifestBacked
 from .manifest import DatasetInfo, Manifest
 
 NO_CHECKSUM = "none"  # the checksum of a dataset a foreign framework wrote
@@ -67,7 +68,7 @@ class Extent:
         return self.pieces or (Piece(self.file, self.offset, self.nbytes),)
 
 
-class ExtentCheckpoint:
+class ExtentCheckpoint(ManifestBacked):
     """Read access to a foreign checkpoint (see the module doc). Every extent is checked against
     its file when the checkpoint is opened: a regular file inside the folder, the bytes there."""
 
@@ -97,20 +98,6 @@ class ExtentCheckpoint:
                         raise ForeignFormatError(f"{self._where(rank, key)}: its pieces hold "
                                          f"{sum(p.nbytes for p in e.pieces):,} bytes, not {e.nbytes:,}", code="UCL502")
                     self._starts[e] = list(itertools.accumulate((p.nbytes for p in e.pieces), initial=0))
-
-    @property
-    def nranks(self) -> int:
-        return self.manifest.nranks
-
-    @property
-    def state(self) -> Any:
-        return self.manifest.state
-
-    def __enter__(self) -> "ExtentCheckpoint":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"ExtentCheckpoint({self.path!r}, format={self.format!r}, nranks={self.nranks})"

@@ -2,7 +2,8 @@
 (``reader.Checkpoint``, HDF5 rank files) or another framework's folder read in place
 (``extents.ExtentCheckpoint``). Everything above ``store`` (``ops.prepare``, ``StoreSource``, the
 loaders and exports) is written against this protocol; ``tests/test_store_protocol.py`` checks
-that both classes keep its exact signatures."""
+that both classes keep its exact signatures. :class:`ManifestBacked` is the part every such class
+answers from its manifest alone, written once."""
 from __future__ import annotations
 
 from typing import Any, Protocol, Sequence, runtime_checkable
@@ -60,3 +61,26 @@ class CheckpointLike(Protocol):
     def read_runs(self, rank: int, key: str, runs: Sequence[tuple[int, int, int, int]], *,
                   out: np.ndarray | None = None, verify: bool = False) -> np.ndarray:
         """Strided runs ``(start, count, stride, block)`` of the flattened dataset, concatenated."""
+
+
+class ManifestBacked:
+    """``nranks``, ``state`` and the context manager, for a checkpoint class with a ``manifest`` and a ``close``."""
+
+    manifest: Manifest
+
+    @property
+    def nranks(self) -> int:
+        return self.manifest.nranks
+
+    @property
+    def state(self) -> Any:
+        return self.manifest.state
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass

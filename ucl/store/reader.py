@@ -22,6 +22,7 @@ from . import raw
 from .checksum import (Digests, TileGrid, TilePlan, band_digests, checksum_of, checksums, chunk_count, chunk_digests,
                        chunk_size, chunk_table_digest, raw_bytes, tile_grid, tile_plan, tile_table_digest)
 from .codec import units_of
+from .like import ManifestBacked
 from .manifest import MANIFEST_NAME, TABLES_NAME, DatasetInfo, Manifest
 from .packed import PackedDataset, ReadCount, open_packed
 from .raw import RawFile
@@ -52,7 +53,7 @@ def _manifest_of(path: str, mpath: str) -> Manifest:
     return manifest
 
 
-class Checkpoint:
+class Checkpoint(ManifestBacked):
     """Read access to a committed checkpoint directory. Thread-safe; files open lazily."""
 
     def __init__(self, path: str, manifest: Manifest, max_open_files: int = 128):
@@ -81,12 +82,6 @@ class Checkpoint:
             raise StoreError(f"{path} is not a ucl checkpoint: no {MANIFEST_NAME}", code="UCL401")
         return cls(path, _manifest_of(path, mpath), max_open_files)
 
-    def __enter__(self) -> "Checkpoint":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"Checkpoint({self.path!r}, nranks={self.nranks})"
 
@@ -96,14 +91,6 @@ class Checkpoint:
             for f in self._raw_files.values():
                 f.close()
             self._raw_files.clear()
-
-    @property
-    def nranks(self) -> int:
-        return self.manifest.nranks
-
-    @property
-    def state(self) -> Any:
-        return self.manifest.state
 
     def keys(self, rank: int) -> list[str]:
         return sorted(self._entries(rank))

@@ -26,6 +26,7 @@ from ..ops.prepare import mesh_of, model_of, plan_between
 from ..plan.buffers import Arena
 from ..plan.execute import rank_rows
 from ..store.manifest import MANIFEST_NAME, DatasetInfo, Manifest, file_name
+from ..store.like import ManifestBacked
 from ..store.reader import Checkpoint
 from ..store.source import StoreSource
 from . import restore
@@ -52,30 +53,13 @@ class LoadReport:
     seconds: dict = field(default_factory=dict)
 
 
-class Assembled:
+class Assembled(ManifestBacked):
     """A checkpoint whose rank files lie in several places (``CheckpointLike`` for ``load_rank``, which
     reads it through a ``Routed`` source): the manifest, and the opened copy each file is checked in."""
 
     def __init__(self, path: str, manifest: Manifest, files: dict[int, Checkpoint]):
         self.path, self.manifest, self.files = path, manifest, files
         self.bytes_last_read = 0
-
-    @property
-    def nranks(self) -> int:
-        return self.manifest.nranks
-
-    @property
-    def state(self) -> Any:
-        return self.manifest.state
-
-    def __enter__(self) -> "Assembled":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        pass  # the copies are closed by their owner
 
     def keys(self, rank: int) -> list[str]:
         return sorted(self.manifest.datasets[rank])

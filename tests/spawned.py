@@ -1,0 +1,39 @@
+"""Run a test's worker in ``world`` spawned processes (torch.multiprocessing) and collect what each wrote.
+
+A worker is ``worker(rank, *args)`` and writes ``{out}/{phase}_{rank}.json`` in a ``finally``, with an
+``"error"`` key when it failed; :func:`spawn_ranks` kills stragglers after ``limit_s`` and fails the test
+on any error, so a hung process group is a failed test, not a hung suite."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch.multiprocessing as tmp_mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, world: int, args: tuple, out: str, phase: str, limit_s: float = 120.0,
+                label: str | None = None) -> list[dict]:
+    os.makedirs(out, exist_ok=True)
+    ctx = tmp_mp.spawn(worker, args=args, nprocs=world, join=False)
+    deadline = time.time() + limit_s
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.time() > deadline:
+                pytest.fail(f"{label or phase}: processes did not finish within {limit_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = [json.load(open(os.path.join(out, f"{phase}_{r}.json"))) for r in range(world)]
+    for r in results:
+        assert "error" not in r, r["error"]
+    return results
