@@ -106,9 +106,9 @@ def _worker(rank, world, nodes, port, layers, base, task, out):
         elif task["kind"] == "dcp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-            _step(model, opt)  # the optimizer state exists, as dcp.load needs (ucl's load() creates it itself)
             dist.barrier()
             t0 = time.perf_counter()
+            # timed from a fresh optimizer, as ucl's load(): get_state_dict creates Adam's state (a zero step)
             msd, osd = get_state_dict(model, opt)
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=os.path.join(base, "dcp"))
