@@ -382,3 +382,36 @@ def test_gc_keeps_a_step_set_aside_by_a_killed_re_save(tmp_path):
     assert [(os.path.basename(e.path), e.state, e.removed) for e in found] == [(os.path.basename(aside), "set aside",
                                                                                False)]
     assert r.take_over() == [] and r.steps() == [1] and r.latest_step() == 1
+
+
+SAVE_RANK = """
+import os, sys, torch.distributed as dist
+import ucl
+from ucl.demo import llama_model, universal_state
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+model = llama_model()
+try:
+    ucl.save_rank(os.path.join(sys.argv[1], "extra"), universal_state(model), model=model, mesh=ucl.UNIVERSAL, rank=0)
+    print("saved")
+except ucl.UclError as e:
+    print(e.code, e)
+"""
+
+
+def test_save_rank_under_a_process_group_into_a_held_root_is_refused(tmp_path):
+    """The collective save takes the root's lock on rank 0 as ``save`` does: UCL414 on every process."""
+    from spawned import free_port
+    root = str(tmp_path / "ck")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, root], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        out = subprocess.run([sys.executable, "-c", SAVE_RANK, root, str(free_port())],
+                             env=ENV, capture_output=True, text=True, timeout=120)
+        assert out.stdout.startswith("UCL414") and f"pid {holder.pid}" in out.stdout, out.stdout + out.stderr
+        assert not os.path.exists(os.path.join(root, "extra"))
+    finally:
+        holder.kill()
+        holder.wait(30)
+    out = subprocess.run([sys.executable, "-c", SAVE_RANK, root, str(free_port())],
+                         env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "saved", out.stdout + out.stderr

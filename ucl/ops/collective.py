@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import StoreError, UclError
+from ..errors import StoreError, UclError, code_agrees
 from ..store.writer import CheckpointWriter
 from .dist import allgather_json, broadcast_json, initialized_dist
 
@@ -36,6 +36,7 @@ def commit_collectively(path: str, nranks: int, fields: dict,
     raises UCL424 on every process that is left."""
     me = initialized_dist().get_rank()
     owner = tmp = error = None
+    code = "UCL405"
     if me == 0:
         try:
             if prepare is not None:
@@ -45,9 +46,11 @@ def commit_collectively(path: str, nranks: int, fields: dict,
             tmp = owner.tmp_path
         except (UclError, OSError) as e:
             error = str(e)
-    tmp, error = _collective(broadcast_json, [tmp, error], group, owner, cancel)
+            if code_agrees(StoreError, getattr(e, "code", "")):  # e.g. UCL414, a held root: every process says so
+                code = e.code
+    tmp, error, code = _collective(broadcast_json, [tmp, error, code], group, owner, cancel)
     if error:
-        raise StoreError(f"checkpoint not written: {error}", code="UCL405")
+        raise StoreError(f"checkpoint not written: {error}", code=code)
     out = {"entries": {}, "problem": ""}
 
     def attempt() -> None:

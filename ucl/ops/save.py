@@ -2,6 +2,7 @@
 torch.distributed, committed atomically."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Mapping
 
@@ -73,5 +74,8 @@ def save_rank(path: str | os.PathLike, tensors: Mapping[str, Any], *, model: Mod
             writer.write(rank, key, arr, dtype=want[key][1])
         return [rank]
 
-    return commit_collectively(os.fspath(path), mesh.size, manifest_fields(model, mesh, state), write,
-                               durable=durable, write_behind=True, compress=compress)
+    # Rank 0 holds the folder while the collective writes, when it is a locked checkpoint root, as save does
+    with contextlib.ExitStack() as held:
+        return commit_collectively(os.fspath(path), mesh.size, manifest_fields(model, mesh, state), write,
+                                   prepare=lambda: held.enter_context(holding_parent(path, "ucl.save_rank")),
+                                   durable=durable, write_behind=True, compress=compress)
