@@ -14,7 +14,7 @@ every iteration and every 10, with replicas=0 and replicas=1.
 
 Printed: each recovery's wall time (slowest process, from a common barrier), median and min-max of
 ``--repeat`` runs after one warm-up run, bytes per source (``last_load.bytes_from``), the seconds per
-GiB restored, and the median of the slowest process's seconds in each phase of ``load()``
+GiB restored, the largest process's peak RSS (median over the runs), and the median of the slowest process's seconds in each phase of ``load()``
 (``last_load.seconds``: inventory, manifest, plan, exchange with peers, read into the model); for
 the training loop, the mean iteration time and its ratio to the loop without checkpoints. A lost
 node is a folder renamed away for the run. Not a test: figures depend on the machine.
@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -130,6 +131,7 @@ def _worker(rank, world, nodes, port, layers, base, task, out):
                 ck.close()
             result = {"iter": statistics.mean(times[2:])}  # the mean: checkpoints are a few of the iterations
     finally:
+        result["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # this process's peak (Linux: KiB)
         with open(os.path.join(out, f"{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.destroy_process_group()
@@ -185,23 +187,26 @@ def main() -> None:
             if label[1] not in args.cases:
                 continue
             for nodes in ([0, 0, 1, 1], [0, 1]):
-                runs, got, phases = [], {}, []
+                runs, got, phases, rss = [], {}, [], []
                 with _gone(base, *lost):
                     for i in range(args.repeat + 1):  # the first run warms the page cache: not counted
                         res = _run(nodes, layers, base, {"kind": "load"})
                         if i:
                             runs.append(max(r["seconds"] for r in res))
+                            rss.append(max(r["rss_mib"] for r in res))
                             phases.append(max(res, key=lambda r: r["seconds"])["phases"])
                         got = res[0]["bytes_from"]
                 shown = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(got.items()))
-                print(f"{label:30s} onto {len(nodes)}: {_fmt(runs)}  {statistics.median(runs) / gib:5.2f} s/GiB  {shown}")
+                print(f"{label:30s} onto {len(nodes)}: {_fmt(runs)}  {statistics.median(runs) / gib:5.2f} s/GiB  {shown}  "
+                      f"peak RSS {statistics.median(rss):.0f} MiB/process")
                 split = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
                 print(" " * 32 + "phases: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
         for nodes in ([0, 0, 1, 1], [0, 1]) if "e" in args.cases else ():
-            runs = [max(r["seconds"] for r in _run(nodes, layers, bases[0], {"kind": "dcp"}))
-                    for _ in range(args.repeat + 1)][1:]
+            res = [_run(nodes, layers, bases[0], {"kind": "dcp"}) for _ in range(args.repeat + 1)][1:]
+            runs = [max(r["seconds"] for r in one) for one in res]
+            rss = [max(r["rss_mib"] for r in one) for one in res]
             print(f"{'(e) dcp.load from shared':30s} onto {len(nodes)}: {_fmt(runs)}  "
-                  f"{statistics.median(runs) / gib:5.2f} s/GiB")
+                  f"{statistics.median(runs) / gib:5.2f} s/GiB  peak RSS {statistics.median(rss):.0f} MiB/process")
         if args.no_loop:
             return
         base = bases[0]
