@@ -14,11 +14,15 @@ from ..errors import MeshError, StoreError, UclError
 from ..formats.base import UserSpec
 from ..layout.bind import Model
 from ..layout.mesh import Mesh, as_mesh
+from ..memory import MemoryCap, memory_cap
 from ..plan.buffers import Arena
 from ..plan.execute import covered_elements, rank_datasets, rank_rows, run_copies
 from ..plan.ranksets import sorted_distinct
 from ..store.like import CheckpointLike
+from ..store.reader import Checkpoint
 from ..store.source import StoreSource
+from .budget import give_back_freed, load_budget
+from .pieced import PiecedSource
 from .read_once import connect, identity, share_of
 from .prepare import check_stored, mesh_of, model_of, open_checkpoint, plan_between, plan_for
 from .stats import IOStats
@@ -27,7 +31,8 @@ from .stats import IOStats
 def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Model | None = None,
               as_torch: bool = False, verify: bool = True, stats: IOStats | None = None,
               out: Mapping[str, Any] | None = None, read_once: bool = False, group: Any = None,
-              user: UserSpec | None = None, source: Any = None) -> dict[str, Any]:
+              user: UserSpec | None = None, source: Any = None,
+              max_memory: int | str | MemoryCap | None = None) -> dict[str, Any]:
     """Rank ``rank``'s tensors for layout ``mesh`` (a Mesh or a string like ``"tp=4"``), resharded
     on the fly from whatever layout the checkpoint has: only the hyperslabs this rank needs are read
     (with ``verify``, rounded out to the checksum chunks around them, each verified). Keys are
@@ -54,8 +59,13 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
 
     ``path`` may also be a checkpoint already open (a ``CheckpointLike``), and ``source`` a plan
     ``Source`` (with ``bytes_read``) to read its boxes from instead of its files: a checkpoint whose
-    rank files lie in several places (``ucl.train.recover``)."""
+    rank files lie in several places (``ucl.train.recover``).
+
+    ``max_memory`` (bytes, ``"2GB"``, ``"64MB"`` or a ``MemoryCap``; None: the default, 2 GB) caps the
+    memory the load adds *beyond the tensors it returns* (or fills in ``out``), which are the
+    caller's: boxes larger than a share are read in pieces (docs/memory.md)."""
     t0 = time.perf_counter()
+    budget = load_budget(memory_cap(max_memory))
     link = connect(group) if read_once else None
     failure = ident = share = None
     with contextlib.ExitStack() as stack:
@@ -65,7 +75,8 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
                 raise MeshError(f"rank {rank} is outside {mesh} ({mesh.size} ranks)", code="UCL303")
             if link is not None:
                 link.check_size(mesh)
-            ckpt = path if isinstance(path, CheckpointLike) else stack.enter_context(open_checkpoint(path, user=user))
+            ckpt = path if isinstance(path, CheckpointLike) else _capped(stack.enter_context(
+                open_checkpoint(path, user=user)), budget.cache)
             source_model = model_of(ckpt)
             if model is None:
                 target = source_model
@@ -86,7 +97,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
                                         {a: math.prod(datasets[t]["shape"]) for a, t in ties.items()},
                                         {a: out[a] for a in ties}, mesh, rank)
             mine = targets
-            source = StoreSource(ckpt, Arena(), verify=verify) if source is None else source
+            source = PiecedSource(StoreSource(ckpt, Arena(), verify=verify), budget.piece) if source is None else source
             if link is None:
                 run_copies(plan, rows, source, targets)
             else:  # only what this process reads for itself and its replica sets
@@ -130,17 +141,20 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
 def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: int = 0,
               keys: Iterable[str] | None = None, as_torch: bool = False, verify: bool = True,
               stats: IOStats | None = None, reuse: bool = False,
-              user: UserSpec | None = None) -> Iterator[tuple[str, Any]]:
+              user: UserSpec | None = None, max_memory: int | str | MemoryCap | None = None) -> Iterator[tuple[str, Any]]:
     """``load_rank`` one dataset at a time: yields ``(key, array)`` for each dataset rank ``rank`` of
     ``mesh`` holds (default: every tensor consolidated), or only for ``keys`` (one key or several), in plan order, so an
     export holds one tensor in memory, not the model. Each array is new (safe to keep), unless
     ``reuse``: then all are views of one warm buffer, valid until the next item (no fresh pages to
     fault in per tensor: several times faster reads for a consumer that writes each one out).
-    ``user``: as for :func:`load_rank`."""
+    ``user``, ``max_memory``: as for :func:`load_rank` (the cap counts the memory beyond the array
+    it yields; one the caller keeps is the caller's)."""
     mesh = as_mesh(mesh)
+    budget = load_budget(memory_cap(max_memory))
     if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < mesh.size:
         raise MeshError(f"rank {rank} is outside {mesh} ({mesh.size} ranks)", code="UCL303")
     with open_checkpoint(path, user=user) as ckpt:
+        _capped(ckpt, budget.cache)
         model = model_of(ckpt)
         plan = plan_for(model, mesh_of(ckpt), mesh, ranks=[rank])
         check_stored(ckpt, model, sorted_distinct(plan.copies["src_rank"]))
@@ -153,20 +167,31 @@ def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: 
             raise StoreError(f"rank {rank} of {mesh} holds no {unknown[0]!r}"
                              f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}", code="UCL408")
         by_key = _rows_by_key(plan, rows)
-        source, warm = StoreSource(ckpt, Arena(), verify=verify), Arena() if reuse else None
+        store, warm = StoreSource(ckpt, Arena(), verify=verify), Arena() if reuse else None
+        source = PiecedSource(store, budget.piece)
         for key in wanted:
             real = ties.get(key, key)  # a tied alias reads the tensor it shares
             d, mine = datasets[real], by_key.get(real, rows[:0])
             full = covered_elements(plan, mine).get(real, 0) == math.prod(d["shape"])
             shape, dtype = tuple(d["shape"]), storage_dtype(d["dtype"])
+            if warm is None:
+                give_back_freed()  # the arrays the caller dropped: not held as freed heap past the cap
             arr = warm.array(shape, dtype, zero=not full) if warm is not None else \
                 (np.empty if full else np.zeros)(shape, dtype=dtype)
             run_copies(plan, mine, source, {real: arr})
             if stats is not None:
                 stats.bytes_needed += covered_elements(plan, mine).get(real, 0) * arr.itemsize
             yield key, (to_torch(arr, d["dtype"]) if as_torch else arr)
+            arr = None  # the caller's now: not held here while the next one is made
         if stats is not None:
-            stats.bytes_read += source.bytes_read
+            stats.bytes_read += store.bytes_read
+
+
+def _capped(ckpt: CheckpointLike, cache: int) -> CheckpointLike:
+    """``ckpt`` (opened by this load) with its read caches held to ``cache`` bytes."""
+    if isinstance(ckpt, Checkpoint):
+        ckpt.limit_caches(cache)
+    return ckpt
 
 
 def tied_aliases(state: Any, params: Iterable[str]) -> dict[str, str]:

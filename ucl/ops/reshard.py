@@ -18,10 +18,12 @@ from ..dtypes import storage_dtype
 from ..errors import StoreError, UclError
 from ..formats.base import UserSpec
 from ..layout.mesh import Mesh, as_mesh
+from ..memory import MemoryCap, memory_cap
 from ..plan.buffers import Arena
 from ..plan.execute import run_copies
 from ..plan.ir import Plan
 from ..store.codec import check_codec
+from ..store.reader import Checkpoint
 from ..store.source import StoreSource
 from ..store.writer import CheckpointWriter, Filled
 from .collective import commit_collectively
@@ -29,7 +31,9 @@ from .dist import allgather_json, gloo_group, initialized_dist
 from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for, resolve_root
 from .stats import IOStats
 from . import streamed
+from .budget import Budget, too_big, worker_budget, worker_count
 from .machine import check_workers, usable_cores
+from .pieced import PiecedSource
 from .workers import run_forked
 
 
@@ -75,6 +79,7 @@ class ReshardJob:
     user: UserSpec | None = None  # the placements a foreign source's files do not record
     laid: dict | None = None  # rank -> {key: byte offset} of the files several workers fill (lay_out)
     compress: str | None = None  # the target's encoding (store.codec); None: plain
+    budget: Budget | None = None  # what each worker's buffers may hold (ops.budget; None: set by _write_files)
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,8 @@ HEARTBEAT_S = 1.0  # how often the processes of a distributed reshard tell each 
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, workers: int | None = None,
             durable: bool = True, verify: bool = True, progress: Callable[[int], None] | None = None,
             distributed: bool = False, timeout: float = DIST_TIMEOUT_S, format: str | None = None,
-            user: UserSpec | None = None, compress: str | None = None) -> IOStats:
+            user: UserSpec | None = None, compress: str | None = None,
+            max_memory: int | str | MemoryCap | None = None) -> IOStats:
     """Write checkpoint ``dst`` holding ``src`` in layout ``to`` (a Mesh or a string; ``"universal"``
     = consolidated). The spec, dims and source layout come from ``src``'s manifest. Streams one
     target dataset at a time, builds replicated target datasets once, uses ``workers`` processes;
@@ -117,6 +123,10 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     placements its files do not record (``ops.convert.user_spec``; the workers get it in their job).
     ``compress`` (``"zstd"``, ``"lz4"``; None or ``"none"``: plain) is the target's encoding, whatever
     the source's (docs/format.md); each target dataset is then assembled whole and coded by its worker.
+    ``max_memory`` (bytes, ``"2GB"``, ``"64MB"`` or a ``MemoryCap``; None: the default, 2 GB) caps the
+    memory the reshard adds, summed over this process and its workers (docs/memory.md): fewer workers
+    where a share would be small, datasets larger than a share streamed in blocks; UCL011 up front
+    where a dataset must be assembled whole (``compress``) and does not fit.
 
     ``distributed=True``: called by every process of an initialised torch.distributed job with the
     same arguments; each writes its share of the target files (``workers`` forked processes each,
@@ -127,6 +137,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     t0 = time.perf_counter()
     to = as_mesh(to)
     compress = check_codec(compress)
+    cap = memory_cap(max_memory)
     if format in (None, "ucl"):
         src = resolve_root(src)  # once: the workers reopen src by path, and a root's latest may move
     if workers is not None and (not isinstance(workers, (int, np.integer)) or isinstance(workers, bool)
@@ -138,7 +149,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise UclError(f"timeout must be a positive number of seconds, got {timeout!r}", code="UCL009")
         return _reshard_distributed(os.fspath(src), os.fspath(dst), to, workers or 1, durable, verify, progress,
-                                    float(timeout), t0, format, user, compress)
+                                    float(timeout), t0, format, user, compress, cap)
     prep = _prepare(src, to, format, user=user)
     workers = max(1, workers or min(2, usable_cores()))  # taskset -c 0: one worker, not two on one core
     groups = replica_groups(prep.plan)
@@ -147,7 +158,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
     try:
         job = ReshardJob(os.fspath(src), writer.tmp_path, to.size, prep.plan, tuple(groups), durable, verify,
                          format, user, compress=compress)
-        for rank, entries in _write_files(job, range(to.size), workers, progress, stats).items():
+        for rank, entries in _write_files(job, range(to.size), workers, progress, stats, cap=cap).items():
             writer.adopt(int(rank), entries)
         writer.commit()
     except BaseException:
@@ -173,12 +184,15 @@ def _prepare(src: str | os.PathLike, to: Mesh, format: str | None = None, identi
 
 
 def _write_files(job: ReshardJob, files: Sequence[int], workers: int, progress: Callable[[int], None] | None,
-                 stats: IOStats, cancel: threading.Event | None = None) -> dict:
+                 stats: IOStats, cancel: threading.Event | None = None, cap: MemoryCap | None = None) -> dict:
     """Write target rank ``files`` (``job.groups`` name no others) with ``workers`` processes and
     return their manifest entries (``{rank: entries}``, for the owner's ``adopt``). A file larger than
     one worker's share (a universal target) is laid out first and filled by several workers at once.
     One worker runs in this process, unless ``cancel`` is given (a distributed reshard: a forked pool
-    can be stopped when another process fails)."""
+    can be stopped when another process fails). ``cap`` (default: the default cap) is shared out
+    among the workers (``budgeted``)."""
+    workers, budget = budgeted(job, memory_cap(cap), workers, forked=cancel is not None)
+    job = replace(job, budget=budget)
     shared = split_files(job.groups, workers) if not job.compress else frozenset()  # coded sizes are not known
     layer = CheckpointWriter.join(job.tmp, job.nranks, durable=job.durable) if shared else None
     try:
@@ -225,7 +239,8 @@ def _execute(job: ReshardJob, tasks: Sequence[WorkerTask], progress: Callable[[i
 
 def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bool, verify: bool,
                          progress: Callable[[int], None] | None, timeout: float, t0: float,
-                         format: str | None, user: UserSpec | None = None, compress: str | None = None) -> IOStats:
+                         format: str | None, user: UserSpec | None = None, compress: str | None = None,
+                         cap: MemoryCap | None = None) -> IOStats:
     """Every process compiles the plan itself (pure, cached: cheaper than shipping its tables),
     partitions the target files with ``assign`` and writes its share with its own forked workers;
     the commit is ``commit_collectively`` with a heartbeat, so the group's ``timeout`` bounds the
@@ -265,7 +280,7 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
                 sub = [replace(groups[t.group], ranks=t.ranks) for t in mine.groups]
                 job = ReshardJob(src, writer.tmp_path, to.size, prep.plan, tuple(sub), durable, verify, format, user,
                                  compress=compress)
-                return _write_files(job, mine.files, workers, progress, stats, cancel)
+                return _write_files(job, mine.files, workers, progress, stats, cancel, cap)
             except Exception as e:
                 if not cancel.is_set():
                     own.append(e)
@@ -330,6 +345,25 @@ def _destroy(dist, group) -> None:
         dist.destroy_process_group(group)
     except Exception:  # a group broken by a dead process: nothing left to release
         pass
+
+
+def budgeted(job: ReshardJob, cap: MemoryCap, workers: int, forked: bool = False) -> tuple[int, Budget]:
+    """The workers (at most ``workers``) and each one's budget under ``cap``: fewer workers where a
+    share would be small (``budget.worker_count``) or where a dataset that must be assembled whole
+    (a compressed target's, or one the streamed path cannot take) would not fit one share; UCL011
+    when it fits none, before anything is written. Datasets larger than a share are streamed."""
+    workers = worker_count(cap, workers)
+    least = worker_budget(cap, workers, streamed.STREAM_BLOCK_BYTES, forked=forked or workers > 1).whole
+    whole = [g for g in job.groups if job.compress or (g.nbytes > least and not streamed.streamable(job.plan, g.rows))]
+    # a coded dataset is held with its coded bytes too (at most its size again, half of it in flight)
+    need = max((g.nbytes * 3 // 2 if job.compress else g.nbytes for g in whole), default=0)
+    for w in range(workers, 0, -1):
+        budget = worker_budget(cap, w, streamed.STREAM_BLOCK_BYTES, forked=forked or w > 1)
+        if need <= budget.whole:
+            return w, budget
+    g = max(whole, key=lambda g: g.nbytes)
+    why = "a compressed target's datasets are coded whole" if job.compress else "its copies cannot be streamed"
+    raise UclError(too_big(f"target dataset {g.key!r} ({g.nbytes:,} B)", 2 * need, cap, why), code="UCL011")
 
 
 def replica_groups(plan: Plan) -> list[ReplicaGroup]:
@@ -440,15 +474,20 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
         return (int(c["src_rank"][rows[0]]), int(c["src_slot"][rows[0]])) if len(rows) else (-1, -1)
 
     laid = job.laid or {}
+    budget = job.budget
     with open_checkpoint(job.src, job.format, job.user) as ckpt:
-        source = StoreSource(ckpt, Arena(), verify=job.verify)
+        if isinstance(ckpt, Checkpoint):
+            ckpt.limit_caches(budget.cache)
+        store = StoreSource(ckpt, Arena(), verify=job.verify)
+        source = PiecedSource(store, budget.piece)  # a box larger than a piece passes in pieces
         blocks = streamed.block_ring()
         targets = (Arena(), Arena())  # one is filled while the other is still being written (write_behind)
         for i, t in enumerate(sorted(task.groups, key=first_source)):  # reads sweep each source file in order
             g = job.groups[t.group]
             done = None if job.compress else streamed.stream_dataset(job.plan, g.rows, g.key, g.shape, g.dtype,
                                            {r: laid[r][g.key] if r in laid else None for r in t.ranks}, ckpt, writer,
-                                           blocks, verify=job.verify, durable=job.durable)
+                                           blocks, verify=job.verify, durable=job.durable, block_bytes=budget.block,
+                                           force=g.nbytes > budget.whole)
             if done is not None:
                 stats.bytes_read += done.bytes_read
                 stats.bytes_needed += done.bytes_needed
@@ -471,5 +510,5 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
                 if progress:
                     progress(g.nbytes)
         entries = writer.finish(list(task.files))
-        stats.bytes_read += source.bytes_read
+        stats.bytes_read += store.bytes_read
     return WorkerResult(entries, stats, tuple(writer.filled))

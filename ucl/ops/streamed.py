@@ -36,8 +36,14 @@ def block_ring() -> ArenaRing:
     return ArenaRing(STREAM_DEPTH + 1)
 
 
+def streamable(plan: Plan, rows) -> bool:
+    """Whether ``stream_dataset`` can stream the target dataset plan ``rows`` fill (with ``force``)."""
+    return len(rows) == 0 or strided_copies(plan, rows) is not None
+
+
 def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: str, targets: Mapping[int, int | None],
-                   ckpt: CheckpointLike, writer: CheckpointWriter, blocks: ArenaRing, *, verify: bool, durable: bool) -> Streamed | None:
+                   ckpt: CheckpointLike, writer: CheckpointWriter, blocks: ArenaRing, *, verify: bool, durable: bool,
+                   block_bytes: int = STREAM_BLOCK_BYTES, force: bool = False) -> Streamed | None:
     """Write dataset ``key`` (filled by plan ``rows``) into the files of ``targets`` (as
     ``write_stream``) block by block: each part of a block is read with ``Checkpoint.read_runs``
     (straight into the block where it lands contiguously), every checksum chunk or tile it touches
@@ -46,17 +52,21 @@ def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: st
     format), or a ``durable`` reshard: the caller then assembles the dataset whole. Why not durable:
     its writes go around the page cache (store.direct), and a whole dataset in flight kept the
     device busier than queued blocks (same run, 2-core VM: universal 1.59 s whole vs 1.82 s streamed,
-    TP4 1.50 vs 1.60); through the page cache, streaming is the faster."""
+    TP4 1.50 vs 1.60); through the page cache, streaming is the faster. ``force``: stream a durable
+    reshard's dataset, or a foreign source's, all the same (one larger than the memory a worker may
+    spend on it whole, docs/memory.md), in blocks of ``block_bytes``."""
     sdtype = storage_dtype(dtype)
     total = int(np.prod(shape, dtype=np.int64))
-    if durable or total * sdtype.itemsize < MIN_STREAM_BYTES or not total or not isinstance(ckpt, Checkpoint):
+    if (durable and not force) or total * sdtype.itemsize < MIN_STREAM_BYTES or not total:
+        return None
+    if not force and not isinstance(ckpt, Checkpoint):
         return None
     copies = strided_copies(plan, rows)
-    if copies is None or any(ckpt.info(cp.src_rank, cp.src_key).offset is None for cp in copies):
+    if copies is None or (not force and any(ckpt.info(cp.src_rank, cp.src_key).offset is None for cp in copies)):
         return None
     known = carried_digests(copies, shape, dtype, ckpt) if verify else None
     covered = sum(cp.count for cp in copies)
-    step = max(1, STREAM_BLOCK_BYTES // sdtype.itemsize)
+    step = max(1, block_bytes // sdtype.itemsize)
     staging, read = Arena(), 0
 
     def fill(p: StridedCopy, dst: np.ndarray) -> None:

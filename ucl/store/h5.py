@@ -159,6 +159,12 @@ class ChunkCache:
             self.items.move_to_end(key)
         return v
 
+    def shrink(self, budget: int) -> None:
+        """Hold at most ``budget`` bytes from now on (the oldest dropped now where it holds more)."""
+        self.budget = min(self.budget, max(0, int(budget)))
+        while self.used > self.budget:
+            self.used -= self.items.popitem(last=False)[1].nbytes
+
     def put(self, key: tuple, value: np.ndarray) -> None:
         if value.nbytes > self.budget:
             return

@@ -82,6 +82,13 @@ class Checkpoint(ManifestBacked):
             raise StoreError(f"{path} is not a ucl checkpoint: no {MANIFEST_NAME}", code="UCL401")
         return cls(path, _manifest_of(path, mpath), max_open_files)
 
+    def limit_caches(self, nbytes: int) -> None:
+        """Keep at most ``nbytes`` of verified chunks and as many of decoded units for later reads
+        (default 64 MiB and 32 MiB): an operation under a ``max_memory`` cap shrinks them to its share."""
+        with self._lock:
+            self._verified.shrink(nbytes)
+            self._decoded.shrink(nbytes)
+
     def __repr__(self) -> str:
         return f"Checkpoint({self.path!r}, nranks={self.nranks})"
 
