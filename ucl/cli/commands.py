@@ -76,19 +76,20 @@ def cmd_reshard(args) -> int:
     from ..ops.machine import check_workers
     to = Mesh.parse(args.to)
     check_workers(args.workers)
+    cap = _capped(args).get("max_memory")
     src = checkpoint_arg(args.src)
     spec, dims = _user_spec(args, src)
-    return _reshard(args, src, to, user_spec(spec, dims))
+    return _reshard(args, src, to, user_spec(spec, dims), cap)
 
 
-def _reshard(args, src, to, user) -> int:
+def _reshard(args, src, to, user, cap=None) -> int:
     from ..ops.dist import torchrun_world
     from ..ops.reshard import reshard
     if torchrun_world() > 1:  # under torchrun: every process writes its share (docs/distributed.md)
-        return _reshard_distributed(args, src, to, console(), user)
+        return _reshard_distributed(args, src, to, console(), user, cap)
     if args.quiet:  # plain output: --quiet does not import rich (a tenth of a small reshard's start-up)
         stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, user=user,
-                        compress=args.compress)
+                        compress=args.compress, max_memory=cap)
         print(f"wrote {_reshard_summary(args.dst, to, stats)}")
         return 0
     con = console()
@@ -97,7 +98,7 @@ def _reshard(args, src, to, user) -> int:
                   TimeRemainingColumn(), console=con, transient=True) as bar:
         task = bar.add_task(esc(f"reshard -> {to}"), total=_reshard_bytes(src, to))
         stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, user=user,
-                        progress=lambda n: bar.advance(task, n), compress=args.compress)
+                        progress=lambda n: bar.advance(task, n), compress=args.compress, max_memory=cap)
     con.print("[green]wrote[/] " + esc(_reshard_summary(args.dst, to, stats)))
     return 0
 
@@ -108,14 +109,14 @@ def _reshard_summary(dst, to, stats) -> str:
             f"(open {stats.open_seconds:.2f} s, plan {stats.compile_seconds:.2f} s)")
 
 
-def _reshard_distributed(args, src: str, to, con, user) -> int:
+def _reshard_distributed(args, src: str, to, con, user, cap=None) -> int:
     """One process of a torchrun job: join the gloo world, write this process's share; rank 0 prints."""
     from ..ops.dist import init_from_env
     from ..ops.reshard import reshard
     dist = init_from_env(args.timeout)
     try:
         stats = reshard(src, args.dst, to, workers=args.workers, durable=not args.no_fsync, distributed=True, user=user,
-                        timeout=args.timeout, compress=args.compress)
+                        timeout=args.timeout, compress=args.compress, max_memory=cap)
         if dist.get_rank() == 0:
             con.print("[green]wrote[/] " + esc(f"{args.dst} ({to}) with {dist.get_world_size()} processes: "
                       f"{stats.datasets_written} datasets, {stats.bytes_written:,} B written, {stats.bytes_read:,} B "
@@ -152,11 +153,19 @@ def _user_spec(args, src: str):
     return spec, parse_dims(spec, args.dims) if args.dims is not None or spec.dims else {}
 
 
+def _capped(args) -> dict:
+    """``max_memory=`` for an op, from ``--max-memory`` (checked here, UCL011, before anything is
+    opened); nothing where it was not given, so the op's own default applies."""
+    from ..memory import memory_cap
+    return {} if args.max_memory is None else {"max_memory": memory_cap(args.max_memory)}
+
+
 def cmd_import(args) -> int:
     from ..ops.convert import user_spec
     from ..ops.machine import check_workers
     con = console()
     check_workers(args.workers)
+    args.cap = _capped(args)
     src = checkpoint_arg(args.src)
     spec, dims = _user_spec(args, src)
     return _import(args, con, src, spec, dims, user_spec(spec, dims))
@@ -173,7 +182,7 @@ def _import(args, con, src, spec, dims, user) -> int:
                   console=con, transient=True, disable=args.quiet) as bar:
         task = bar.add_task(esc(f"import {fmt} ({mesh})"), total=total)
         stats = import_checkpoint(src, args.dst, format=fmt, workers=args.workers, durable=not args.no_fsync,
-                                  progress=lambda n: bar.advance(task, n), spec=spec, dims=dims)
+                                  progress=lambda n: bar.advance(task, n), spec=spec, dims=dims, **args.cap)
     con.print("[green]imported[/] " + esc(f"{fmt} checkpoint {src} -> {args.dst} ({mesh}): {stats.datasets_written} "
               f"datasets, {stats.bytes_written:,} B written, {stats.bytes_read:,} B read in {stats.seconds:.2f} s"))
     return 0
@@ -181,19 +190,20 @@ def _import(args, con, src, spec, dims, user) -> int:
 
 def cmd_export(args) -> int:
     con = console()
+    cap = _capped(args)
     src = checkpoint_arg(args.ckpt)
     if args.format in ("hf", "dcp"):
         need_torch(f"ucl export {args.format}")
     if args.format == "hf":
         from ..ops.export import export_hf
         stats = export_hf(src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, config=args.config,
-                          durable=not args.no_fsync)
+                          durable=not args.no_fsync, **cap)
     elif args.format == "dcp":
         from ..ops.export import export_dcp
-        stats = export_dcp(src, args.out, style=args.style)
+        stats = export_dcp(src, args.out, style=args.style, **cap)
     else:
         from ..ops.export import export_deepspeed_universal
-        stats = export_deepspeed_universal(src, args.out, tag=args.tag, durable=not args.no_fsync)
+        stats = export_deepspeed_universal(src, args.out, tag=args.tag, durable=not args.no_fsync, **cap)
     con.print("[green]exported[/] " + esc(f"{src} -> {args.out} ({args.format}): {stats.bytes_written:,} B written, "
               f"{stats.bytes_read:,} B read in {stats.seconds:.2f} s"))
     return 0

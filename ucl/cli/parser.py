@@ -49,6 +49,14 @@ def positive_seconds(text: str) -> float:
     return x
 
 
+def add_max_memory(p: argparse.ArgumentParser, what: str) -> None:
+    """``--max-memory SIZE`` of a command that runs an offline operation (checked by the command:
+    a size that is none, or too small, is error UCL011, one line)."""
+    p.add_argument("--max-memory", metavar="SIZE", default=None,
+                   help=f"the most memory {what} may add, over every process it starts: 2GB, 64MB, 1GiB "
+                   "(default 2GB; docs/memory.md)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``argv``; an export option of another format exits 2 naming the formats it applies to."""
     args = build_parser().parse_args(argv)
@@ -116,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
                    help="under torchrun: how long to wait for a process that stopped answering before giving "
                    "up, publishing nothing (default 300)")
+    add_max_memory(p, "the reshard (under torchrun: each process)")
     p.set_defaults(handler="reshard")
 
     p = sub.add_parser("import", help="write another framework's checkpoint (DeepSpeed, DCP, Megatron, Hugging "
@@ -135,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "Hugging Face: its config.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files")
+    add_max_memory(p, "the import")
     p.set_defaults(handler="import")
 
     p = sub.add_parser("export", help="write a checkpoint (ucl, or any folder ucl reads) in another framework's "
@@ -157,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "({model, optim}) or torchtitan's (default state_dict)")
     p.add_argument("--tag", metavar="TAG", help="deepspeed-universal only: the tag folder (default global_step<N>)")
     p.add_argument("--no-fsync", action="store_true", help="hf, deepspeed-universal only: skip fsync of the files")
+    add_max_memory(p, "the export")
     p.set_defaults(handler="export", usage_error=p.error)  # "ucl export: error: ...", exit 2
 
     p = sub.add_parser("inspect", help="show a checkpoint's parameters, shapes, dtypes, layout and sizes")

@@ -22,7 +22,7 @@ from ..store.like import CheckpointLike
 from ..store.reader import Checkpoint
 from ..store.source import StoreSource
 from .budget import give_back_freed, load_budget
-from .pieced import PiecedSource
+from .bounded import BoundedSource
 from .read_once import connect, identity, share_of
 from .prepare import check_stored, mesh_of, model_of, open_checkpoint, plan_between, plan_for
 from .stats import IOStats
@@ -97,7 +97,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
                                         {a: math.prod(datasets[t]["shape"]) for a, t in ties.items()},
                                         {a: out[a] for a in ties}, mesh, rank)
             mine = targets
-            source = PiecedSource(StoreSource(ckpt, Arena(), verify=verify), budget.piece) if source is None else source
+            source = BoundedSource(StoreSource(ckpt, Arena(), verify=verify), budget.piece) if source is None else source
             if link is None:
                 run_copies(plan, rows, source, targets)
             else:  # only what this process reads for itself and its replica sets
@@ -168,7 +168,7 @@ def iter_rank(path: str | os.PathLike, *, mesh: Mesh | str = "universal", rank: 
                              f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}", code="UCL408")
         by_key = _rows_by_key(plan, rows)
         store, warm = StoreSource(ckpt, Arena(), verify=verify), Arena() if reuse else None
-        source = PiecedSource(store, budget.piece)
+        source = BoundedSource(store, budget.piece)
         for key in wanted:
             real = ties.get(key, key)  # a tied alias reads the tensor it shares
             d, mine = datasets[real], by_key.get(real, rows[:0])

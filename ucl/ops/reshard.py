@@ -33,7 +33,7 @@ from .stats import IOStats
 from . import streamed
 from .budget import Budget, too_big, worker_budget, worker_count
 from .machine import check_workers, usable_cores
-from .pieced import PiecedSource
+from .bounded import BoundedSource
 from .workers import run_forked
 
 
@@ -479,7 +479,7 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
         if isinstance(ckpt, Checkpoint):
             ckpt.limit_caches(budget.cache)
         store = StoreSource(ckpt, Arena(), verify=job.verify)
-        source = PiecedSource(store, budget.piece)  # a box larger than a piece passes in pieces
+        source = BoundedSource(store, budget.piece)  # a box larger than a piece passes in pieces
         blocks = streamed.block_ring()
         targets = (Arena(), Arena())  # one is filled while the other is still being written (write_behind)
         for i, t in enumerate(sorted(task.groups, key=first_source)):  # reads sweep each source file in order

@@ -13,7 +13,7 @@ import numpy as np
 from ..layout.boxes import Slot
 
 
-class PiecedSource:
+class BoundedSource:
     """``source`` (a ``store.StoreSource``) read in boxes of at most ``piece`` bytes."""
 
     def __init__(self, source, piece: int):
