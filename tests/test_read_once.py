@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ucl
 from ucl.demo import llama_model, universal_state
+from ucl.memory import MemoryCap
 from ucl.ops import IOStats
 from ucl.plan.execute import rank_datasets
 
@@ -121,7 +122,8 @@ def _worker(rank: int, world: int, port: int, workdir: str, src: str, phases: li
                                                          d["dtype"]) for d in rank_datasets(plan, rank)}
                 ckpt = ph.get(f"ckpt{rank}", ph["ckpt"])
                 got = ucl.load_rank(os.path.join(src, ckpt), mesh=ph["mesh"], rank=ph.get("rank", rank), stats=stats,
-                                    read_once=True, out=out, group=short if ph.get("short") else None)
+                                    read_once=True, out=out, group=short if ph.get("short") else None,
+                                    max_memory=ph.get("max_memory"))
                 if out is not None:
                     res["in_place"] = all(got[k] is out[k] for k in out)
                 np.savez(os.path.join(workdir, f"{ph['name']}_{rank}.npz"),
@@ -180,6 +182,7 @@ def world2(ckpts, tmp_path_factory):
     src, _ = ckpts
     phases = [{"name": "dp", "ckpt": "demo", "mesh": "dp=2"},
               {"name": "out", "ckpt": "demo", "mesh": "dp=2", "out": True},
+              {"name": "capped", "ckpt": "demo", "mesh": "dp=2", "max_memory": MemoryCap(1 << 20)},
               {"name": "bad", "ckpt": "bad", "mesh": "dp=2"},
               {"name": "gqa", "ckpt": "gqa", "mesh": "tp=2"},
               {"name": "twice", "ckpt": "demo", "mesh": "dp=2", "rank": 0},
@@ -251,6 +254,12 @@ def test_two_processes_sharing_a_kv_head(ckpts, world2):
     _check_job(ckpts, world2, "gqa", "tp=2", "gqa")
     kv = sum(_nbytes(t) for t in ckpts[1]["gqa"].tensors if t.name in ("k.weight", "v.weight"))
     assert sum(r["stats"]["bytes_received"] for r in world2["gqa"]) == kv + 64 * 4  # the KV head and the norm
+
+
+def test_under_the_smallest_cap_boxes_pass_in_pieces_bit_exact(ckpts, world2):
+    """A cap below any real one (a MemoryCap is taken as given): boxes over 64 KiB (the embedding,
+    128 KiB) are read in pieces, then sent on (docs/memory.md)."""
+    _check_job(ckpts, world2, "capped", "dp=2", "demo")
 
 
 def test_out_tensors_are_filled_in_place(ckpts, world2):
