@@ -4,12 +4,17 @@ optimizer buffers) on TP2·PP2·DP2, against `cp -r` of the same directory measu
     python bench/reshard.py [--size-gb 2] [--repeat 3] [--workdir DIR] [--cores 1,2]
     python bench/reshard.py --procs 1,2,4 [--to pp=1,dp=2,tp=4] [--size-gb 2] [--repeat 3]
     python bench/reshard.py --growth [--size-gb 1] [--repeat 3]
+    python bench/reshard.py --size-gb 1 --cap-share 8      # + every reshard and load under 1/8 of the checkpoint
 
 Each operation runs as its own process (like a user would run it), in interleaved rounds after one
 warm-up round; the source is read (untimed) right before every run, so it is in the page cache
 ("warm") even on machines that reclaim cached pages; medians with min-max are printed, plus ratios to `cp -r`
 (of the medians, and of the fastest runs), the CPU time of each run's process tree (steadier than wall time
-on a shared machine), bytes read vs needed and the peak RSS of the largest process. ``--cores 1,2`` repeats
+on a shared machine), bytes read vs needed, the peak RSS of the largest process and the peak PSS of each
+run's whole process tree (its forked workers included; tests/memprobe.py), less that of a reshard of a
+3 MB checkpoint (interpreter and imports: "added" is about what ``--max-memory`` caps, docs/memory.md). Each reshard and the
+load also run under ``--max-memory`` of 1/``--cap-share`` of the checkpoint (default 8; 0: not), with
+their time over the same operation under the default cap (2 GB). ``--cores 1,2`` repeats
 the comparison with every command (cp -r included) pinned to 1, then 2 cores (taskset), so the single-core
 ratio is visible (a reshard's default workers follow the cores it may use). Runs load ucl's bytecode
 from a cache (written by the warm-up round), as an installed package does, even where the environment
@@ -43,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import ucl  # noqa: E402
+from tests.memprobe import TreeMemory, available as pss_available  # noqa: E402
 from ucl.ops import expected_datasets  # noqa: E402
 from ucl.demo import LLAMA_MEGATRON, llama_params  # noqa: E402
 from ucl.dtypes import storage_dtype  # noqa: E402
@@ -118,16 +124,39 @@ def rewarm(folder: Path) -> None:
                 pass
 
 
-def timed(cmd: list[str], warm: Path | None = None) -> tuple[float, str]:
+def timed(cmd: list[str], warm: Path | None = None, peaks: list | None = None) -> tuple[float, str]:
+    """Wall time and stdout of ``cmd``; ``peaks``: gets the peak PSS of its process tree appended."""
     if warm is not None:
         rewarm(warm)
     pretouch()
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if peaks is not None and pss_available():
+        with TreeMemory(p.pid, interval=0.01) as mem:
+            out, err = p.communicate()
+        peaks.append(mem.peak)
+    else:
+        out, err = p.communicate()
     dt = time.perf_counter() - t0
     if p.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
-    return dt, p.stdout
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out}\n{err}")
+    return dt, out
+
+
+TINY = dict(vocab=512, hidden=128, heads=8, kv_heads=4, ffn=352, layers=2)  # ~3 MB
+
+
+def idle_pss(work: Path) -> int:
+    """Peak PSS of ``ucl reshard`` of a ~3 MB checkpoint (one file, no workers): the interpreter,
+    its imports and the command's own state, the baseline "added" memory is counted from."""
+    src, peaks = work / "idle-src", []
+    if not src.exists():
+        build_source(src, TINY)
+    for i in range(2):
+        timed([sys.executable, "-m", "ucl.cli", "reshard", str(src), str(work / "idle-out"), "--to", "universal",
+               "--quiet", "--no-fsync"], peaks=peaks if i else None)
+        shutil.rmtree(work / "idle-out")
+    return peaks[0] if peaks else 0
 
 
 def cached_fraction(folder: Path) -> float | None:
@@ -166,9 +195,11 @@ import json, resource, sys, time, ucl
 from ucl.ops import IOStats
 st = IOStats()
 t = time.perf_counter()
-out = ucl.load_rank(sys.argv[1], mesh=ucl.Mesh.parse(sys.argv[2]), rank=int(sys.argv[3]), stats=st)
+out = ucl.load_rank(sys.argv[1], mesh=ucl.Mesh.parse(sys.argv[2]), rank=int(sys.argv[3]), stats=st,
+                    max_memory=int(sys.argv[4]) if len(sys.argv) > 4 else None)
 print(json.dumps({"s": time.perf_counter() - t, "read": st.bytes_read, "needed": st.bytes_needed,
-                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "result": sum(a.nbytes for a in out.values())}))
 """
 
 
@@ -198,19 +229,24 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def interleaved(ops: dict, work: Path, repeat: int, src: Path, cpu: dict | None = None) -> tuple[dict, dict, dict]:
+def interleaved(ops: dict, work: Path, repeat: int, src: Path, cpu: dict | None = None,
+                pss: dict | None = None) -> tuple[dict, dict, dict]:
     """``repeat`` rounds of every operation ``ops[name](out) -> command`` in turn, after one warm-up
     round (interleaved, so the machine's drift hits every operation alike), ``src`` re-read before
     each run: wall times per operation, each one's last output, and the least share of ``src`` in
     the page cache after its runs (None where that cannot be asked). ``cpu``: filled with each
-    operation's CPU seconds per run (its whole process tree)."""
+    operation's CPU seconds per run (its whole process tree); ``pss``: with each one's peak PSS
+    per run (its whole process tree)."""
     times = {name: [] for name in ops}
     last, warm = {}, {name: [] for name in ops}
     for i in range(repeat + 1):
         for k, (name, cmd) in enumerate(ops.items()):
             out = work / f"out-{k}-{i}"
             before = children_cpu()
-            dt, last[name] = timed(cmd(out), warm=src)
+            peaks: list = []
+            dt, last[name] = timed(cmd(out), warm=src, peaks=peaks)
+            if i and pss is not None and peaks:
+                pss.setdefault(name, []).append(peaks[0])
             if i:
                 times[name].append(dt)
                 if cpu is not None:
@@ -298,9 +334,10 @@ def pinned(cores: int | None) -> list[str]:
     return ["taskset", "-c", ",".join(str(c) for c in usable[:cores])]
 
 
-def compare(args, src: Path, work: Path, cores: int | None) -> None:
+def compare(args, src: Path, work: Path, cores: int | None, cap: int = 0) -> None:
     """cp -r (and + sync) against the reshards to TP4 and to universal (page cache and durable), all
-    pinned to ``cores`` cores (None: as the machine lets them run)."""
+    pinned to ``cores`` cores (None: as the machine lets them run); each reshard also under
+    ``--max-memory cap`` (bytes; 0: not)."""
     pin = pinned(cores)
     env_cli = pin + [sys.executable, "-m", "ucl.cli"]
     ops = {
@@ -313,22 +350,41 @@ def compare(args, src: Path, work: Path, cores: int | None) -> None:
                                                        "--no-fsync"],
         "  -> universal, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "universal", "--quiet"],
     }
+    if cap:
+        for name in [n for n in ops if "->" in n]:
+            ops[f"{name} [capped]"] = lambda out, cmd=ops[name]: cmd(out) + ["--max-memory", str(cap)]
     cpu: dict = {}
-    times, last, cached = interleaved(ops, work, args.repeat, src, cpu)
+    pss: dict = {}
+    times, last, cached = interleaved(ops, work, args.repeat, src, cpu, pss)
     results = {name: (times[name], last[name]) for name in ops}
     base = statistics.median(results["cp -r"][0])
     fastest = min(results["cp -r"][0])
     where = "" if cores is None else f"; pinned to {cores} core{'s' if cores > 1 else ''} (taskset)"
-    print(f"\n{'operation':<28} {'median s':>9} {'min-max s':>13} {'x cp -r':>8} {'min/min':>7} {'CPU s':>6} "
-          f"{'cached':>6}  notes  (warm cache, {args.repeat} interleaved rounds; min/min: fastest run over cp -r's "
-          "fastest; CPU s: median user + system time of the whole process tree; cached: least share of the source "
-          "in the page cache after a run" + where + ")")
+    idle = idle_pss(work)
+    print(f"\n{'operation':<38} {'median s':>9} {'min-max s':>13} {'x cp -r':>8} {'min/min':>7} {'CPU s':>6} "
+          f"{'cached':>6} {'PSS MiB':>8} {'added':>6}  notes  (warm cache, {args.repeat} interleaved rounds; min/min: "
+          "fastest run over cp -r's fastest; CPU s: median user + system time of the whole process tree; cached: "
+          "least share of the source in the page cache after a run; PSS: the highest peak of the whole process "
+          f"tree over the runs, added: less that of a reshard of a 3 MB checkpoint, {idle / 2**20:.0f} MiB"
+          + (f"; [capped]: --max-memory {cap / 2**20:.0f} MiB, 1/{args.cap_share} of the checkpoint" if cap else "")
+          + where + ")")
     for name, (times, text) in results.items():
         med = statistics.median(times)
         note = text.strip().splitlines()[-1][:110] if text.strip() else ""
         share = "?" if cached[name] is None else f"{cached[name]:.0%}"
-        print(f"{name:<28} {med:9.2f} {min(times):6.2f}-{max(times):<6.2f} {med / base:8.2f} {min(times) / fastest:7.2f} "
-              f"{statistics.median(cpu[name]):6.2f} {share:>6}  {note}")
+        peak = max(pss.get(name, [0]))
+        print(f"{name:<38} {med:9.2f} {min(times):6.2f}-{max(times):<6.2f} {med / base:8.2f} {min(times) / fastest:7.2f} "
+              f"{statistics.median(cpu[name]):6.2f} {share:>6} {peak / 2**20:8.0f} {(peak - idle) / 2**20:6.0f}  {note}")
+    if cap:
+        print(f"\nunder --max-memory {cap / 2**20:.0f} MiB (1/{args.cap_share} of the checkpoint) vs the default cap: "
+              "time ratio of the medians (min-max of the capped runs), peak added PSS of both")
+        for name in [n for n in results if "->" in n and "[capped]" not in n]:
+            free, capped = results[name][0], results[f"{name} [capped]"][0]
+            ratio = statistics.median(capped) / statistics.median(free)
+            peaks = [(max(pss.get(n, [0])) - idle) / 2**20 for n in (name, f"{name} [capped]")]
+            print(f"  {name.strip():<30} {ratio:5.2f}x ({min(capped):.2f}-{max(capped):.2f} s)   added PSS "
+                  f"{peaks[0]:6.0f} MiB -> {peaks[1]:6.0f} MiB (cap {cap / 2**20:.0f} MiB)"
+                  f"{'' if peaks[1] * 2**20 <= cap else '  OVER THE CAP'}")
     if any(c is not None and c < 0.95 for c in cached.values()):
         print("warning: the source was partly evicted from the page cache before some runs (the machine reclaims "
               "it): those runs read from disk and are not comparable to cp -r from cache")
@@ -352,6 +408,8 @@ def main() -> None:
                     "at equal bytes, each against cp -r")
     ap.add_argument("--cores", default=None, metavar="N,N,...", help="run the comparison once per number of cores, "
                     "every command (cp -r too) pinned to that many cores with taskset, e.g. 1,2")
+    ap.add_argument("--cap-share", type=int, default=8, metavar="N", help="also run every reshard and the load "
+                    "under --max-memory of 1/N of the checkpoint (0: not)")
     ap.add_argument("--no-bytecode-cache", action="store_true", help="let every run compile ucl's sources afresh "
                     "where the environment says so (PYTHONDONTWRITEBYTECODE), instead of loading bytecode from a "
                     "cache the warm-up round writes, as an installed package does")
@@ -381,20 +439,26 @@ def main() -> None:
         if args.procs:
             return scaling(args, src, size, work)
 
+        cap = size // args.cap_share if args.cap_share else 0
         for cores in ([None] if args.cores is None else [int(x) for x in args.cores.split(",")]):
-            base = compare(args, src, work, cores)
+            base = compare(args, src, work, cores, cap)
         # (d) load one target rank straight from the source (hyperslab reads only)
-        loads = []
-        for i in range(args.repeat + 1):
-            _, text = timed([py, "-c", LOAD_ONE, str(src), "pp=1,dp=2,tp=4", "3"], warm=src)
-            if i:
-                loads.append(json.loads(text))
-        med = statistics.median(x["s"] for x in loads)
-        one = loads[-1]
-        print(f"{'load_rank(TP4 rank 3)':<28} {med:9.2f} {min(x['s'] for x in loads):6.2f}-"
-              f"{max(x['s'] for x in loads):<6.2f} {med / base:8.2f}  read {one['read'] / 2**20:.0f} MiB for "
-              f"{one['needed'] / 2**20:.0f} MiB needed ({one['read'] / max(one['needed'], 1):.2f}x), "
-              f"{size / 2**20:.0f} MiB in checkpoint; RSS {one['rss']:.0f} MiB")
+        idle = idle_pss(work)
+        for label, capped in [("", None)] + ([(" [capped]", str(cap))] if cap else []):
+            loads, peaks = [], []
+            for i in range(args.repeat + 1):
+                _, text = timed([py, "-c", LOAD_ONE, str(src), "pp=1,dp=2,tp=4", "3"] + ([capped] if capped else []),
+                                warm=src, peaks=peaks if i else None)
+                if i:
+                    loads.append(json.loads(text))
+            med = statistics.median(x["s"] for x in loads)
+            one = loads[-1]
+            beyond = (max(peaks, default=idle) - idle - one["result"]) / 2**20
+            print(f"{'load_rank(TP4 rank 3)' + label:<38} {med:9.2f} {min(x['s'] for x in loads):6.2f}-"
+                  f"{max(x['s'] for x in loads):<6.2f} {med / base:8.2f}  read {one['read'] / 2**20:.0f} MiB for "
+                  f"{one['needed'] / 2**20:.0f} MiB needed ({one['read'] / max(one['needed'], 1):.2f}x), "
+                  f"{size / 2**20:.0f} MiB in checkpoint; RSS {one['rss']:.0f} MiB; PSS added beyond the "
+                  f"{one['result'] / 2**20:.0f} MiB result: {beyond:.0f} MiB")
         print(f"\npeak RSS of the largest process over all runs: {rss_children_mb():.0f} MiB")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -7,7 +7,8 @@ every process the operation starts), ``baseline``, ``seconds``, and for a load `
 it returned; iter_rank: the largest it yielded, one held at a time) and a ``digest`` of them. Before measuring, the same
 operation runs once on ``warm`` (a small checkpoint of the same kind), so that the modules it imports
 lazily and their one-time tables are in the baseline, not in the operation's figure: the cap counts
-the memory an operation adds, not the interpreter's. ``op``: reshard, load_rank, iter_rank.
+the memory an operation adds, not the interpreter's. ``op``: reshard, load_rank, iter_rank,
+load_into (load_rank into torch parameters made beforehand).
 tests/test_memory_caps.py and bench/reshard.py run it.
 """
 from __future__ import annotations
@@ -29,7 +30,22 @@ from ucl.ops.load import iter_rank, load_rank  # noqa: E402
 from ucl.ops.reshard import reshard  # noqa: E402
 
 
-def run(a: dict, src: str, dst: str | None) -> dict:
+def prepare(a: dict, src: str):
+    """What the operation is given (not measured): load_into's destination tensors, torch
+    parameters that require grad (filled through memory of ucl's own, as GPU tensors are)."""
+    if a["op"] != "load_into":
+        return None
+    import torch
+    from ucl.dtypes import to_torch
+    from ucl.ops.prepare import mesh_of, model_of, open_checkpoint, plan_for
+    from ucl.plan.execute import rank_datasets
+    with open_checkpoint(src) as c:
+        plan = plan_for(model_of(c), mesh_of(c), ucl.Mesh.parse(a["to"]), ranks=[a.get("rank", 0)])
+    return {d["key"]: torch.nn.Parameter(to_torch(np.ones(d["shape"], ucl.dtypes.storage_dtype(d["dtype"])), d["dtype"]))
+            for d in rank_datasets(plan, a.get("rank", 0))}
+
+
+def run(a: dict, src: str, dst: str | None, given=None) -> dict:
     """Run the operation ``a`` names on ``src``; a digest of its result (load_rank, iter_rank)."""
     cap = {"max_memory": a["max_memory"]} if "max_memory" in a else {}
     if a["op"] == "reshard":
@@ -39,6 +55,11 @@ def run(a: dict, src: str, dst: str | None) -> dict:
     if a["op"] == "load_rank":
         out = load_rank(src, mesh=a["to"], rank=a.get("rank", 0), **cap)
         return {"digest": digest(sorted(out.items())), "result": sum(x.nbytes for x in out.values())}
+    if a["op"] == "load_into":
+        out = load_rank(src, mesh=a["to"], rank=a.get("rank", 0), out=given, **cap)
+        assert all(out[k] is given[k] for k in given)
+        return {"digest": digest(sorted((k, ucl.dtypes.to_numpy(v.detach())[0]) for k, v in out.items())),
+                "result": 0}  # (the tensors were there before)
     if a["op"] == "iter_rank":
         largest = [0]
 
@@ -65,13 +86,14 @@ def main() -> None:
     a = json.loads(sys.argv[1])
     if a.get("warm"):
         scratch = a["dst"] + ".warm" if a["op"] == "reshard" else None
-        run(a, a["warm"], scratch)
+        run(a, a["warm"], scratch, prepare(a, a["warm"]))
         if scratch:
             shutil.rmtree(scratch)
+    given = prepare(a, a["src"])
     gc.collect()
     t0 = time.perf_counter()
     with TreeMemory() as mem:
-        got = run(a, a["src"], a.get("dst"))
+        got = run(a, a["src"], a.get("dst"), given)
     got.update(peak_added=mem.peak_added, baseline=mem.baseline, seconds=time.perf_counter() - t0)
     print(json.dumps(got))
 

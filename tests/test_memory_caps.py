@@ -169,6 +169,19 @@ def test_loads_in_pieces_are_bit_exact(tiny, to):
         assert k1 == k2 and np.array_equal(a.view(np.uint8), b.view(np.uint8)), k1
 
 
+def test_tensors_not_filled_in_place_are_filled_block_by_block(tiny):
+    """``out=`` tensors a load cannot read into (GPU tensors; here parameters that require grad)
+    larger than a piece are filled a block at a time: the same values as a plain load."""
+    torch = pytest.importorskip("torch")
+    from ucl.dtypes import to_numpy, to_torch
+    want = load_rank(tiny, mesh="universal", rank=0)
+    out = {k: torch.nn.Parameter(to_torch(np.full(a.shape, 7, a.dtype), "float32")) for k, a in want.items()}
+    got = load_rank(tiny, mesh="universal", rank=0, out=out, max_memory="16MiB")
+    assert all(got[k] is out[k] for k in out)
+    for k, w in want.items():
+        assert np.array_equal(to_numpy(got[k].detach())[0].view(np.uint8), w.view(np.uint8)), k
+
+
 @pytest.mark.parametrize("durable", [False, True])
 @pytest.mark.parametrize("to", ["universal", "pp=1,dp=2,tp=4"])
 def test_reshards_under_the_smallest_cap_are_bit_exact(tiny, tmp_path, to, durable):
@@ -208,7 +221,8 @@ def test_reshard_stays_under_an_eighth_of_the_checkpoint(big, warm, tmp_path, op
 
 
 LOADS = [dict(op="load_rank", to="pp=1,dp=2,tp=4", rank=3), dict(op="load_rank", to="universal"),
-         dict(op="iter_rank", to="universal"), dict(op="iter_rank", to="pp=1,dp=1,tp=2", rank=1)]
+         dict(op="iter_rank", to="universal"), dict(op="iter_rank", to="pp=1,dp=1,tp=2", rank=1),
+         dict(op="load_into", to="universal")]
 
 
 @pytest.mark.slow

@@ -15,14 +15,16 @@ from ..formats.base import UserSpec
 from ..layout.bind import Model
 from ..layout.mesh import Mesh, as_mesh
 from ..memory import MemoryCap, memory_cap
-from ..plan.buffers import Arena
+from ..plan.buffers import Arena, ArenaRing
 from ..plan.execute import covered_elements, rank_datasets, rank_rows, run_copies
 from ..plan.ranksets import sorted_distinct
+from ..plan.stream import strided_copies
 from ..store.like import CheckpointLike
 from ..store.reader import Checkpoint
 from ..store.source import StoreSource
 from .budget import give_back_freed, load_budget
 from .bounded import BoundedSource
+from .streamed import target_blocks
 from .read_once import connect, identity, share_of
 from .prepare import check_stored, mesh_of, model_of, open_checkpoint, plan_between, plan_for
 from .stats import IOStats
@@ -91,15 +93,20 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
             out = out or {}
             covered = covered_elements(plan, rows)
             ties = alias_keys(ckpt, target, set(out) - set(datasets), datasets)
-            targets, later = _targets(datasets, covered, {k: v for k, v in out.items() if k not in ties}, mesh, rank)
+            # a caller's tensor larger than a piece that cannot be filled in place (on a GPU) is filled
+            # block by block from memory of our own, not through a whole host copy
+            over = budget.piece if link is None and source is None else None
+            targets, later, streams = _targets(datasets, covered, {k: v for k, v in out.items() if k not in ties},
+                                               mesh, rank, stream_over=over, keep=set(ties.values()))
             # a tied alias is the same dataset: its destination is checked now, filled from it at the end
-            tied, tied_later = _targets({a: datasets[t] for a, t in ties.items()},
-                                        {a: math.prod(datasets[t]["shape"]) for a, t in ties.items()},
-                                        {a: out[a] for a in ties}, mesh, rank)
+            tied, tied_later, _ = _targets({a: datasets[t] for a, t in ties.items()},
+                                           {a: math.prod(datasets[t]["shape"]) for a, t in ties.items()},
+                                           {a: out[a] for a in ties}, mesh, rank)
             mine = targets
             source = BoundedSource(StoreSource(ckpt, Arena(), verify=verify), budget.piece) if source is None else source
             if link is None:
                 run_copies(plan, rows, source, targets)
+                streamed = _stream_all(streams, plan, rows, datasets, ckpt, verify, budget.piece)
             else:  # only what this process reads for itself and its replica sets
                 share = share_of(target, mesh, int(rank), targets)
                 ident = identity(ckpt, target, mesh)
@@ -116,7 +123,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
                 plan, by_key.get(key, rows[:0]), source, {key: targets[key]}))
         if stats is not None:
             stats.compile_seconds += t1 - t0
-            stats.bytes_read += source.bytes_read
+            stats.bytes_read += source.bytes_read + (streamed if link is None else 0)
             stats.bytes_needed += int(plan.bytes_read_per_rank()[rank]) if link is None else \
                 sum(covered.get(k, 0) * a.itemsize for k, a in mine.items())
             stats.bytes_sent += sent
@@ -129,6 +136,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
     later.update(tied_later)
     for key, dst in later.items():  # GPU (or non-contiguous) destinations: one copy each
         _fill(dst, targets[key], datasets[key]["dtype"])
+    targets.update(streams)
     result: dict[str, Any] = {}
     for key, arr in targets.items():
         if key in out:
@@ -227,14 +235,17 @@ def _rows_by_key(plan, rows: np.ndarray) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, dtype=np.int64) for k, v in by_key.items()}
 
 
-def _targets(datasets: dict[str, dict], covered: dict[str, int], out: Mapping[str, Any], mesh: Mesh, rank: int):
-    """(key -> storage array to fill, key -> a caller's tensor filled from its array at the end).
-    New arrays are zeroed only where the plan leaves elements unwritten (padding, flat gaps)."""
+def _targets(datasets: dict[str, dict], covered: dict[str, int], out: Mapping[str, Any], mesh: Mesh, rank: int,
+             stream_over: int | None = None, keep: set = frozenset()):
+    """(key -> storage array to fill, key -> a caller's tensor filled from its array at the end,
+    key -> a caller's tensor filled block by block at the end: a contiguous torch tensor that
+    cannot be filled in place and holds more than ``stream_over`` bytes, unless its key is in
+    ``keep``). New arrays are zeroed only where the plan leaves elements unwritten (padding, flat gaps)."""
     unknown = sorted(set(out) - set(datasets))
     if unknown:
         raise StoreError(f"out= names {len(unknown)} key(s) rank {rank} of {mesh} does not hold: "
                          f"{', '.join(map(repr, unknown[:5]))}{', ...' if len(unknown) > 5 else ''}", code="UCL409")
-    targets, later = {}, {}
+    targets, later, streams = {}, {}, {}
     for key, d in datasets.items():
         shape, full = tuple(d["shape"]), covered.get(key, 0) == math.prod(d["shape"])
         if key not in out:
@@ -252,12 +263,53 @@ def _targets(datasets: dict[str, dict], covered: dict[str, int], out: Mapping[st
         if isinstance(obj, np.ndarray) and not obj.flags.writeable:
             raise StoreError(f"out[{key!r}] is a read-only numpy array", code="UCL409")
         view = storage_view(obj, d["dtype"])
+        if view is None and stream_over is not None and key not in keep and _streamable_into(obj, d, stream_over):
+            streams[key] = obj
+            continue
         if view is None:  # filled through a host array, copied once at the end
             view, later[key] = np.empty(shape, dtype=storage_dtype(d["dtype"])), obj
         if not full:
             view.fill(0)
         targets[key] = view
-    return targets, later
+    return targets, later, streams
+
+
+def _streamable_into(obj: Any, d: dict, over: int) -> bool:
+    """A torch tensor (any device) filled through a flat view, larger than ``over`` bytes."""
+    return hasattr(obj, "is_contiguous") and obj.is_contiguous() and \
+        math.prod(d["shape"]) * storage_dtype(d["dtype"]).itemsize > over
+
+
+def _stream_all(streams: Mapping[str, Any], plan, rows, datasets: Mapping[str, dict], ckpt: CheckpointLike,
+                verify: bool, block_bytes: int) -> int:
+    """``_stream_into`` each of ``streams`` (key -> the caller's tensor); the bytes read."""
+    if not streams:
+        return 0
+    by_key, blocks = _rows_by_key(plan, rows), ArenaRing(1)  # each block is copied out before the next is read
+    return sum(_stream_into(dst, plan, by_key.get(key, rows[:0]), datasets[key], ckpt, blocks, verify, block_bytes)
+               for key, dst in streams.items())
+
+
+def _stream_into(dst: Any, plan, rows, d: dict, ckpt: CheckpointLike, blocks: ArenaRing, verify: bool,
+                 block_bytes: int) -> int:
+    """Fill the caller's torch tensor ``dst`` (dataset ``d``, written by plan ``rows``) a block at a
+    time: each block read into memory of our own (``streamed.target_blocks``) and copied to its place.
+    Returns the bytes read."""
+    import torch
+    total, sdtype = math.prod(d["shape"]), storage_dtype(d["dtype"])
+    copies = strided_copies(plan, rows) if len(rows) else []
+    read = [0]
+    flat = dst.detach().view(-1)
+    with torch.no_grad():
+        if copies is None:  # boxes not laid out alike on both sides: through one host copy after all
+            arr = np.zeros(tuple(d["shape"]), sdtype)
+            run_copies(plan, rows, StoreSource(ckpt, Arena(), verify=verify), {d["key"]: arr})
+            flat.copy_(to_torch(arr, d["dtype"]).view(-1))
+            return int(arr.nbytes)
+        for lo, block in target_blocks(copies, total, sdtype, ckpt, blocks, verify=verify, block_bytes=block_bytes,
+                                       read=read):
+            flat[lo:lo + block.size].copy_(to_torch(block, d["dtype"]))
+    return read[0]
 
 
 def _fill(dst: Any, array: np.ndarray, logical: str) -> None:

@@ -353,12 +353,14 @@ def budgeted(job: ReshardJob, cap: MemoryCap, workers: int, forked: bool = False
     (a compressed target's, or one the streamed path cannot take) would not fit one share; UCL011
     when it fits none, before anything is written. Datasets larger than a share are streamed."""
     workers = worker_count(cap, workers)
-    least = worker_budget(cap, workers, streamed.STREAM_BLOCK_BYTES, forked=forked or workers > 1).whole
+    # durable writes go around the page cache (store.direct): larger blocks keep the device busy
+    block = streamed.DURABLE_BLOCK_BYTES if job.durable else streamed.STREAM_BLOCK_BYTES
+    least = worker_budget(cap, workers, block, forked=forked or workers > 1).whole
     whole = [g for g in job.groups if job.compress or (g.nbytes > least and not streamed.streamable(job.plan, g.rows))]
     # a coded dataset is held with its coded bytes too (at most its size again, half of it in flight)
     need = max((g.nbytes * 3 // 2 if job.compress else g.nbytes for g in whole), default=0)
     for w in range(workers, 0, -1):
-        budget = worker_budget(cap, w, streamed.STREAM_BLOCK_BYTES, forked=forked or w > 1)
+        budget = worker_budget(cap, w, block, forked=forked or w > 1)
         if need <= budget.whole:
             return w, budget
     g = max(whole, key=lambda g: g.nbytes)

@@ -20,6 +20,7 @@ from ..store.writer import STREAM_DEPTH, CheckpointWriter
 
 STREAM_BLOCK_BYTES = 2 << 20  # a streamed dataset passes in blocks of this size: hashed and written from cache
 MIN_STREAM_BYTES = 1 << 20  # smaller datasets are assembled whole (a block or less either way)
+DURABLE_BLOCK_BYTES = 16 << 20  # a durable reshard streams only datasets too large to hold whole, in these
 
 
 @dataclass(frozen=True)
@@ -65,31 +66,40 @@ def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: st
     if copies is None or (not force and any(ckpt.info(cp.src_rank, cp.src_key).offset is None for cp in copies)):
         return None
     known = carried_digests(copies, shape, dtype, ckpt) if verify else None
+    read = [0]
+    pieces = (b for _, b in target_blocks(copies, total, sdtype, ckpt, blocks, verify=verify,
+                                          block_bytes=block_bytes, read=read))
+    writer.write_stream(targets, key, shape, dtype, pieces, digests=known)
+    return Streamed(read[0], sum(cp.count for cp in copies) * sdtype.itemsize)
+
+
+def target_blocks(copies: Sequence[StridedCopy], total: int, sdtype: np.dtype, ckpt: CheckpointLike,
+                  blocks: ArenaRing, *, verify: bool, block_bytes: int, read: list[int]) -> Iterator[tuple[int, np.ndarray]]:
+    """The target dataset ``copies`` (``strided_copies``) fill, ``total`` elements of ``sdtype``, as
+    ``(first element, block)`` in flat order, blocks of ``block_bytes`` from ``blocks``: each part of
+    a block read with ``read_runs`` (straight into the block where it lands contiguously, verified
+    there with ``verify``), elements no copy writes zeroed. ``read[0]`` counts the bytes read."""
     covered = sum(cp.count for cp in copies)
     step = max(1, block_bytes // sdtype.itemsize)
-    staging, read = Arena(), 0
+    staging = Arena()
 
     def fill(p: StridedCopy, dst: np.ndarray) -> None:
-        nonlocal read
         into = dst.reshape(-1) if dst.flags.c_contiguous else staging.array((p.count,), sdtype)
         ckpt.read_runs(p.src_rank, p.src_key, p.src_runs(), out=into, verify=verify)
-        read += ckpt.bytes_last_read
+        read[0] += ckpt.bytes_last_read
         if not dst.flags.c_contiguous:
             np.copyto(dst, into.reshape(p.sizes))
 
-    def pieces() -> Iterator[np.ndarray]:
-        for lo in range(0, total, step):
-            n = min(step, total - lo)
-            parts = list(parts_in(copies, lo, lo + n)) if covered < total else None
-            # only a block with elements no copy writes (padding, a gap between flat partitions) is zeroed
-            out = blocks.array((n,), sdtype, zero=parts is not None and sum(p.count for p in parts) < n)
-            if parts is None:
-                fill_block(copies, lo, out, fill)
-            else:
-                fill_parts(parts, lo, out, fill)
-            yield out
-    writer.write_stream(targets, key, shape, dtype, pieces(), digests=known)
-    return Streamed(read, covered * sdtype.itemsize)
+    for lo in range(0, total, step):
+        n = min(step, total - lo)
+        parts = list(parts_in(copies, lo, lo + n)) if covered < total else None
+        # only a block with elements no copy writes (padding, a gap between flat partitions) is zeroed
+        out = blocks.array((n,), sdtype, zero=parts is not None and sum(p.count for p in parts) < n)
+        if parts is None:
+            fill_block(copies, lo, out, fill)
+        else:
+            fill_parts(parts, lo, out, fill)
+        yield lo, out
 
 
 def zero_gaps(plan: Plan, rows, out: np.ndarray) -> None:
