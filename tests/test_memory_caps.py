@@ -193,6 +193,20 @@ def test_reshards_under_the_smallest_cap_are_bit_exact(tiny, tmp_path, to, durab
         assert ck.verify() == []
 
 
+def test_a_foreign_folders_large_datasets_stream_under_a_cap(tmp_path):
+    """A DCP folder read in place (an import): a tensor over a share's ``whole`` is streamed from the
+    foreign files in blocks (durable too), the same bytes as the whole-dataset path writes."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as tdcp
+    g = torch.Generator().manual_seed(0)
+    tdcp.save({"big": torch.randn(2048, 1024, generator=g), "b16": torch.randn(3000, 999, generator=g).to(torch.bfloat16),
+               "small": torch.randn(7, generator=g)}, checkpoint_id=str(tmp_path / "dcp"))
+    for durable in (False, True):
+        reshard(tmp_path / "dcp", tmp_path / f"free{durable}", "universal", durable=durable)
+        reshard(tmp_path / "dcp", tmp_path / f"capped{durable}", "universal", durable=durable, max_memory="16MiB")
+        assert checksums(tmp_path / f"capped{durable}") == checksums(tmp_path / f"free{durable}")
+
+
 @needs_proc
 def test_durable_universal_stays_under_a_small_cap(tiny, warm, tmp_path):
     """The durable whole-dataset path held two datasets per worker; under 16 MiB it streams."""

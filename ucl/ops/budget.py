@@ -6,8 +6,12 @@ from __future__ import annotations
 import ctypes
 import sys
 from dataclasses import dataclass
+from typing import Any, Sequence
 
+from ..errors import UclError
 from ..memory import MemoryCap, format_size
+from ..plan.ir import Plan
+from . import streamed
 
 # What a process adds before it holds any data, measured on the 2-core VM (tests/test_memory_caps.py):
 # a forked worker writes to pages it shares with its parent (reference counts, the allocator's
@@ -70,6 +74,30 @@ def load_budget(cap: MemoryCap) -> Budget:
     """The budget of a load in the caller's process (``load_rank``, ``iter_rank``): the cap less
     what the load's own state (plan, manifest, open files) takes; it streams no blocks."""
     return Budget.of(cap.total - OWN_BYTES, MIN_BLOCK_BYTES)
+
+
+def budgeted(groups: Sequence[Any], plan: Plan, cap: MemoryCap, workers: int, *, compress: bool, durable: bool,
+             forked: bool = False) -> tuple[int, Budget]:
+    """A reshard's workers (at most ``workers``) and each one's budget under ``cap``, for the target
+    datasets ``groups`` (``reshard.ReplicaGroup``: ``key``, ``nbytes``, the plan ``rows`` filling it):
+    fewer workers where a share would be small (``worker_count``) or where a dataset that must be
+    assembled whole (a ``compress``\ed target's, or one the streamed path cannot take) would not fit
+    one share; UCL011 when it fits none, before anything is written. ``forked``: workers are forked
+    even when there is one (a distributed reshard). Larger datasets are streamed."""
+    workers = worker_count(cap, workers)
+    # durable writes go around the page cache (store.direct): larger blocks keep the device busy
+    block = streamed.DURABLE_BLOCK_BYTES if durable else streamed.STREAM_BLOCK_BYTES
+    least = worker_budget(cap, workers, block, forked=forked or workers > 1).whole
+    whole = [g for g in groups if compress or (g.nbytes > least and not streamed.streamable(plan, g.rows))]
+    # a coded dataset is held with its coded bytes too (at most its size again, half of it in flight)
+    need = max((g.nbytes * 3 // 2 if compress else g.nbytes for g in whole), default=0)
+    for w in range(workers, 0, -1):
+        budget = worker_budget(cap, w, block, forked=forked or w > 1)
+        if need <= budget.whole:
+            return w, budget
+    g = max(whole, key=lambda g: g.nbytes)
+    why = "a compressed target's datasets are coded whole" if compress else "its copies cannot be streamed"
+    raise UclError(too_big(f"target dataset {g.key!r} ({g.nbytes:,} B)", 2 * need, cap, why), code="UCL011")
 
 
 def too_big(what: str, need: int, cap: MemoryCap, hint: str) -> str:

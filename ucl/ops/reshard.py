@@ -31,7 +31,7 @@ from .dist import allgather_json, gloo_group, initialized_dist
 from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for, resolve_root
 from .stats import IOStats
 from . import streamed
-from .budget import Budget, too_big, worker_budget, worker_count
+from .budget import Budget, budgeted
 from .machine import check_workers, usable_cores
 from .bounded import BoundedSource
 from .workers import run_forked
@@ -191,7 +191,8 @@ def _write_files(job: ReshardJob, files: Sequence[int], workers: int, progress: 
     One worker runs in this process, unless ``cancel`` is given (a distributed reshard: a forked pool
     can be stopped when another process fails). ``cap`` (default: the default cap) is shared out
     among the workers (``budgeted``)."""
-    workers, budget = budgeted(job, memory_cap(cap), workers, forked=cancel is not None)
+    workers, budget = budgeted(job.groups, job.plan, memory_cap(cap), workers, compress=bool(job.compress),
+                               durable=job.durable, forked=cancel is not None)
     job = replace(job, budget=budget)
     shared = split_files(job.groups, workers) if not job.compress else frozenset()  # coded sizes are not known
     layer = CheckpointWriter.join(job.tmp, job.nranks, durable=job.durable) if shared else None
@@ -345,27 +346,6 @@ def _destroy(dist, group) -> None:
         dist.destroy_process_group(group)
     except Exception:  # a group broken by a dead process: nothing left to release
         pass
-
-
-def budgeted(job: ReshardJob, cap: MemoryCap, workers: int, forked: bool = False) -> tuple[int, Budget]:
-    """The workers (at most ``workers``) and each one's budget under ``cap``: fewer workers where a
-    share would be small (``budget.worker_count``) or where a dataset that must be assembled whole
-    (a compressed target's, or one the streamed path cannot take) would not fit one share; UCL011
-    when it fits none, before anything is written. Datasets larger than a share are streamed."""
-    workers = worker_count(cap, workers)
-    # durable writes go around the page cache (store.direct): larger blocks keep the device busy
-    block = streamed.DURABLE_BLOCK_BYTES if job.durable else streamed.STREAM_BLOCK_BYTES
-    least = worker_budget(cap, workers, block, forked=forked or workers > 1).whole
-    whole = [g for g in job.groups if job.compress or (g.nbytes > least and not streamed.streamable(job.plan, g.rows))]
-    # a coded dataset is held with its coded bytes too (at most its size again, half of it in flight)
-    need = max((g.nbytes * 3 // 2 if job.compress else g.nbytes for g in whole), default=0)
-    for w in range(workers, 0, -1):
-        budget = worker_budget(cap, w, block, forked=forked or w > 1)
-        if need <= budget.whole:
-            return w, budget
-    g = max(whole, key=lambda g: g.nbytes)
-    why = "a compressed target's datasets are coded whole" if job.compress else "its copies cannot be streamed"
-    raise UclError(too_big(f"target dataset {g.key!r} ({g.nbytes:,} B)", 2 * need, cap, why), code="UCL011")
 
 
 def replica_groups(plan: Plan) -> list[ReplicaGroup]:
