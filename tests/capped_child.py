@@ -8,7 +8,7 @@ it returned; iter_rank: the largest it yielded, one held at a time) and a ``dige
 operation runs once on ``warm`` (a small checkpoint of the same kind), so that the modules it imports
 lazily and their one-time tables are in the baseline, not in the operation's figure: the cap counts
 the memory an operation adds, not the interpreter's. ``op``: reshard, load_rank, iter_rank,
-load_into (load_rank into torch parameters made beforehand).
+load_into (load_rank into torch parameters made beforehand, filled as GPU tensors are).
 tests/test_memory_caps.py and bench/reshard.py run it.
 """
 from __future__ import annotations
@@ -32,10 +32,13 @@ from ucl.ops.reshard import reshard  # noqa: E402
 
 def prepare(a: dict, src: str):
     """What the operation is given (not measured): load_into's destination tensors, torch
-    parameters that require grad (filled through memory of ucl's own, as GPU tensors are)."""
+    parameters, which ucl is made to treat as it treats GPU tensors (no numpy view of them: filled
+    through memory of its own), as this machine may have no GPU."""
     if a["op"] != "load_into":
         return None
     import torch
+    import ucl.ops.load
+    ucl.ops.load.storage_view = lambda obj, logical: None if isinstance(obj, torch.Tensor) else obj
     from ucl.dtypes import to_torch
     from ucl.ops.prepare import mesh_of, model_of, open_checkpoint, plan_for
     from ucl.plan.execute import rank_datasets

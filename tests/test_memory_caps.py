@@ -21,6 +21,7 @@ from ucl.memory import MemoryCap, memory_cap
 from ucl.ops.budget import MIN_WORKER_BYTES, Budget, load_budget, worker_budget, worker_count
 from ucl.ops.load import iter_rank, load_rank
 from ucl.ops.reshard import reshard
+from ucl.ops.streamed import target_blocks as load_target_blocks
 from ucl.store.reader import Checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +91,7 @@ def test_a_small_cap_runs_one_worker_and_a_large_one_what_was_asked():
 def test_a_budget_spends_no_more_than_it_has(total):
     for b in (load_budget(MemoryCap(total)), worker_budget(MemoryCap(total), 1, 2 << 20),
               worker_budget(MemoryCap(total), 4, 2 << 20)):
-        assert 4 * b.block + 2 * b.piece + b.cache + 2 * b.whole <= max(b.bytes, 0) or b.whole == 0
+        assert 4 * b.block + 2 * b.piece + b.cache + 2 * b.whole <= max(b.total, 0) or b.whole == 0
         assert b.block % 4096 == 0 and b.piece % 4096 == 0 and b.whole >= 0
 
 
@@ -169,17 +170,25 @@ def test_loads_in_pieces_are_bit_exact(tiny, to):
         assert k1 == k2 and np.array_equal(a.view(np.uint8), b.view(np.uint8)), k1
 
 
-def test_tensors_not_filled_in_place_are_filled_block_by_block(tiny):
-    """``out=`` tensors a load cannot read into (GPU tensors; here parameters that require grad)
-    larger than a piece are filled a block at a time: the same values as a plain load."""
+@pytest.mark.parametrize("to", ["universal", "pp=1,dp=2,tp=4"])
+def test_tensors_not_filled_in_place_are_filled_block_by_block(tiny, monkeypatch, to):
+    """``out=`` tensors a load cannot read into (GPU tensors: here CPU ones ucl is made to treat
+    alike) are filled a block at a time: the same values as a plain load. (They went through host
+    copies of all of them at once: a universal load held the whole model twice.)"""
     torch = pytest.importorskip("torch")
+    import ucl.ops.load as load
     from ucl.dtypes import to_numpy, to_torch
-    want = load_rank(tiny, mesh="universal", rank=0)
+    mesh = ucl.Mesh.parse(to)
+    want = load_rank(tiny, mesh=mesh, rank=mesh.size - 1)
+    monkeypatch.setattr(load, "storage_view", lambda obj, logical: None)
+    blocks = []
+    monkeypatch.setattr(load, "target_blocks", lambda *a, **k: blocks.append(a[1]) or load_target_blocks(*a, **k))
     out = {k: torch.nn.Parameter(to_torch(np.full(a.shape, 7, a.dtype), "float32")) for k, a in want.items()}
-    got = load_rank(tiny, mesh="universal", rank=0, out=out, max_memory="16MiB")
+    got = load_rank(tiny, mesh=mesh, rank=mesh.size - 1, out=out, max_memory="16MiB")
     assert all(got[k] is out[k] for k in out)
     for k, w in want.items():
         assert np.array_equal(to_numpy(got[k].detach())[0].view(np.uint8), w.view(np.uint8)), k
+    assert sorted(blocks) == sorted(a.size for a in want.values())
 
 
 @pytest.mark.parametrize("durable", [False, True])

@@ -13,7 +13,7 @@ from ..memory import MemoryCap, format_size
 from ..plan.ir import Plan
 from . import streamed
 
-# What a process adds before it holds any data, measured on the 2-core VM (tests/test_memory_caps.py):
+# What a process adds before it holds any data, measured with tests/capped_child.py on a 2-core VM:
 # a forked worker writes to pages it shares with its parent (reference counts, the allocator's
 # headers) and opens its own HDF5 files, 12-20 MiB; the operation's own process holds the plan, the
 # manifest and its open files, a few MiB.
@@ -21,7 +21,8 @@ FORK_BYTES = 20 << 20
 OWN_BYTES = 8 << 20
 MIN_WORKER_BYTES = 64 << 20  # a worker is started only with a share of at least this (its fork costs FORK_BYTES)
 MIN_BLOCK_BYTES = 64 << 10
-MAX_PIECE_BYTES = 32 << 20  # larger bounce pieces are no faster: a read of 32 MiB already runs at full speed
+MAX_PIECE_BYTES = 32 << 20  # a bounce read this long makes its per-call costs negligible
+MAX_LOAD_BLOCK_BYTES = 64 << 20
 MAX_CACHE_BYTES = 64 << 20  # the reader's cache of verified chunks, at most (its size before caps)
 ALIGN = 4096  # blocks and pieces are whole pages: a direct (O_DIRECT) write of them needs no bounce copy
 
@@ -32,17 +33,23 @@ def _pages(n: int, floor: int) -> int:
 
 @dataclass(frozen=True)
 class Budget:
-    """What one process's buffers may hold at once, ``bytes``, and how it is spent: ``block``
+    """What one process's buffers may hold at once, ``total``, and how it is spent: ``block``
     (a streamed target block; 4 are held: the one filled, 2 still being written, 1 of staging),
     ``piece`` (a bounce read of a box, and the reader's scratch for the checksum chunks around it),
     ``cache`` (verified chunks kept for neighbouring reads) and ``whole`` (the largest dataset
     assembled whole: the one in flight to the disk and the next one are held together)."""
 
-    bytes: int
+    total: int
     block: int
     piece: int
     cache: int
     whole: int
+
+    @property
+    def stream_block(self) -> int:
+        """A block of a load streamed into a caller's tensors: it holds one and its staging, and no
+        whole dataset (64 MiB at most: larger blocks copy no faster)."""
+        return _pages(min(MAX_LOAD_BLOCK_BYTES, self.total // 4), MIN_BLOCK_BYTES)
 
     @classmethod
     def of(cls, nbytes: int, block: int) -> "Budget":

@@ -93,9 +93,9 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
             out = out or {}
             covered = covered_elements(plan, rows)
             ties = alias_keys(ckpt, target, set(out) - set(datasets), datasets)
-            # a caller's tensor larger than a piece that cannot be filled in place (on a GPU) is filled
-            # block by block from memory of our own, not through a whole host copy
-            over = budget.piece if link is None and source is None else None
+            # a caller's tensor that cannot be filled in place (on a GPU) is filled block by block from
+            # memory of our own: host copies of every such tensor at once were the whole rank's size
+            over = 0 if link is None and source is None else None
             targets, later, streams = _targets(datasets, covered, {k: v for k, v in out.items() if k not in ties},
                                                mesh, rank, stream_over=over, keep=set(ties.values()))
             # a tied alias is the same dataset: its destination is checked now, filled from it at the end
@@ -106,7 +106,7 @@ def load_rank(path: str | os.PathLike, *, mesh: Mesh | str, rank: int, model: Mo
             source = BoundedSource(StoreSource(ckpt, Arena(), verify=verify), budget.piece) if source is None else source
             if link is None:
                 run_copies(plan, rows, source, targets)
-                streamed = _stream_all(streams, plan, rows, datasets, ckpt, verify, budget.piece)
+                streamed = _stream_all(streams, plan, rows, datasets, ckpt, verify, budget.stream_block)
             else:  # only what this process reads for itself and its replica sets
                 share = share_of(target, mesh, int(rank), targets)
                 ident = identity(ckpt, target, mesh)
