@@ -4,6 +4,8 @@ partition's pieces as boxes of their tensors, its gaps, and its dataset. A cut i
 members' local shapes (a skeleton) and only its boxes mapped per tensor-parallel coordinate."""
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,51 +114,94 @@ def _buffers(entries, flat, opts: FlatOptions) -> list[list]:
     return buffers
 
 
-def flat_geometry(ctx: LoweringContext, group, placed) -> FlatGeometry:
-    """The pieces, gaps and partitions of one flat group's buffers (only those holding a tensor of
-    ``ctx.focus``, when given); ``placed``: tensor id -> ``lower.Placed``."""
-    flat, mesh, focus = group.flat, ctx.mesh, ctx.focus
-    opts = _flat_options(ctx, group)
-    parts = opts.parts
-    part_coords = [_unravel(j, list(opts.axes), mesh) for j in range(parts)]
-    geo = FlatGeometry([], [], [])
-    # Buffers with the same member layouts (the same DimLayout objects: dim_layout is cached) cut
-    # the same way: pipeline stages of equal depth repeat one cut, which is computed once.
-    cuts: dict | None = {} if ctx.memo is not None else None
-    restricted: dict = {}  # (DimLayout, lo, hi) -> its restriction: cuts of other stages repeat many
-    skeletons: dict = {}  # (dtype, members' local shapes) -> the cut as boxes of local tensors
-    # Members placed alike (a pipeline stage's layers) are held on the same coordinates: test
-    # each placement once per coordinate, not each member.
+def _alike(group, placed) -> dict[tuple, list[int]]:
+    """Members placed alike (a pipeline stage's layers) are held on the same coordinates: each
+    placement is tested once per coordinate, not each member."""
     alike: dict[tuple, list[int]] = {}
     for i, t in enumerate(group.members):
         alike.setdefault(tuple((a, tuple(c)) for a, c in placed[t.id].allowed.items()), []).append(i)
+    return alike
+
+
+def _buffers_where(ctx: LoweringContext, group, placed, opts: FlatOptions, want):
+    """(member coordinate, suffix, members) of the buffers on every member coordinate ``fixed`` for
+    which ``want(fixed, held member indices)`` is true; members are (tensor, layouts, local name)."""
+    flat, mesh = group.flat, ctx.mesh
+    alike = _alike(group, placed)
     for fixed in coordinates(_member_axes(ctx, group, placed, opts), mesh, {}):
         # The buffer on this coordinate: held members in order, each flattened, aligned.
         held = sorted(i for allowed, idx in alike.items()
                       if all(fixed.get(a) in c for a, c in allowed) for i in idx)
-        if focus is not None and not any(group.members[i].id in focus for i in held):
+        if not held or not want(fixed, held):
             continue
         entries = []
         for i in held:
             t = group.members[i]
             p = placed[t.id]
             entries.append((t, local_layouts(ctx, t, p.dims, fixed, p.dim_axes), p.local))
-        for b, members in enumerate(_buffers(entries, flat, opts) if entries else []):
+        for b, members in enumerate(_buffers(entries, flat, opts)):
             suffix = members[0][2] if flat.per_param else \
                 f"@flat{group.number}" + (f".{b}" if opts.bucket is not None else "")
-            if cuts is None:
-                cut = _cut_buffer(_cut_skeleton(ctx, flat, opts, members), members, None)
-            else:
-                key = (members[0][0].dtype, tuple([layouts for _, layouts, _ in members]))
-                cut = cuts.get(key)
-                if cut is None:
-                    shapes = (members[0][0].dtype, tuple([tuple([x.local for x in layouts])
-                                                          for _, layouts, _ in members]))
-                    skeleton = skeletons.get(shapes)
-                    if skeleton is None:
-                        skeleton = skeletons[shapes] = _cut_skeleton(ctx, flat, opts, members)
-                    cut = cuts[key] = _cut_buffer(skeleton, members, restricted)
-            _place_cut(cut, members, fixed, part_coords, suffix, geo)
+            yield fixed, suffix, members
+
+
+def _parts_at(fixed: dict, at, opts: FlatOptions, mesh: Mesh) -> set[int]:
+    """The partitions of the buffer on member coordinate ``fixed`` that ranks with coordinates
+    ``at`` hold."""
+    return {_ravel(c, opts.axes, mesh) for c in at if all(c.get(a, 0) == v for a, v in fixed.items())}
+
+
+def members_at(ctx: LoweringContext, group, placed, at: list[dict]) -> set[int]:
+    """Ids of the members of ``group`` of which ranks with coordinates ``at`` hold elements: only the
+    buffers on those coordinates are laid out, and only as skeletons (no boxes)."""
+    opts = _flat_options(ctx, group)
+    out: set[int] = set()
+    skeletons: dict = {}
+    for fixed, _, members in _buffers_where(ctx, group, placed, opts,
+                                            lambda fixed, held: bool(_parts_at(fixed, at, opts, ctx.mesh))):
+        parts = _parts_at(fixed, at, opts, ctx.mesh)
+        shapes = (members[0][0].dtype, tuple([tuple([x.local for x in layouts]) for _, layouts, _ in members]))
+        skeleton = skeletons.get(shapes)
+        if skeleton is None:
+            skeleton = skeletons[shapes] = _cut_skeleton(ctx, group.flat, opts, members)
+        out.update(m[0].id for i, m in enumerate(members) if any(j in skeleton.partitions_of(i) for j in parts))
+    return out
+
+
+def flat_geometry(ctx: LoweringContext, group, placed, at: list[dict] | None = None) -> FlatGeometry:
+    """The pieces, gaps and partitions of one flat group's buffers; ``placed``: tensor id ->
+    ``lower.Placed``. With ``ctx.focus``, only the pieces of those tensors (every one of them), and
+    only the buffers holding one; with ``at`` (coordinates), the gaps and partitions that ranks with
+    those coordinates hold, and only those (else every buffer's)."""
+    flat, mesh, focus = group.flat, ctx.mesh, ctx.focus
+    opts = _flat_options(ctx, group)
+    geo = FlatGeometry([], [], [])
+    # Buffers with the same member layouts (the same DimLayout objects: dim_layout is cached) cut
+    # the same way: pipeline stages of equal depth repeat one cut, which is computed once.
+    cuts: dict | None = {} if ctx.memo is not None else None
+    restricted: dict = {}  # (DimLayout, lo, hi) -> its restriction: cuts of other stages repeat many
+    skeletons: dict = {}  # (dtype, members' local shapes) -> the cut as boxes of local tensors
+
+    def want(fixed, held) -> bool:
+        if focus is None or any(group.members[i].id in focus for i in held):
+            return True
+        return at is not None and bool(_parts_at(fixed, at, opts, mesh))
+
+    for fixed, suffix, members in _buffers_where(ctx, group, placed, opts, want):
+        keep = None if focus is None else frozenset(i for i, m in enumerate(members) if m[0].id in focus)
+        if cuts is None:
+            cut = _cut_buffer(_cut_skeleton(ctx, flat, opts, members), members, None, keep)
+        else:
+            key = (members[0][0].dtype, tuple([layouts for _, layouts, _ in members]), keep)
+            cut = cuts.get(key)
+            if cut is None:
+                shapes = (members[0][0].dtype, tuple([tuple([x.local for x in layouts])
+                                                      for _, layouts, _ in members]))
+                skeleton = skeletons.get(shapes)
+                if skeleton is None:
+                    skeleton = skeletons[shapes] = _cut_skeleton(ctx, flat, opts, members)
+                cut = cuts[key] = _cut_buffer(skeleton, members, restricted, keep)
+        _place_cut(cut, members, fixed, opts, mesh, suffix, geo, None if at is None else _parts_at(fixed, at, opts, mesh))
     return geo
 
 
@@ -164,25 +209,51 @@ def flat_geometry(ctx: LoweringContext, group, placed) -> FlatGeometry:
 class BufferCut:
     """One flat buffer cut into partitions, independent of where it is held: ``pieces`` are
     (member index, partition, member's offset relative to the partition, member's local shape,
-    boxes), ``gaps[j]`` the (start, length) of partition ``j`` that no member covers. A skeleton
-    (:func:`_cut_skeleton`) has boxes as (starts, sizes) in the member's local tensor; a cut
-    (:func:`_cut_buffer`) has them as per-dim layouts."""
+    boxes); ``holes`` the (start, stop) runs of the buffer that no member covers, ascending. A
+    skeleton (:func:`_cut_skeleton`) has no pieces (:func:`_skeleton_pieces` finds a member's); a
+    cut (:func:`_cut_buffer`) has them with boxes as per-dim layouts."""
 
     part: int  # partition length
     pieces: list[tuple[int, int, int, tuple[int, ...], list]]
-    gaps: list[list[tuple[int, int]]]
+    holes: tuple[tuple[int, int], ...]
+    offsets: tuple[int, ...] = ()  # each member's first element in the buffer
+    shapes: tuple[tuple[int, ...], ...] = ()  # each member's local shape
+
+    def gaps(self, j: int) -> list[tuple[int, int]]:
+        """The (start, length) runs of partition ``j`` that no member covers, ascending."""
+        lo, hi = j * self.part, (j + 1) * self.part
+        k = bisect.bisect_right(self.holes, (lo, lo))
+        if k and self.holes[k - 1][1] > lo:
+            k -= 1
+        out = []
+        for start, stop in self.holes[k:]:
+            if start >= hi:
+                break
+            a, b = max(start, lo), min(stop, hi)
+            if b > a:
+                out.append((a - lo, b - a))
+        return out
+
+    def partitions_of(self, i: int) -> range:
+        """The partitions holding elements of member ``i``."""
+        off, n = self.offsets[i], math.prod(self.shapes[i])
+        return range(0) if n == 0 or self.part == 0 else range(off // self.part, (off + n - 1) // self.part + 1)
 
 
 def _cut_skeleton(ctx: LoweringContext, flat, opts: FlatOptions, members) -> BufferCut:
     """Lay ``members`` out in one flat buffer (aligned, padded) and cut it into ``opts.parts``
-    partitions: the pieces each partition holds, as boxes of local shapes, and its gaps. Only the
-    members' local shapes matter: the ranks of a tensor-parallel group share one skeleton."""
+    partitions: where each member lies and the holes no member covers; each member's boxes come
+    from :func:`_skeleton_pieces`. Only the members' local shapes matter: the ranks of a
+    tensor-parallel group share one skeleton."""
     parts = opts.parts
-    offsets, pos = [], 0
+    offsets, shapes, holes, pos = [], [], [], 0
     for t, layouts, _ in members:
-        pos = -(-pos // opts.align) * opts.align
-        offsets.append(pos)
-        pos += int(np.prod([x.local for x in layouts], dtype=np.int64))
+        start = -(-pos // opts.align) * opts.align
+        if start > pos:
+            holes.append((pos, start))
+        offsets.append(start)
+        shapes.append(tuple(x.local for x in layouts))
+        pos = start + math.prod(shapes[-1])
     unit = opts.multiple * (parts if flat.per_param and flat.pad_multiple is None else 1)
     total = -(-pos // unit) * unit if unit > 1 else pos
     if total * itemsize(members[0][0].dtype) > LIMIT:  # each member is bounded, their sum is not
@@ -192,49 +263,51 @@ def _cut_skeleton(ctx: LoweringContext, flat, opts: FlatOptions, members) -> Buf
         ctx.fail(members[0][0], flat.span, LayoutError(
             "UCL210", f"a flat buffer of {total} elements cannot be split evenly over {'x'.join(opts.axes)}={parts}",
             f"add `pad to multiple_of({' * '.join(opts.axes)})`"))
-    part = total // parts
-    covered = [[] for _ in range(parts)]
-    pieces = []
-    for i, ((t, layouts, _), off) in enumerate(zip(members, offsets)):
-        shape = tuple(x.local for x in layouts)
-        n = int(np.prod(shape, dtype=np.int64))
-        if n == 0 or part == 0:
-            continue
-        for j in range(off // part, (off + n - 1) // part + 1):
-            lo, hi = max(off, j * part), min(off + n, (j + 1) * part)
-            covered[j].append((lo - j * part, hi - lo))
-            boxes = [(start, size) for _, start, size in flat_boxes(shape, lo - off, hi - off)]
-            pieces.append((i, j, off - j * part, shape, boxes))
-    gaps = []
-    for j in range(parts):
-        pos, mine = 0, []
-        for lo, n in sorted(covered[j]):
-            if lo > pos:
-                mine.append((pos, lo - pos))
-            pos = lo + n
-        if part > pos:
-            mine.append((pos, part - pos))
-        gaps.append(mine)
-    return BufferCut(part, pieces, gaps)
+    if total > pos:
+        holes.append((pos, total))
+    return BufferCut(total // parts, [], tuple(holes), tuple(offsets), tuple(shapes))
 
 
-def _cut_buffer(skeleton: BufferCut, members, restricted: dict | None) -> BufferCut:
-    """``skeleton`` with each box as per-dim layouts of its member."""
+def _skeleton_pieces(skeleton: BufferCut, i: int) -> list:
+    """Member ``i``'s pieces of a skeleton, one per partition it reaches, with boxes as (starts,
+    sizes) in its local tensor."""
+    part, off, shape = skeleton.part, skeleton.offsets[i], skeleton.shapes[i]
+    n = math.prod(shape)
+    out = []
+    for j in skeleton.partitions_of(i):
+        lo, hi = max(off, j * part), min(off + n, (j + 1) * part)
+        boxes = [(start, size) for _, start, size in flat_boxes(shape, lo - off, hi - off)]
+        out.append((i, j, off - j * part, shape, boxes))
+    return out
+
+
+def _cut_buffer(skeleton: BufferCut, members, restricted: dict | None, keep=None) -> BufferCut:
+    """``skeleton`` with each member's boxes as per-dim layouts (only of members ``keep``, if given)."""
     pieces = [(i, j, base, shape, [_box_dims(members[i][1], start, size, restricted) for start, size in boxes])
-              for i, j, base, shape, boxes in skeleton.pieces]
-    return BufferCut(skeleton.part, pieces, skeleton.gaps)
+              for k in range(len(members)) if keep is None or k in keep
+              for i, j, base, shape, boxes in _skeleton_pieces(skeleton, k)]
+    return BufferCut(skeleton.part, pieces, skeleton.holes, skeleton.offsets, skeleton.shapes)
 
 
-def _place_cut(cut: BufferCut, members, fixed, part_coords, suffix, geo: FlatGeometry) -> None:
-    """The pieces, gaps and partition datasets of a cut buffer held by the ranks at ``fixed``."""
-    part = cut.part
-    coords = [{**fixed, **c} for c in part_coords]
+def _place_cut(cut: BufferCut, members, fixed, opts: FlatOptions, mesh: Mesh, suffix, geo: FlatGeometry,
+               parts: set[int] | None) -> None:
+    """The pieces, gaps and partition datasets of a cut buffer held by the ranks at ``fixed`` (the
+    gaps and datasets of partitions ``parts`` only, if given)."""
+    part, axes = cut.part, list(opts.axes)
+    coords: dict[int, dict] = {}  # partition -> its coordinates, made once: pieces share them
+
+    def at(j: int) -> dict:
+        c = coords.get(j)
+        if c is None:
+            c = coords[j] = {**fixed, **_unravel(j, axes, mesh)}
+        return c
+
     for i, j, base, shape, boxes in cut.pieces:
-        geo.pieces.append(FlatPiece(members[i][0].name, coords[j], suffix, base, shape, part, boxes))
-    for j, mine in enumerate(cut.gaps):
-        geo.partitions.append(FlatPartition(coords[j], suffix, part))
-        for start, length in mine:
-            geo.gaps.append(FlatGap(coords[j], suffix, part, start, length))
+        geo.pieces.append(FlatPiece(members[i][0].name, at(j), suffix, base, shape, part, boxes))
+    for j in (range(opts.parts) if parts is None else sorted(parts)):
+        geo.partitions.append(FlatPartition(at(j), suffix, part))
+        for start, length in cut.gaps(j):
+            geo.gaps.append(FlatGap(at(j), suffix, part, start, length))
 
 
 def _box_dims(layouts, start, size, restricted: dict | None) -> tuple[DimLayout, ...]:
@@ -253,6 +326,14 @@ def _box_dims(layouts, start, size, restricted: dict | None) -> tuple[DimLayout,
                 r = restricted[key] = d.restrict(s, s + z)
             out.append(r)
     return tuple(out)
+
+
+def _ravel(coords: dict, axes, mesh: Mesh) -> int:
+    """The partition of a rank with ``coords``: its coordinates on the flat ``axes``, row-major."""
+    j = 0
+    for a in axes:
+        j = j * mesh.axis_size(a) + coords.get(a, 0)
+    return j
 
 
 def _unravel(j: int, axes: list[str], mesh: Mesh) -> dict[str, int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from .context import LoweringContext, TensorFailure
 from .derived import Derived
 from .dims import dims_of, universal_dims
 from .fit import mesh_report, note_shared, warn_loose_fit
-from .flat import FlatGeometry, flat_geometry
+from .flat import FlatGeometry, flat_geometry, members_at
 from .local import coordinates, local_layouts, split_axes
 from .mesh import Mesh
 from ..errors import UclError
@@ -93,16 +93,25 @@ class _Lowered:
     exists, the maps focused on some tensors; and each tensor's placement (:func:`_placement_of`)."""
 
     whole: dict[Mesh, ShardMap] = field(default_factory=dict)
-    focused: dict[Mesh, dict[frozenset[int], ShardMap]] = field(default_factory=dict)
+    focused: dict[Mesh, dict[tuple, ShardMap]] = field(default_factory=dict)
     placements: dict[Mesh, dict[int, tuple[dict[str, list[int]], str]]] = field(default_factory=dict)
 
 
-def lower(model: Model, mesh: Mesh, *, reuse: bool = True, tensors: frozenset[int] | None = None) -> ShardMap:
+_FOCUSED_MAPS = 64  # focused maps kept per mesh before a process lowers the whole model once instead
+
+
+def lower(model: Model, mesh: Mesh, *, reuse: bool = True, tensors: frozenset[int] | None = None,
+          at: list[dict[str, int]] | None = None, held: bool = False) -> ShardMap:
     """The ShardMap of ``model`` on ``mesh`` (cached on the model: lowering is pure).
     ``reuse=False`` computes it afresh, every tensor and flat buffer on its own (for tests).
-    ``tensors`` (ids): a map whose holdings are complete for those tensors at least, lowering only
-    what they need (the flat buffers they lie in): what a plan for a few ranks reads and proves. Only
-    those tensors are checked against the mesh. The whole map is returned when it is cached."""
+    ``tensors`` (ids): a map whose holdings are complete for those tensors at least (``focus`` says
+    which), lowering only what they need (the flat buffers they lie in, and in those only their
+    pieces): what a plan for a few ranks reads and proves. Only those tensors are checked against
+    the mesh. ``at`` (with ``tensors``): the coordinates of the ranks planned for; the flat buffers'
+    datasets and fills are those of these ranks only. ``held`` (with ``at``): flat members of
+    ``tensors`` that no rank at ``at`` holds are left out (``tensors`` may come from placement
+    alone, which cannot tell the partitions of a ZeRO buffer apart). The whole map is returned
+    when it is cached."""
     if not reuse:
         with gc_paused():
             return _lower(model, mesh, False)
@@ -112,12 +121,13 @@ def lower(model: Model, mesh: Mesh, *, reuse: bool = True, tensors: frozenset[in
         return whole
     if tensors is not None:
         focused = cache.focused.setdefault(mesh, {})
-        # a process planning the ranks of several pipeline stages lowers the whole model once instead
-        if tensors in focused or len(focused) < 2:
-            sm = focused.get(tensors)
+        key = (tensors, None if at is None else tuple(tuple(sorted(c.items())) for c in at), held)
+        # a process planning many ranks one at a time lowers the whole model once instead
+        if key in focused or len(focused) < _FOCUSED_MAPS:
+            sm = focused.get(key)
             if sm is None:
                 with gc_paused():
-                    sm = focused[tensors] = _lower(model, mesh, True, tensors)
+                    sm = focused[key] = _lower(model, mesh, True, tensors, at, held)
             return sm
     with gc_paused():
         whole = cache.whole[mesh] = _lower(model, mesh, True)
@@ -174,7 +184,8 @@ def gc_paused():
             gc.enable()
 
 
-def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None = None) -> ShardMap:
+def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None = None,
+           at: list[dict] | None = None, held: bool = False) -> ShardMap:
     ctx = LoweringContext.of(model, mesh, reuse, focus)
     todo, members = range(len(model.tensors)), []
     if focus is not None:  # a flat buffer is laid out from all its members: they are placed too (after)
@@ -220,10 +231,21 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
         raise mesh_report(model, mesh, failures)
     warn_loose_fit(model, mesh, notes)
 
+    groups = [g for g in model.flat_groups if focus is None or any(m.id in focus for m in g.members)]
+    if held and focus is not None and at is not None:
+        # ZeRO partitions: of the flat members placed where the ranks are, those they hold
+        kept = {i for i in focus if model.tensors[i].flat is None}
+        probed: dict[tuple, set[str]] = {}  # the kinds of one statement hold alike: probed once
+        for g in groups:
+            names = tuple(t.name for t in g.members)
+            if (g.number, names) not in probed:
+                probed[(g.number, names)] = {model.tensors[i].name for i in members_at(ctx, g, placed, at)}
+            kept |= {t.id for t in g.members if t.name in probed[(g.number, names)]}
+        focus = sm.focus = frozenset(kept)
+        ctx = replace(ctx, focus=focus)
     geometry_cache: dict = {}
-    for g in model.flat_groups:
-        if focus is None or any(m.id in focus for m in g.members):
-            _lower_flat(ctx, g, placed, sm, geometry_cache)
+    for g in groups:
+        _lower_flat(ctx, g, placed, sm, geometry_cache, at)
     return sm
 
 
@@ -264,15 +286,18 @@ def _place_other_members(ctx: LoweringContext, ids: list[int], placed: dict) -> 
         placed[t.id] = Placed((), allowed, local, axes)
 
 
-def _lower_flat(ctx: LoweringContext, group, placed, sm: ShardMap, cache: dict):
+def _lower_flat(ctx: LoweringContext, group, placed, sm: ShardMap, cache: dict, at: list[dict] | None):
     """Place one flat group's tensors. The geometry is shared by every kind of the same statement
     with the same members (fp32, exp_avg, exp_avg_sq), so it is computed once. ``ctx.focus``: only
-    the buffers holding one of those tensors."""
+    the buffers holding one of those tensors, and only their pieces; ``at``: only the datasets and
+    gaps of ranks at those coordinates."""
     if not group.members:
         return
-    key = (group.number, tuple(t.name for t in group.members))
+    focus = ctx.focus
+    key = (group.number, tuple(t.name for t in group.members),
+           None if focus is None else frozenset(t.name for t in group.members if t.id in focus))
     if key not in cache:
-        cache[key] = flat_geometry(ctx, group, placed)
+        cache[key] = flat_geometry(ctx, group, placed, at)
     geo: FlatGeometry = cache[key]
     held = {t.name: sm.holdings[t.id] for t in group.members}
     prefix = f"{group.kind}/"
@@ -287,5 +312,3 @@ def _lower_flat(ctx: LoweringContext, group, placed, sm: ShardMap, cache: dict):
         sm.flat_fills.append(FlatFill(g.coords, Slot(prefix + g.suffix, 0, (g.part,), (g.part,)), g.start, g.length))
     for d in geo.partitions:
         sm.datasets.append(DatasetSlot(d.coords, prefix + d.suffix, (d.part,), group.members[0].dtype))
-
-

@@ -72,10 +72,16 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
     if few is None:
         S, T = lower(src_model, src), lower(model, dst)
     else:
-        focus = tensors_on(model, dst, [c for _, c in few])
+        # the target map: the tensors placed where the ranks are, narrowed to those they hold (a
+        # ZeRO partition holds a few of a stage's tensors), with the datasets of those ranks only
+        at = [c for _, c in few]
+        T = lower(model, dst, tensors=tensors_on(model, dst, at), at=at, held=True)
+        focus = frozenset(tid for tid, _ in _matching(
+            T, "holdings", lambda: [(t.id, j) for t in model.tensors for j in range(len(T.holdings[t.id]))],
+            lambda e: T.holdings[e[0]][e[1]].fixed, at))
         src_focus = focus if src_model is model else frozenset(
             _matching_source(src_model, model.tensors[i]).id for i in focus)
-        S, T = lower(src_model, src, tensors=src_focus), lower(model, dst, tensors=focus)
+        S = lower(src_model, src, tensors=src_focus, at=[])  # sources only: no datasets
 
     def target_ranks(fixed) -> np.ndarray:
         if few is not None:
