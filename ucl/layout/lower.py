@@ -94,7 +94,7 @@ class _Lowered:
 
     whole: dict[Mesh, ShardMap] = field(default_factory=dict)
     focused: dict[Mesh, dict[tuple, ShardMap]] = field(default_factory=dict)
-    placements: dict[Mesh, dict[int, tuple[dict[str, list[int]], str]]] = field(default_factory=dict)
+    placements: dict[Mesh, dict[int | tuple, tuple[dict[str, list[int]], str]]] = field(default_factory=dict)
 
 
 _FOCUSED_MAPS = 64  # focused maps kept per mesh before a process lowers the whole model once instead
@@ -148,13 +148,17 @@ def tensors_on(model: Model, mesh: Mesh, coords: list[dict[str, int]]) -> frozen
     (its lowering reports it)."""
     ctx = LoweringContext.of(model, mesh)
     out = []
+    there: dict[int, bool] = {}  # id of a placement (shared by a parameter's kinds) -> where the ranks are
     for t in model.tensors:
         try:
             allowed, _ = _placement_of(ctx, t)
         except (TensorFailure, UclError):
             out.append(t.id)
             continue
-        if any(all(c.get(a, 0) in v for a, v in allowed.items()) for c in coords):
+        found = there.get(id(allowed))
+        if found is None:
+            found = there[id(allowed)] = any(all(c.get(a, 0) in v for a, v in allowed.items()) for c in coords)
+        if found:
             out.append(t.id)
     return frozenset(out)
 
@@ -166,7 +170,12 @@ def _placement_of(ctx: LoweringContext, t):
     cache = ctx.model.derived.of(_Lowered).placements.setdefault(ctx.mesh, {})
     found = cache.get(t.id)
     if found is None:
-        found = cache[t.id] = place(ctx, t)
+        # the kinds of a parameter (fp32, exp_avg, ...) follow its rule: one placement for them all
+        alike = (id(t.rule), id(t.placement), t.name)  # the rules live as long as the model
+        found = cache.get(alike)
+        if found is None:
+            found = cache[alike] = place(ctx, t)
+        cache[t.id] = found
     return found
 
 
@@ -187,11 +196,11 @@ def gc_paused():
 def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None = None,
            at: list[dict] | None = None, held: bool = False) -> ShardMap:
     ctx = LoweringContext.of(model, mesh, reuse, focus)
-    todo, members = range(len(model.tensors)), []
+    todo, members, in_focus = range(len(model.tensors)), [], set()
     if focus is not None:  # a flat buffer is laid out from all its members: they are placed too (after)
         todo = sorted(focus)
-        members = sorted({m.id for g in model.flat_groups if any(m.id in focus for m in g.members)
-                          for m in g.members} - focus)
+        in_focus = {model.tensors[i].flat_group for i in focus} - {-1}  # flat groups, by index
+        members = sorted({m.id for g in in_focus for m in model.flat_groups[g].members} - focus)
     sm = ShardMap(mesh, model, [[] for _ in model.tensors], focus=focus)
     if mesh.is_universal:
         for t in model.tensors:
@@ -231,16 +240,17 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
         raise mesh_report(model, mesh, failures)
     warn_loose_fit(model, mesh, notes)
 
-    groups = [g for g in model.flat_groups if focus is None or any(m.id in focus for m in g.members)]
+    groups = [g for g in model.flat_groups if focus is None or g.id in in_focus]
     if held and focus is not None and at is not None:
         # ZeRO partitions: of the flat members placed where the ranks are, those they hold
         kept = {i for i in focus if model.tensors[i].flat is None}
         probed: dict[tuple, set[str]] = {}  # the kinds of one statement hold alike: probed once
         for g in groups:
-            names = tuple(t.name for t in g.members)
-            if (g.number, names) not in probed:
-                probed[(g.number, names)] = {model.tensors[i].name for i in members_at(ctx, g, placed, at)}
-            kept |= {t.id for t in g.members if t.name in probed[(g.number, names)]}
+            key = (g.number, tuple(t.name for t in g.members))
+            names = probed.get(key)
+            if names is None:
+                names = probed[key] = {model.tensors[i].name for i in members_at(ctx, g, placed, at)}
+            kept |= {t.id for t in g.members if t.name in names}
         focus = sm.focus = frozenset(kept)
         ctx = replace(ctx, focus=focus)
     geometry_cache: dict = {}
@@ -274,9 +284,14 @@ def _place_other_members(ctx: LoweringContext, ids: list[int], placed: dict) -> 
     once per rule. The others are placed in full."""
     near = {tuple(sorted((a, tuple(c)) for a, c in p.allowed.items())) for p in placed.values()}
     by_rule: dict[int, tuple] = {}
+    shares: dict[int, bool] = {}  # id of a placement (shared by a parameter's kinds) -> near a focused one
     for t in (ctx.model.tensors[i] for i in ids):
         allowed, local = _placement_of(ctx, t)
-        if any(all(set(allowed.get(a, c)) & set(c) for a, c in other) for other in near):
+        near_one = shares.get(id(allowed))
+        if near_one is None:
+            near_one = shares[id(allowed)] = any(all(set(allowed.get(a, c)) & set(c) for a, c in other)
+                                                 for other in near)
+        if near_one:
             dims = _dims(ctx, t)
             placed[t.id] = Placed(dims, allowed, local, split_axes(dims))
             continue
