@@ -63,6 +63,9 @@ class CallMemo:
     # local: (id of a tree kept in ``trees``, coordinates) -> its layout (``dim_layout``'s own cache
     # hashes the whole tree on every call)
     layouts: dict[tuple[int, tuple], DimLayout] = field(default_factory=dict)
+    # lower: each (id of a rule kept alive by the model, parameter name, scalar) -> its dim trees: the
+    # kinds of a parameter (fp32, exp_avg, ...) follow its rule
+    dims: dict[tuple, tuple] = field(default_factory=dict)
 
     def tree(self, d: DimSpec) -> DimSpec:
         return self.trees.setdefault(d, d)

@@ -149,9 +149,10 @@ def tensors_on(model: Model, mesh: Mesh, coords: list[dict[str, int]]) -> frozen
     ctx = LoweringContext.of(model, mesh)
     out = []
     there: dict[int, bool] = {}  # id of a placement (shared by a parameter's kinds) -> where the ranks are
+    cache = _placements(ctx)
     for t in model.tensors:
         try:
-            allowed, _ = _placement_of(ctx, t)
+            allowed, _ = _placement_of(ctx, t, cache)
         except (TensorFailure, UclError):
             out.append(t.id)
             continue
@@ -163,11 +164,13 @@ def tensors_on(model: Model, mesh: Mesh, coords: list[dict[str, int]]) -> frozen
     return frozenset(out)
 
 
-def _placement_of(ctx: LoweringContext, t):
-    """:func:`place` without notes, cached on the model per mesh: planning one rank's load
-    places every tensor to find its own (:func:`tensors_on`) and again to lay out the flat buffers
-    they share (:func:`_place_other_members`). Callers do not change what it returns."""
-    cache = ctx.model.derived.of(_Lowered).placements.setdefault(ctx.mesh, {})
+def _placement_of(ctx: LoweringContext, t, cache: dict | None = None):
+    """:func:`place` without notes, cached on the model per mesh (``cache``: that cache, from
+    :func:`_placements`): planning one rank's load places every tensor to find its own
+    (:func:`tensors_on`) and again to lay out the flat buffers they share
+    (:func:`_place_other_members`). Callers do not change what it returns."""
+    if cache is None:
+        cache = _placements(ctx)
     found = cache.get(t.id)
     if found is None:
         # the kinds of a parameter (fp32, exp_avg, ...) follow its rule: one placement for them all
@@ -177,6 +180,10 @@ def _placement_of(ctx: LoweringContext, t):
             found = cache[alike] = place(ctx, t)
         cache[t.id] = found
     return found
+
+
+def _placements(ctx: LoweringContext) -> dict:
+    return ctx.model.derived.of(_Lowered).placements.setdefault(ctx.mesh, {})
 
 
 @contextmanager
@@ -261,9 +268,14 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
 
 def _dims(ctx: LoweringContext, t) -> tuple[DimSpec, ...]:
     """``t``'s dim trees; with a memo, equal trees (every layer's) as one object, kept alive by it."""
-    dims = () if t.scalar else dims_of(ctx, t)
     memo = ctx.memo
-    return dims if memo is None else tuple([memo.tree(d) for d in dims])
+    if memo is None:
+        return () if t.scalar else dims_of(ctx, t)
+    key = (id(t.rule), t.name, t.scalar)
+    found = memo.dims.get(key)
+    if found is None:
+        found = memo.dims[key] = () if t.scalar else tuple([memo.tree(d) for d in dims_of(ctx, t)])
+    return found
 
 
 @dataclass(frozen=True)
@@ -285,8 +297,9 @@ def _place_other_members(ctx: LoweringContext, ids: list[int], placed: dict) -> 
     near = {tuple(sorted((a, tuple(c)) for a, c in p.allowed.items())) for p in placed.values()}
     by_rule: dict[int, tuple] = {}
     shares: dict[int, bool] = {}  # id of a placement (shared by a parameter's kinds) -> near a focused one
+    cache = _placements(ctx)
     for t in (ctx.model.tensors[i] for i in ids):
-        allowed, local = _placement_of(ctx, t)
+        allowed, local = _placement_of(ctx, t, cache)
         near_one = shares.get(id(allowed))
         if near_one is None:
             near_one = shares[id(allowed)] = any(all(set(allowed.get(a, c)) & set(c) for a, c in other)
