@@ -43,27 +43,46 @@ class FlatPiece:
     pieces: list
 
 
-@dataclass(frozen=True)
-class FlatGap:
-    coords: dict
-    suffix: str
-    part: int
-    start: int
-    length: int
+@dataclass(frozen=True, eq=False)
+class FlatBuffer:
+    """One buffer's partitions, held on member coordinates ``fixed``: partition ``j`` (``parts``
+    of them, or only those listed in ``only``) is held by the ranks with ``fixed`` and ``j``
+    unravelled over the flat ``axes``; ``cut.gaps(j)`` are its elements no member covers. Stored as
+    one record, not one object per partition: a buffer on a 2,048-way dp axis has 2,048."""
 
-
-@dataclass(frozen=True)
-class FlatPartition:
-    coords: dict
+    fixed: dict
+    axes: tuple[str, ...]
+    sizes: tuple[int, ...]  # the flat axes' sizes
     suffix: str
-    part: int
+    cut: "BufferCut"
+    only: tuple[int, ...] | None = None
+
+    @property
+    def partitions(self) -> range | tuple[int, ...]:
+        return range(math.prod(self.sizes)) if self.only is None else self.only
+
+    def coords(self, j: int) -> dict[str, int]:
+        """Partition ``j``'s coordinates (the member coordinates and the flat axes')."""
+        out = dict(self.fixed)
+        for a, s in zip(reversed(self.axes), reversed(self.sizes)):
+            out[a] = j % s
+            j //= s
+        return out
+
+    def partition_of(self, coords: dict[str, int]) -> int | None:
+        """The partition ranks with ``coords`` hold, or None if they hold none of this buffer."""
+        if not all(coords.get(a, 0) == v for a, v in self.fixed.items()):
+            return None
+        j = 0
+        for a, s in zip(self.axes, self.sizes):
+            j = j * s + coords.get(a, 0)
+        return j if self.only is None or j in self.only else None
 
 
 @dataclass(frozen=True)
 class FlatGeometry:
     pieces: list[FlatPiece]
-    gaps: list[FlatGap]
-    partitions: list[FlatPartition]
+    buffers: list[FlatBuffer]
 
 
 def _flat_options(ctx: LoweringContext, group) -> FlatOptions:
@@ -175,7 +194,7 @@ def flat_geometry(ctx: LoweringContext, group, placed, at: list[dict] | None = N
     those coordinates hold, and only those (else every buffer's)."""
     flat, mesh, focus = group.flat, ctx.mesh, ctx.focus
     opts = _flat_options(ctx, group)
-    geo = FlatGeometry([], [], [])
+    geo = FlatGeometry([], [])
     # Buffers with the same member layouts (the same DimLayout objects: dim_layout is cached) cut
     # the same way: pipeline stages of equal depth repeat one cut, which is computed once.
     cuts: dict | None = {} if ctx.memo is not None else None
@@ -234,6 +253,16 @@ class BufferCut:
                 out.append((a - lo, b - a))
         return out
 
+    def all_gaps(self):
+        """Every partition's gaps, as (partition, start, length), in buffer order."""
+        part = self.part
+        if not part:
+            return
+        for start, stop in self.holes:
+            for j in range(start // part, (stop - 1) // part + 1):
+                a, b = max(start, j * part), min(stop, (j + 1) * part)
+                yield j, a - j * part, b - a
+
     def partitions_of(self, i: int) -> range:
         """The partitions holding elements of member ``i``."""
         off, n = self.offsets[i], math.prod(self.shapes[i])
@@ -291,23 +320,17 @@ def _cut_buffer(skeleton: BufferCut, members, restricted: dict | None, keep=None
 
 def _place_cut(cut: BufferCut, members, fixed, opts: FlatOptions, mesh: Mesh, suffix, geo: FlatGeometry,
                parts: set[int] | None) -> None:
-    """The pieces, gaps and partition datasets of a cut buffer held by the ranks at ``fixed`` (the
-    gaps and datasets of partitions ``parts`` only, if given)."""
+    """The pieces of a cut buffer held by the ranks at ``fixed``, and the buffer (its partitions and
+    their gaps: ``parts`` only, if given)."""
     part, axes = cut.part, list(opts.axes)
-    coords: dict[int, dict] = {}  # partition -> its coordinates, made once: pieces share them
-
-    def at(j: int) -> dict:
+    coords: dict[int, dict] = {}  # partition -> its coordinates, made once: its pieces share them
+    for i, j, base, shape, boxes in cut.pieces:
         c = coords.get(j)
         if c is None:
             c = coords[j] = {**fixed, **_unravel(j, axes, mesh)}
-        return c
-
-    for i, j, base, shape, boxes in cut.pieces:
-        geo.pieces.append(FlatPiece(members[i][0].name, at(j), suffix, base, shape, part, boxes))
-    for j in (range(opts.parts) if parts is None else sorted(parts)):
-        geo.partitions.append(FlatPartition(at(j), suffix, part))
-        for start, length in cut.gaps(j):
-            geo.gaps.append(FlatGap(at(j), suffix, part, start, length))
+        geo.pieces.append(FlatPiece(members[i][0].name, c, suffix, base, shape, part, boxes))
+    geo.buffers.append(FlatBuffer(fixed, opts.axes, tuple(mesh.axis_size(a) for a in opts.axes), suffix, cut,
+                                  None if parts is None else tuple(sorted(parts))))
 
 
 def _box_dims(layouts, start, size, restricted: dict | None) -> tuple[DimLayout, ...]:

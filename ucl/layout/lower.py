@@ -19,7 +19,7 @@ from .context import LoweringContext, TensorFailure
 from .derived import Derived
 from .dims import dims_of, universal_dims
 from .fit import mesh_report, note_shared, warn_loose_fit
-from .flat import FlatGeometry, flat_geometry, members_at
+from .flat import FlatBuffer, FlatGeometry, flat_geometry, members_at
 from .local import coordinates, local_layouts, split_axes
 from .mesh import Mesh
 from ..errors import UclError
@@ -59,6 +59,21 @@ class DatasetSlot:
     dtype: str
 
 
+@dataclass(frozen=True, eq=False)
+class FlatDatasets:
+    """The partitions of one flat buffer as datasets ``key`` of ``(buffer.cut.part,)`` elements (see
+    :class:`FlatBuffer`): one record per buffer, expanded per partition only where asked."""
+
+    key: str
+    dtype: str
+    buffer: FlatBuffer
+
+    @property
+    def slot(self) -> Slot:
+        part = self.buffer.cut.part
+        return Slot(self.key, 0, (part,), (part,))
+
+
 @dataclass(eq=False)
 class ShardMap:
     """A model on a mesh: which boxes of each tensor the ranks hold, and which datasets they store."""
@@ -66,11 +81,30 @@ class ShardMap:
     mesh: Mesh
     model: Model
     holdings: list[list[Holding]]  # by tensor id
-    flat_fills: list[FlatFill] = field(default_factory=list)
-    datasets: list[DatasetSlot] = field(default_factory=list)
+    whole_datasets: list[DatasetSlot] = field(default_factory=list)  # of tensors that are not flat
+    flat_datasets: list[FlatDatasets] = field(default_factory=list)  # flat buffers, with their gaps
     # None: every tensor; else the ids of the tensors whose holdings are complete (``lower(tensors=)``)
     focus: frozenset[int] | None = None
     derived: Derived = field(default_factory=Derived, repr=False)  # caches over this map (plan.compile's)
+    _expanded: dict = field(default_factory=dict, repr=False)  # ``datasets`` and ``flat_fills``, once built
+
+    @property
+    def datasets(self) -> list[DatasetSlot]:
+        """Every dataset, one per partition of a flat buffer (built on first use)."""
+        if "datasets" not in self._expanded:
+            self._expanded["datasets"] = self.whole_datasets + [
+                DatasetSlot(f.buffer.coords(j), f.key, (f.buffer.cut.part,), f.dtype)
+                for f in self.flat_datasets for j in f.buffer.partitions]
+        return self._expanded["datasets"]
+
+    @property
+    def flat_fills(self) -> list[FlatFill]:
+        """Every gap of a flat buffer's partitions (built on first use)."""
+        if "flat_fills" not in self._expanded:
+            self._expanded["flat_fills"] = [
+                FlatFill(f.buffer.coords(j), f.slot, start, length)
+                for f in self.flat_datasets for j in f.buffer.partitions for start, length in f.buffer.cut.gaps(j)]
+        return self._expanded["flat_fills"]
 
     def ranks(self, fixed: dict) -> np.ndarray:
         return self.mesh.ranks_where(fixed)
@@ -81,9 +115,17 @@ class ShardMap:
         ranks that differ only on axes it is not fixed on) is stored by the first of them, the one
         whose coordinates on those axes are all 0; that is the copy plans read."""
         c = self.mesh.coords(rank) if not self.mesh.is_universal else {}
-        return {d.key: (d.shape, d.dtype) for d in self.datasets
-                if all(c.get(a, 0) == v for a, v in d.fixed.items())
-                and (not stored or all(v == 0 for a, v in c.items() if a not in d.fixed))}
+
+        def mine(fixed) -> bool:
+            return all(c.get(a, 0) == v for a, v in fixed.items()) and \
+                (not stored or all(v == 0 for a, v in c.items() if a not in fixed))
+
+        out = {d.key: (d.shape, d.dtype) for d in self.whole_datasets if mine(d.fixed)}
+        for f in self.flat_datasets:  # the partition this rank holds, if any: found by its coordinates
+            j = f.buffer.partition_of(c)
+            if j is not None and (not stored or mine(f.buffer.coords(j))):
+                out[f.key] = ((f.buffer.cut.part,), f.dtype)
+        return out
 
 
 # ---- lowering -----------------------------------------------------------------------------------
@@ -213,7 +255,7 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
         for t in model.tensors:
             layouts = tuple(dim_layout(d, ()) for d in universal_dims(t.shape))
             sm.holdings[t.id].append(Holding({}, Slot(t.key, 0, t.shape, t.shape), [layouts]))
-            sm.datasets.append(DatasetSlot({}, t.key, t.shape, t.dtype))
+            sm.whole_datasets.append(DatasetSlot({}, t.key, t.shape, t.dtype))
         return sm
 
     placed = {}  # tensor id -> Placed
@@ -235,7 +277,7 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
                 shape = tuple(x.local for x in layouts)
                 key = f"{t.kind}/{local}"
                 sm.holdings[t.id].append(Holding(fixed, Slot(key, 0, shape, shape), [layouts]))
-                sm.datasets.append(DatasetSlot(fixed, key, shape, t.dtype))
+                sm.whole_datasets.append(DatasetSlot(fixed, key, shape, t.dtype))
         except TensorFailure as e:
             failures.append(e)
     if members and not failures:
@@ -336,7 +378,5 @@ def _lower_flat(ctx: LoweringContext, group, placed, sm: ShardMap, cache: dict, 
         if slot is None:
             slot = slots[k] = Slot(prefix + p.suffix, p.base, p.shape, (p.part,))
         held[p.name].append(Holding(p.coords, slot, p.pieces))
-    for g in geo.gaps:
-        sm.flat_fills.append(FlatFill(g.coords, Slot(prefix + g.suffix, 0, (g.part,), (g.part,)), g.start, g.length))
-    for d in geo.partitions:
-        sm.datasets.append(DatasetSlot(d.coords, prefix + d.suffix, (d.part,), group.members[0].dtype))
+    for b in geo.buffers:
+        sm.flat_datasets.append(FlatDatasets(prefix + b.suffix, group.members[0].dtype, b))

@@ -18,7 +18,7 @@ from ..layout.mesh import Mesh, as_mesh
 from .ir import DATASET_COLUMNS, FILL_BOX_COLUMNS, FILL_COLUMNS, Plan
 from .geometry import Geometries, Uses, fill_boxes, piece_boxes, piece_keys, pieces_rows
 from .proof import dedup_sources, piece_volume
-from .ranksets import RankSets, sorted_distinct
+from .ranksets import RankSetBuilder, sorted_distinct
 
 # ---- compilation ---------------------------------------------------------------------------------
 def compile(model: Model, src: Mesh | str, dst: Mesh | str, ranks=None) -> Plan:
@@ -90,9 +90,8 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         return r if wanted is None else r[np.isin(r, wanted)]
 
     # Rows go to the set of target ranks sharing the coordinates ``fixed`` (replicas), stored once.
-    sets: list[np.ndarray] = []
+    sets = RankSetBuilder(dst.size)
     set_of_fixed: dict[tuple, int] = {}
-    set_of_ranks: dict[bytes, int] = {}
 
     strides = dst.strides if wanted is None and not dst.is_universal else {}
 
@@ -104,19 +103,22 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             except KeyError:
                 pass
             else:
-                i = set_of_ranks.setdefault(r.to_bytes(8, sys.byteorder, signed=True), len(sets))
-                if i == len(sets):
-                    sets.append(np.array([r], dtype=I64))
-                return i
+                return sets.one(r)
         key = tuple(sorted(fixed.items()))
         i = set_of_fixed.get(key)
         if i is None:
             ranks = target_ranks(fixed)
-            i = -1 if not len(ranks) else set_of_ranks.setdefault(ranks.tobytes(), len(sets))
-            if i == len(sets):
-                sets.append(ranks)
-            set_of_fixed[key] = i
+            i = set_of_fixed[key] = -1 if not len(ranks) else sets.add(ranks)
         return i
+
+    def buffer_sets(b, js: np.ndarray) -> np.ndarray:
+        """:func:`rank_set` of partitions ``js`` of flat buffer ``b``, all at once where each is one rank."""
+        if strides and set(strides) <= set(b.fixed) | set(b.axes):
+            coords = np.unravel_index(js, b.sizes) if len(b.axes) else ()
+            r = sum(int(v) * strides[a] for a, v in b.fixed.items() if a in strides) + \
+                sum([c.astype(I64) * strides.get(a, 0) for a, c in zip(b.axes, coords)], np.zeros(len(js), dtype=I64))
+            return sets.singles(r)
+        return np.array([rank_set(b.coords(int(j))) for j in js], dtype=I64)
 
     K = max([len(t.shape) for t in model.tensors] + [1])
     slot_ids: dict[Slot, int] = {}
@@ -223,29 +225,60 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         uses.add_many(gs, t.id, ds, dst_slot[hs], src_base)
         src_base += len(sources.pieces)
     flat_fills = Uses()
-    for f in (T.flat_fills if few is None else
-              _matching(T, "flat_fills", lambda: T.flat_fills, lambda f: f.fixed, [c for _, c in few])):
-        dset = set_of(f.fixed)
-        if dset >= 0:
-            flat_fills.add(geos.add_fill(f.start, f.length), -1, dset, sid(f.slot), 0)
+    if few is None:  # every buffer's gaps, a buffer at a time (a partition is one rank, mostly)
+        for f in T.flat_datasets:
+            gaps = [(j, start, length) for j, start, length in f.buffer.cut.all_gaps()]
+            if gaps:
+                slot = sid(f.slot)
+                for (_, start, length), dset in zip(gaps, buffer_sets(f.buffer, np.array([g[0] for g in gaps], dtype=I64))):
+                    flat_fills.add(geos.add_fill(start, length), -1, int(dset), slot, 0)
+    else:
+        for f in _matching(T, "flat_fills", lambda: T.flat_fills, lambda f: f.fixed, [c for _, c in few]):
+            dset = set_of(f.fixed)
+            if dset >= 0:
+                flat_fills.add(geos.add_fill(f.start, f.length), -1, dset, sid(f.slot), 0)
 
     datasets, ds_set, ds_id, ds_index = [], [], [], {}
-    for d in (T.datasets if few is None else
+
+    def dataset_id(key, shape, dtype) -> int:
+        i = ds_index.setdefault((key, shape, dtype), len(datasets))
+        if i == len(datasets):
+            datasets.append({"key": key, "shape": tuple(shape), "dtype": dtype})
+        return i
+
+    for d in (T.whole_datasets if few is None else
               _matching(T, "datasets", lambda: T.datasets, lambda d: d.fixed, [c for _, c in few])):
         dset = set_of(d.fixed)
-        if dset < 0:
-            continue
-        i = ds_index.setdefault((d.key, d.shape, d.dtype), len(datasets))
-        if i == len(datasets):
-            datasets.append({"key": d.key, "shape": tuple(d.shape), "dtype": d.dtype})
-        ds_set.append(dset)
-        ds_id.append(i)
+        if dset >= 0:
+            ds_set.append(dset)
+            ds_id.append(dataset_id(d.key, d.shape, d.dtype))
+    if few is None:  # every partition of every flat buffer, a buffer at a time
+        for f in T.flat_datasets:
+            js = np.asarray(f.buffer.partitions, dtype=I64)
+            ds_set.append(buffer_sets(f.buffer, js))
+            ds_id.append(np.full(len(js), dataset_id(f.key, (f.buffer.cut.part,), f.dtype), dtype=I64))
     c, f = geos.rows(uses, flat_fills, np.concatenate(src_ranks or [np.zeros(0, dtype=I64)]),
                      np.concatenate(src_slots or [np.zeros(0, dtype=I64)]))
     return Plan(src, dst, K,
                 [{"name": t.name, "kind": t.kind, "shape": t.shape, "dtype": t.dtype} for t in model.tensors],
-                list(slot_ids), RankSets.of(sets), c, f, datasets,
-                dict(zip(DATASET_COLUMNS, (np.array(ds_set, dtype=I64), np.array(ds_id, dtype=I64)))))
+                list(slot_ids), sets.build(), c, f, datasets,
+                dict(zip(DATASET_COLUMNS, (_column(ds_set), _column(ds_id)))))
+
+
+def _column(parts: list) -> np.ndarray:
+    """One int64 column from ints and int64 arrays, in order."""
+    chunks, ints = [], []
+    for p in parts:
+        if isinstance(p, np.ndarray):
+            if ints:
+                chunks.append(np.array(ints, dtype=I64))
+                ints = []
+            chunks.append(p)
+        else:
+            ints.append(p)
+    if ints:
+        chunks.append(np.array(ints, dtype=I64))
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=I64)
 
 
 @dataclass(frozen=True, eq=False)

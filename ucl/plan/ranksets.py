@@ -97,3 +97,71 @@ class RankSets:
         first = np.cumsum(sizes) - sizes
         within = np.arange(total, dtype=I64) - np.repeat(first, sizes)
         return row, self.ranks[np.repeat(self.offsets[set_ids], sizes) + within]
+
+
+class RankSetBuilder:
+    """Rank sets numbered in order of first use, each distinct set once. One-rank sets (a ZeRO
+    partition's: 131,072 of them on a 131,072-rank mesh) are kept in an array, by rank, and can be
+    added many at a time (:meth:`singles`)."""
+
+    def __init__(self, n_ranks: int):
+        self.single = np.full(max(n_ranks, 1), -1, dtype=I64)  # rank -> id of its one-rank set
+        self.by_bytes: dict[bytes, int] = {}  # a set of several ranks -> its id
+        self.chunks: list[np.ndarray] = []  # the sets' ranks, in order, set after set
+        self.sizes: list[np.ndarray] = []  # the sets' sizes, chunk after chunk
+        self.count = 0
+        self.pending: list[int] = []  # one-rank sets added by :meth:`one`, not yet in ``chunks``
+
+    def one(self, rank: int) -> int:
+        """The id of the set of ``rank`` alone (:meth:`singles` of one rank, without numpy calls)."""
+        i = int(self.single[rank])
+        if i < 0:
+            i = self.count
+            self.single[rank] = i
+            self.pending.append(rank)
+            self.count += 1
+        return i
+
+    def add(self, ranks: np.ndarray) -> int:
+        """The id of the set ``ranks`` (ascending, without repeats, not empty)."""
+        if len(ranks) == 1:
+            return self.one(int(ranks[0]))
+        key = ranks.tobytes()
+        i = self.by_bytes.get(key)
+        if i is None:
+            i = self.by_bytes[key] = self.count
+            self._append(ranks, np.array([len(ranks)], dtype=I64))
+        return i
+
+    def singles(self, ranks: np.ndarray) -> np.ndarray:
+        """The ids of the one-rank sets of ``ranks`` (in order; repeats allowed): new ones are
+        numbered in order of first appearance."""
+        ids = self.single[ranks]
+        new = ids < 0
+        if new.any():
+            fresh = ranks[new]
+            _, first = np.unique(fresh, return_index=True)
+            fresh = fresh[np.sort(first)]  # each new rank once, in order of first appearance
+            self.single[fresh] = self.count + np.arange(len(fresh), dtype=I64)
+            self._append(fresh, np.ones(len(fresh), dtype=I64))
+            ids = self.single[ranks]
+        return ids
+
+    def _flush(self) -> None:
+        if self.pending:
+            self.chunks.append(np.array(self.pending, dtype=I64))
+            self.sizes.append(np.ones(len(self.pending), dtype=I64))
+            self.pending = []
+
+    def _append(self, ranks: np.ndarray, sizes: np.ndarray) -> None:
+        self._flush()
+        self.chunks.append(np.asarray(ranks, dtype=I64))
+        self.sizes.append(sizes)
+        self.count += len(sizes)
+
+    def build(self) -> RankSets:
+        self._flush()
+        sizes = np.concatenate(self.sizes) if self.sizes else np.zeros(0, dtype=I64)
+        offsets = np.concatenate([np.zeros(1, dtype=I64), np.cumsum(sizes, dtype=I64)])
+        ranks = np.concatenate(self.chunks) if self.chunks else np.zeros(0, dtype=I64)
+        return RankSets(offsets, ranks)
