@@ -185,8 +185,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             continue  # a part of the plan (one rank's load) proves only the tensors it moves
         st = t if src_model is model else _matching_source(src_model, t)
         sources = dedup_sources(S, st)
-        if not T.mesh.is_universal:
-            dedup_sources(T, t, "target")  # P1 for the target too: no element may be dropped
+        proved = dedup_sources(T, t, "target") if not T.mesh.is_universal else None  # P1 for the target too
         found = source_of_list.get(id(sources))  # kinds of one flat statement share the list
         if found is None:
             boxes = piece_boxes(sources.pieces, len(t.shape))
@@ -200,7 +199,13 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         per_piece = shared_uses.get(key)
         if per_piece is None:
             hs, gs, ds, new = [], [], [], []
-            keys = iter(piece_keys([p for h, d in zip(holdings, sets_of) if d >= 0 for p in h.pieces], len(t.shape)))
+            n_pieces = sum([len(h.pieces) for h in holdings])
+            if few is None and proved is not None and proved.raw is not None and len(proved.raw[1]) == n_pieces + 1:
+                raw, bounds = proved.raw  # every piece's key, found by the proof (pieces are values)
+                keys = iter([raw[a:b] for a, b in zip(bounds, bounds[1:])])
+            else:
+                keys = iter(piece_keys([p for h, d in zip(holdings, sets_of) if d >= 0 for p in h.pieces],
+                                       len(t.shape)))
             for j, (h, dset) in enumerate(zip(holdings, sets_of)):
                 if dset < 0:
                     continue

@@ -38,6 +38,9 @@ class Proved(NamedTuple):
     pieces: list
     ranks: np.ndarray
     holdings: np.ndarray
+    # every holding's pieces, in order, as :func:`piece_bytes` found them (raw, bounds), or None:
+    # a plan's geometries are keyed by the target's (compile reuses them rather than find them again)
+    raw: tuple | None = None
 
 
 class _ShareKey(NamedTuple):
@@ -92,7 +95,7 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> Proved:
     """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
     Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
     several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
-    out, volume = _dedup_boxes(S, t, where)
+    out, volume, raw = _dedup_boxes(S, t, where)
     if out is None:
         out, volume = _dedup(S, t, False, where)
     if volume > t.numel:
@@ -102,19 +105,20 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> Proved:
         raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the {role} layout holds {volume} elements of "
                         f"{t.numel}: {what}", code="UCL313" if volume > t.numel else "UCL314")
     return Proved([p for p, _, _ in out], np.array([r for _, r, _ in out], dtype=I64),
-                  np.array([j for _, _, j in out], dtype=I64))
+                  np.array([j for _, _, j in out], dtype=I64), raw)
 
 
 def _dedup_boxes(S: ShardMap, t, where: bool):
     """:func:`_dedup` of equal holdings for the common case, no piece with padding: each holding
     is compared by the bytes of its pieces' (runs per dim, local extents, runs) rows, what their
-    signatures hold then, built with numpy. (None, 0) for a scalar or a piece with padding."""
+    signatures hold then, built with numpy; also those bytes. (None, 0, None) for a scalar or a
+    piece with padding."""
     holdings = S.holdings[t.id]
     nd = len(t.shape)
     pieces = [p for h in holdings for p in h.pieces]
     found = piece_bytes(pieces, nd)
     if found is None:
-        return None, 0
+        return None, 0, None
     raw, bounds, volumes = found
     strides = S.mesh.strides if where and not S.mesh.is_universal else None
     seen, out, volume, at = set(), [], 0, 0
@@ -131,7 +135,7 @@ def _dedup_boxes(S: ShardMap, t, where: bool):
                     if where:
                         out.append((p, rank, j))
         at += n
-    return out, volume
+    return out, volume, (raw, bounds)
 
 
 def _dedup(S: ShardMap, t, by_box: bool, where: bool):
