@@ -201,7 +201,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             hs, gs, ds, new = [], [], [], []
             n_pieces = sum([len(h.pieces) for h in holdings])
             if few is None and proved is not None and proved.raw is not None and len(proved.raw[1]) == n_pieces + 1:
-                raw, bounds = proved.raw  # every piece's key, found by the proof (pieces are values)
+                raw, bounds = proved.raw[0], proved.raw[1].tolist()  # found by the proof (pieces are values)
                 keys = iter([raw[a:b] for a, b in zip(bounds, bounds[1:])])
             else:
                 keys = iter(piece_keys([p for h, d in zip(holdings, sets_of) if d >= 0 for p in h.pieces],

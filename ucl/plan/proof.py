@@ -38,8 +38,8 @@ class Proved(NamedTuple):
     pieces: list
     ranks: np.ndarray
     holdings: np.ndarray
-    # every holding's pieces, in order, as :func:`piece_bytes` found them (raw, bounds), or None:
-    # a plan's geometries are keyed by the target's (compile reuses them rather than find them again)
+    # the target's: every holding's pieces, in order, as :func:`piece_bytes` found them (raw bytes,
+    # bounds), or None; a plan's geometries are keyed by them (compile reuses them, not finds them again)
     raw: tuple | None = None
 
 
@@ -48,8 +48,8 @@ class _ShareKey(NamedTuple):
 
     numel: int
     where: bool
-    pieces: tuple[int, ...]  # ids of the holdings' piece lists
-    fixed: tuple[int, ...]  # ids of the holdings' coordinates
+    pieces: bytes  # ids of the holdings' piece lists, as int64 bytes (a tuple of 10^5 ints is 4 MB)
+    fixed: bytes  # ids of the holdings' coordinates, likewise
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +84,8 @@ def _shared_proof(S: ShardMap, t, role: str, where: bool) -> Proved:
     coordinates (the very same objects), so one proof serves them all; entries name the holding
     (its index), whose slot differs by kind."""
     holdings = S.holdings[t.id]
-    key = _ShareKey(t.numel, where, tuple([id(h.pieces) for h in holdings]), tuple([id(h.fixed) for h in holdings]))
+    key = _ShareKey(t.numel, where, np.array([id(h.pieces) for h in holdings], dtype=np.uint64).tobytes(),
+                    np.array([id(h.fixed) for h in holdings], dtype=np.uint64).tobytes())
     shared = S.model.derived.of(_Proofs).shared.setdefault(S.mesh, {})
     if key not in shared:  # the holdings are kept alive with the entry, so those ids stay theirs
         shared[key] = (holdings, _proved_pieces(S, t, role, where))
@@ -135,7 +136,8 @@ def _dedup_boxes(S: ShardMap, t, where: bool):
                     if where:
                         out.append((p, rank, j))
         at += n
-    return out, volume, (raw, bounds)
+    # the target's piece keys serve its plans (compile); the source's are not kept
+    return out, volume, (None if where else (raw, np.array(bounds, dtype=I64)))
 
 
 def _dedup(S: ShardMap, t, by_box: bool, where: bool):

@@ -1,0 +1,102 @@
+"""One rank's plan lowers by coordinate (docs/ir.md): of the flat (ZeRO) members placed where the rank
+is, only those its partitions hold, with the datasets and gaps of its partitions only; and a ShardMap
+stores a flat buffer's partitions as one record. Oracles: the full plan of another model object
+(lowered whole), the expanded per-partition datasets, and a plain dict numbering of rank sets."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ucl
+from ucl.demo import llama_model
+from ucl.layout.lower import lower, tensors_on
+from ucl.plan.execute import rank_datasets
+from ucl.plan.ranksets import RankSetBuilder
+from tests.test_compact_plan import resolved, row_set, rows_of_rank
+
+SMALL = dict(vocab=200, hidden=32, heads=4, kv_heads=2, ffn=40, layers=4)
+# pp=4: one layer a stage; dp=64 pads each stage's buffer to 4,096 elements, so the last partitions
+# hold padding only, and the embedding's stage has partitions of the embedding alone
+SRC, DST = "pp=2,dp=3,tp=2", "pp=4,dp=64,tp=2"
+FULL = ucl.compile(llama_model(SMALL), SRC, DST)
+
+
+def _ranks() -> list[int]:
+    mesh = ucl.Mesh.parse(DST)
+    return [mesh.rank(pp=p, dp=d, tp=t) for p in (0, 1, 3) for d in (0, 1, 30, 62, 63) for t in (0, 1)]
+
+
+@pytest.mark.parametrize("rank", _ranks())
+def test_one_rank_of_zero_partitions_plans_the_rows_of_the_full_plan(rank):
+    one = ucl.compile(llama_model(SMALL), SRC, DST, ranks=[rank])
+    for table in ("copies", "fills"):
+        assert row_set(resolved(one, getattr(one, table))) == rows_of_rank(resolved(FULL, getattr(FULL, table)), rank)
+    assert sorted(rank_datasets(one, rank), key=str) == sorted(rank_datasets(FULL, rank), key=str)
+    assert int(one.bytes_read) == int(FULL.bytes_read_per_rank()[rank])
+
+
+def test_a_rank_holding_only_padding_gets_its_partitions_and_fills():
+    mesh = ucl.Mesh.parse(DST)
+    rank = mesh.rank(pp=1, dp=63, tp=0)  # a layer's 3,584 elements end in partition 55 of 64
+    one = ucl.compile(llama_model(SMALL), SRC, DST, ranks=[rank])
+    assert {one.tensors[i]["kind"] for i in one.copies["tensor"]} == {"param", "step"}  # no flat state
+    flat = [d for d in rank_datasets(one, rank) if "@flat" in d["key"]]
+    assert len(flat) == 3  # fp32, exp_avg, exp_avg_sq
+    gaps = one.fills["tensor"] == -1
+    assert int(np.prod(one.fills["size"][gaps], axis=1).sum()) == sum(int(np.prod(d["shape"])) for d in flat)
+
+
+def test_the_focused_map_holds_only_the_flat_tensors_the_rank_holds():
+    model, mesh = llama_model(SMALL), ucl.Mesh.parse(DST)
+    whole = lower(llama_model(SMALL), mesh)
+    for rank in (mesh.rank(pp=1, dp=5, tp=1), mesh.rank(pp=0, dp=40, tp=0)):
+        at = [mesh.coords(rank)]
+        sm = lower(model, mesh, tensors=tensors_on(model, mesh, at), at=at, held=True)
+        held = {t.id for t in model.tensors if any(all(at[0].get(a, 0) == v for a, v in h.fixed.items())
+                                                  for h in whole.holdings[t.id])}
+        flat = {t.id for t in model.tensors if t.flat is not None}
+        assert sm.focus & flat == held & flat and held & flat
+        assert {t for t in range(len(model.tensors)) if sm.holdings[t]} <= sm.focus
+        for t in sm.focus:  # complete holdings: the proofs need every rank's, not only this one's
+            assert len(sm.holdings[t]) == len(whole.holdings[t])
+        assert len(sm.datasets) < len(whole.datasets) / 8
+
+
+@settings(deadline=None, max_examples=8, suppress_health_check=[HealthCheck.too_slow])
+@given(mesh=st.sampled_from(["dp=4", "pp=2,dp=3,tp=2", "pp=4,dp=64,tp=2", "dp=5,tp=2", "universal"]),
+       stored=st.booleans())
+def test_rank_datasets_of_the_compact_map_equal_those_of_its_expanded_datasets(mesh, stored):
+    mesh = ucl.Mesh.parse(mesh)
+    sm = lower(llama_model(SMALL), mesh)
+    for rank in range(0, mesh.size, max(1, mesh.size // 37)):
+        c = mesh.coords(rank) if not mesh.is_universal else {}
+        want = {d.key: (d.shape, d.dtype) for d in sm.datasets
+                if all(c.get(a, 0) == v for a, v in d.fixed.items())
+                and (not stored or all(v == 0 for a, v in c.items() if a not in d.fixed))}
+        assert sm.rank_datasets(rank, stored) == want
+
+
+@settings(deadline=None, max_examples=30)
+@given(ops=st.lists(st.one_of(st.tuples(st.just("one"), st.integers(0, 9)),
+                              st.tuples(st.just("many"), st.lists(st.integers(0, 9), min_size=1, max_size=6)),
+                              st.tuples(st.just("set"), st.sets(st.integers(0, 9), min_size=1, max_size=4))),
+                    max_size=12))
+def test_rank_set_builder_numbers_sets_as_a_dict_in_order_of_first_use(ops):
+    b, seen, sets, got, want = RankSetBuilder(10), {}, [], [], []
+    for kind, arg in ops:
+        groups = [[arg]] if kind == "one" else [[r] for r in arg] if kind == "many" else [sorted(arg)]
+        for g in groups:
+            want.append(seen.setdefault(tuple(g), len(seen)))
+            if len(seen) > len(sets):
+                sets.append(g)
+        if kind == "one":
+            got.append(b.one(arg))
+        elif kind == "many":
+            got.extend(b.singles(np.array(arg, dtype=np.int64)).tolist())
+        else:
+            got.append(b.add(np.array(sorted(arg), dtype=np.int64)))
+    assert got == want
+    built = b.build()
+    assert [built.members(i).tolist() for i in range(len(built))] == sets
