@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,9 +31,9 @@ class FlatOptions:
     bucket: int | None
 
 
-@dataclass(frozen=True)
-class FlatPiece:
-    """Part of one member tensor inside one partition of a flat buffer."""
+class FlatPiece(NamedTuple):
+    """Part of one member tensor inside one partition of a flat buffer (a named tuple, not a frozen
+    dataclass: a 131,072-rank layout makes some 400,000, and tuples are made several times faster)."""
 
     name: str
     coords: dict
@@ -200,6 +201,7 @@ def flat_geometry(ctx: LoweringContext, group, placed, at: list[dict] | None = N
     cuts: dict | None = {} if ctx.memo is not None else None
     restricted: dict = {}  # (DimLayout, lo, hi) -> its restriction: cuts of other stages repeat many
     skeletons: dict = {}  # (dtype, members' local shapes) -> the cut as boxes of local tensors
+    skeleton_pieces: dict = {}  # (id of a skeleton above, member) -> its pieces as boxes of its local tensor
 
     def want(fixed, held) -> bool:
         if focus is None or any(group.members[i].id in focus for i in held):
@@ -219,7 +221,7 @@ def flat_geometry(ctx: LoweringContext, group, placed, at: list[dict] | None = N
                 skeleton = skeletons.get(shapes)
                 if skeleton is None:
                     skeleton = skeletons[shapes] = _cut_skeleton(ctx, flat, opts, members)
-                cut = cuts[key] = _cut_buffer(skeleton, members, restricted, keep)
+                cut = cuts[key] = _cut_buffer(skeleton, members, restricted, keep, skeleton_pieces)
         _place_cut(cut, members, fixed, opts, mesh, suffix, geo, None if at is None else _parts_at(fixed, at, opts, mesh))
     return geo
 
@@ -310,11 +312,21 @@ def _skeleton_pieces(skeleton: BufferCut, i: int) -> list:
     return out
 
 
-def _cut_buffer(skeleton: BufferCut, members, restricted: dict | None, keep=None) -> BufferCut:
-    """``skeleton`` with each member's boxes as per-dim layouts (only of members ``keep``, if given)."""
+def _cut_buffer(skeleton: BufferCut, members, restricted: dict | None, keep=None, found: dict | None = None) -> BufferCut:
+    """``skeleton`` with each member's boxes as per-dim layouts (only of members ``keep``, if given);
+    ``found``: (id of a skeleton kept alive by the caller, member) -> its :func:`_skeleton_pieces`, for
+    the cuts of a skeleton's other tensor-parallel coordinates."""
+    def pieces_of(k):
+        if found is None:
+            return _skeleton_pieces(skeleton, k)
+        got = found.get((id(skeleton), k))
+        if got is None:
+            got = found[(id(skeleton), k)] = _skeleton_pieces(skeleton, k)
+        return got
+
     pieces = [(i, j, base, shape, [_box_dims(members[i][1], start, size, restricted) for start, size in boxes])
               for k in range(len(members)) if keep is None or k in keep
-              for i, j, base, shape, boxes in _skeleton_pieces(skeleton, k)]
+              for i, j, base, shape, boxes in pieces_of(k)]
     return BufferCut(skeleton.part, pieces, skeleton.holes, skeleton.offsets, skeleton.shapes)
 
 
@@ -322,15 +334,18 @@ def _place_cut(cut: BufferCut, members, fixed, opts: FlatOptions, mesh: Mesh, su
                parts: set[int] | None) -> None:
     """The pieces of a cut buffer held by the ranks at ``fixed``, and the buffer (its partitions and
     their gaps: ``parts`` only, if given)."""
-    part, axes = cut.part, list(opts.axes)
+    part = cut.part
+    buffer = FlatBuffer(fixed, opts.axes, tuple(mesh.axis_size(a) for a in opts.axes), suffix, cut,
+                        None if parts is None else tuple(sorted(parts)))
     coords: dict[int, dict] = {}  # partition -> its coordinates, made once: its pieces share them
+    names = [m[0].name for m in members]
+    append = geo.pieces.append
     for i, j, base, shape, boxes in cut.pieces:
         c = coords.get(j)
         if c is None:
-            c = coords[j] = {**fixed, **_unravel(j, axes, mesh)}
-        geo.pieces.append(FlatPiece(members[i][0].name, c, suffix, base, shape, part, boxes))
-    geo.buffers.append(FlatBuffer(fixed, opts.axes, tuple(mesh.axis_size(a) for a in opts.axes), suffix, cut,
-                                  None if parts is None else tuple(sorted(parts))))
+            c = coords[j] = buffer.coords(j)
+        append(FlatPiece(names[i], c, suffix, base, shape, part, boxes))
+    geo.buffers.append(buffer)
 
 
 def _box_dims(layouts, start, size, restricted: dict | None) -> tuple[DimLayout, ...]:
@@ -357,12 +372,3 @@ def _ravel(coords: dict, axes, mesh: Mesh) -> int:
     for a in axes:
         j = j * mesh.axis_size(a) + coords.get(a, 0)
     return j
-
-
-def _unravel(j: int, axes: list[str], mesh: Mesh) -> dict[str, int]:
-    out = {}
-    for a in reversed(axes):
-        s = mesh.axis_size(a)
-        out[a] = j % s
-        j //= s
-    return out

@@ -367,16 +367,17 @@ def _lower_flat(ctx: LoweringContext, group, placed, sm: ShardMap, cache: dict, 
     key = (group.number, tuple(t.name for t in group.members),
            None if focus is None else frozenset(t.name for t in group.members if t.id in focus))
     if key not in cache:
-        cache[key] = flat_geometry(ctx, group, placed, at)
-    geo: FlatGeometry = cache[key]
-    held = {t.name: sm.holdings[t.id] for t in group.members}
+        geo = flat_geometry(ctx, group, placed, at)
+        # equal slots recur on every coordinate: each piece's (distinct slot, its holder), found once
+        # for every kind sharing the geometry
+        distinct: dict[tuple, int] = {}
+        slot_of = [distinct.setdefault((p.suffix, p.base, p.shape, p.part), len(distinct)) for p in geo.pieces]
+        cache[key] = geo, list(distinct), slot_of, [p.name for p in geo.pieces]
+    geo, distinct, slot_of, names = cache[key]
     prefix = f"{group.kind}/"
-    slots: dict[tuple, Slot] = {}  # equal slots recur on every coordinate: build each once
-    for p in geo.pieces:
-        k = (p.suffix, p.base, p.shape, p.part)
-        slot = slots.get(k)
-        if slot is None:
-            slot = slots[k] = Slot(prefix + p.suffix, p.base, p.shape, (p.part,))
-        held[p.name].append(Holding(p.coords, slot, p.pieces))
+    slots = [Slot(prefix + suffix, base, shape, (part,)) for suffix, base, shape, part in distinct]
+    held = {t.name: sm.holdings[t.id] for t in group.members}
+    for p, name, s in zip(geo.pieces, names, slot_of):
+        held[name].append(Holding(p.coords, slots[s], p.pieces))
     for b in geo.buffers:
         sm.flat_datasets.append(FlatDatasets(prefix + b.suffix, group.members[0].dtype, b))
