@@ -121,21 +121,20 @@ def _dedup_boxes(S: ShardMap, t, where: bool):
     if found is None:
         return None, 0, None
     raw, bounds, volumes = found
-    strides = S.mesh.strides if where and not S.mesh.is_universal else None
-    seen, out, volume, at = set(), [], 0, 0
-    for j, h in enumerate(holdings):
-        n = len(h.pieces)
-        sig = raw[bounds[at]:bounds[at + n]]
-        if sig not in seen:
-            seen.add(sig)
+    counts = [len(h.pieces) for h in holdings]
+    ends = list(itertools.accumulate(counts))
+    starts = [e - c for e, c in zip(ends, counts)]
+    sigs = [raw[bounds[a]:bounds[e]] for a, e in zip(starts, ends)]
+    # each distinct holding's first occurrence (a dict built backwards keeps the lowest index)
+    kept = sorted(dict(zip(reversed(sigs), range(len(sigs) - 1, -1, -1))).values())
+    volume = sum([sum(volumes[starts[j]:ends[j]]) for j in kept])
+    out = []
+    if where:
+        strides = S.mesh.strides if not S.mesh.is_universal else None
+        for j in kept:
+            h = holdings[j]
             rank = sum(v * strides.get(a, 0) for a, v in h.fixed.items()) if strides is not None else 0
-            for k, p in enumerate(h.pieces):
-                vol = volumes[at + k]
-                if vol:
-                    volume += vol
-                    if where:
-                        out.append((p, rank, j))
-        at += n
+            out.extend((p, rank, j) for p, vol in zip(h.pieces, volumes[starts[j]:ends[j]]) if vol)
     # the target's piece keys serve its plans (compile); the source's are not kept
     return out, volume, (None if where else (raw, np.array(bounds, dtype=I64)))
 
