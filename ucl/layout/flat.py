@@ -222,7 +222,8 @@ def flat_geometry(ctx: LoweringContext, group, placed, at: list[dict] | None = N
                 if skeleton is None:
                     skeleton = skeletons[shapes] = _cut_skeleton(ctx, flat, opts, members)
                 cut = cuts[key] = _cut_buffer(skeleton, members, restricted, keep, skeleton_pieces)
-        _place_cut(cut, members, fixed, opts, mesh, suffix, geo, None if at is None else _parts_at(fixed, at, opts, mesh))
+        parts = None if at is None else _parts_at(fixed, at, opts, mesh)
+        _place_cut(cut, members, fixed, opts, mesh, suffix, geo, parts)
     return geo
 
 
@@ -312,7 +313,8 @@ def _skeleton_pieces(skeleton: BufferCut, i: int) -> list:
     return out
 
 
-def _cut_buffer(skeleton: BufferCut, members, restricted: dict | None, keep=None, found: dict | None = None) -> BufferCut:
+def _cut_buffer(skeleton: BufferCut, members, restricted: dict | None, keep=None,
+                found: dict | None = None) -> BufferCut:
     """``skeleton`` with each member's boxes as per-dim layouts (only of members ``keep``, if given);
     ``found``: (id of a skeleton kept alive by the caller, member) -> its :func:`_skeleton_pieces`, for
     the cuts of a skeleton's other tensor-parallel coordinates."""

@@ -19,7 +19,7 @@ from .context import LoweringContext, TensorFailure
 from .derived import Derived
 from .dims import dims_of, universal_dims
 from .fit import mesh_report, note_shared, warn_loose_fit
-from .flat import FlatBuffer, FlatGeometry, flat_geometry, members_at
+from .flat import FlatBuffer, flat_geometry, members_at
 from .local import coordinates, local_layouts, split_axes
 from .mesh import Mesh
 from ..errors import UclError

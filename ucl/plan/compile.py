@@ -4,7 +4,6 @@ every target dataset has exactly one source element or is a declared fill (paddi
 from __future__ import annotations
 
 import itertools
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -230,13 +229,14 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         uses.add_many(gs, t.id, ds, dst_slot[hs], src_base)
         src_base += len(sources.pieces)
     flat_fills = Uses()
-    if few is None:  # every buffer's gaps, a buffer at a time (a partition is one rank, mostly)
+    if few is None:  # every buffer's gaps (a whole map's buffers have every partition), a buffer at a time
         for f in T.flat_datasets:
-            gaps = [(j, start, length) for j, start, length in f.buffer.cut.all_gaps()]
+            gaps = list(f.buffer.cut.all_gaps())
             if gaps:
                 slot = sid(f.slot)
-                for (_, start, length), dset in zip(gaps, buffer_sets(f.buffer, np.array([g[0] for g in gaps], dtype=I64))):
-                    flat_fills.add(geos.add_fill(start, length), -1, int(dset), slot, 0)
+                dsets = buffer_sets(f.buffer, np.array([j for j, _, _ in gaps], dtype=I64)).tolist()
+                for (_, start, length), dset in zip(gaps, dsets):
+                    flat_fills.add(geos.add_fill(start, length), -1, dset, slot, 0)
     else:
         for f in _matching(T, "flat_fills", lambda: T.flat_fills, lambda f: f.fixed, [c for _, c in few]):
             dset = set_of(f.fixed)
