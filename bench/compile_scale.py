@@ -11,7 +11,8 @@ whole plan, and one target rank's plan (``compile(..., ranks=[r])``, what ``load
 for a rank of the first, a middle and the last pipeline stage; in the middle one's process then two
 more ranks' (lowering cached on the model: warm), one on another pipeline stage (its tensors'
 proofs still to do) and one on the same stage. Prints medians
-with min-max, plan rows stored and expanded (one per target rank), plan memory, and as a baseline
+with min-max, peak RSS of the compile and then with the plan's statistics (bytes read, distinct
+bytes), plan rows stored and expanded (one per target rank), plan memory, and as a baseline
 the time to merely enumerate every (rank, tensor) pair in Python in the same run.
 """
 from __future__ import annotations
@@ -57,6 +58,7 @@ def child(name: str, what: str) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
         plan = ucl.compile(model, src, dst)
         out["seconds"], out["cpu"] = time.perf_counter() - t0, time.process_time() - c0
+        out["rss_compile"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the statistics
         out.update(stored=plan.stored_rows, expanded=plan.rows, nbytes=plan.nbytes(), tensors=len(model.tensors),
                    bytes_read=plan.bytes_read, amplification=plan.read_amplification,
                    peak=plan.peak_memory_bound())
@@ -108,6 +110,7 @@ def run(name: str, repeat: int) -> None:
     print(f"[{name}] {f0['tensors']} tensors, {src} ({Mesh.parse(src).size} ranks) -> {dst} ({n_ranks} ranks); "
           f"{repeat} fresh processes each")
     print(f"  full plan: compile {_med([x['seconds'] for x in full])} (CPU {_med([x['cpu'] for x in full])}); peak RSS "
+          f"{_med([x['rss_compile'] for x in full], 'MiB', '{:.0f}')}, with the plan's statistics after "
           f"{_med([x['rss'] for x in full], 'MiB', '{:.0f}')}")
     print(f"    rows: {f0['stored']:,} stored, {f0['expanded']:,} expanded (one per target rank, "
           f"{f0['expanded'] / max(f0['stored'], 1):.1f}x); plan memory {f0['nbytes'] / 2**20:.1f} MiB")

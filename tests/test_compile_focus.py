@@ -100,3 +100,15 @@ def test_rank_set_builder_numbers_sets_as_a_dict_in_order_of_first_use(ops):
     assert got == want
     built = b.build()
     assert [built.members(i).tolist() for i in range(len(built))] == sets
+
+
+@pytest.mark.parametrize("src,dst", [(SRC, DST), ("pp=2,dp=3,tp=2", "universal"), ("universal", "dp=5,tp=2")])
+def test_distinct_bytes_are_those_of_the_distinct_source_boxes(src, dst):
+    plan = ucl.compile(llama_model(SMALL), src, dst)
+    c = plan.stored_copies
+    boxes = {}
+    for i in range(len(c["tensor"])):
+        key = (int(c["tensor"][i]), int(c["src_rank"][i]), int(c["src_slot"][i]),
+               tuple(c["src_start"][i].tolist()), tuple(c["size"][i].tolist()))
+        boxes[key] = int(np.prod(c["size"][i])) * plan.itemsize[c["tensor"][i]]
+    assert plan.bytes_unique == sum(boxes.values()) and plan.read_amplification >= 1
