@@ -4,6 +4,8 @@ stores a flat buffer's partitions as one record. Oracles: the full plan of anoth
 (lowered whole), the expanded per-partition datasets, and a plain dict numbering of rank sets."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +13,9 @@ from hypothesis import strategies as st
 
 import ucl
 from ucl.demo import llama_model
+from ucl.layout.algebra import DimLayout
 from ucl.layout.lower import lower, tensors_on
+from ucl.plan.geometry import piece_boxes
 from ucl.plan.execute import rank_datasets
 from ucl.plan.ranksets import RankSetBuilder
 from tests.test_compact_plan import resolved, row_set, rows_of_rank
@@ -112,3 +116,15 @@ def test_distinct_bytes_are_those_of_the_distinct_source_boxes(src, dst):
                tuple(c["src_start"][i].tolist()), tuple(c["size"][i].tolist()))
         boxes[key] = int(np.prod(c["size"][i])) * plan.itemsize[c["tensor"][i]]
     assert plan.bytes_unique == sum(boxes.values()) and plan.read_amplification >= 1
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.lists(st.lists(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(1, 9)),
+                                  min_size=1, max_size=3), min_size=2, max_size=2), min_size=1, max_size=5))
+def test_piece_boxes_are_the_products_of_each_dims_runs(runs):
+    pieces = [tuple(DimLayout(99, np.array(d, dtype=np.int64).reshape(-1, 3), np.zeros((0, 2), dtype=np.int64))
+                    for d in p) for p in runs]
+    owner, boxes = piece_boxes(pieces, 2)
+    want = [(i, combo) for i, p in enumerate(runs) for combo in itertools.product(*p)]
+    assert owner.tolist() == [i for i, _ in want]
+    assert boxes.tolist() == [[list(r) for r in combo] for _, combo in want]

@@ -11,7 +11,6 @@ depends only on their values.
 """
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 
@@ -37,15 +36,21 @@ def piece_boxes(pieces: list, nd: int) -> tuple[np.ndarray, np.ndarray]:
     if nd == 0:
         return np.arange(len(pieces), dtype=I64), np.zeros((len(pieces), 0, 3), dtype=I64)
     segs = [d.segs for p in pieces for d in p]
-    if all(len(s) == 1 for s in segs):  # the common case: one run per dim
-        return np.arange(len(pieces), dtype=I64), np.concatenate(segs).reshape(len(pieces), nd, 3)
-    owners, boxes = [], []
-    for i, p in enumerate(pieces):
-        runs = [d.segs.tolist() for d in p]
-        for combo in itertools.product(*runs):
-            owners.append(i)
-            boxes.append(combo)
-    return np.array(owners, dtype=I64), np.array(boxes, dtype=I64).reshape(len(boxes), nd, 3)
+    runs = np.array([len(s) for s in segs], dtype=I64).reshape(len(pieces), nd)
+    flat = np.concatenate(segs)
+    if not (runs - 1).any():  # the common case: one run per dim
+        return np.arange(len(pieces), dtype=I64), flat.reshape(len(pieces), nd, 3)
+    # every piece's boxes, the product of its dims' runs (row-major, the last dim's runs fastest)
+    first = (np.cumsum(runs.ravel()) - runs.ravel()).reshape(len(pieces), nd)
+    per_piece = np.prod(runs, axis=1)
+    owner = np.repeat(np.arange(len(pieces), dtype=I64), per_piece)
+    within = np.arange(len(owner), dtype=I64) - np.repeat(np.cumsum(per_piece) - per_piece, per_piece)
+    boxes = np.empty((len(owner), nd, 3), dtype=I64)
+    for d in range(nd - 1, -1, -1):
+        count = runs[owner, d]
+        boxes[:, d, :] = flat[first[owner, d] + within % count]
+        within //= count
+    return owner, boxes
 
 
 def piece_bytes(pieces: list, nd: int) -> tuple[bytes, list[int], list[int]] | None:
