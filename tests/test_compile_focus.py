@@ -1,7 +1,8 @@
 """One rank's plan lowers by coordinate (docs/ir.md): of the flat (ZeRO) members placed where the rank
 is, only those its partitions hold, with the datasets and gaps of its partitions only; and a ShardMap
 stores a flat buffer's partitions as one record. Oracles: the full plan of another model object
-(lowered whole), the expanded per-partition datasets, and a plain dict numbering of rank sets."""
+(lowered whole), the expanded per-partition datasets, a plain dict numbering of rank sets, a set of
+source boxes (distinct bytes) and itertools.product (a piece's boxes)."""
 from __future__ import annotations
 
 import itertools
