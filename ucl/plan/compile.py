@@ -14,7 +14,7 @@ from ..layout.bind import Model
 from ..layout.boxes import Slot
 from ..layout.lower import ShardMap, gc_paused, lower, tensors_on
 from ..layout.mesh import Mesh, as_mesh
-from .ir import DATASET_COLUMNS, FILL_BOX_COLUMNS, FILL_COLUMNS, Plan
+from .ir import DATASET_COLUMNS, Plan
 from .geometry import Geometries, Uses, fill_boxes, piece_boxes, piece_keys, pieces_rows
 from .proof import dedup_sources, piece_volume
 from .ranksets import RankSetBuilder, sorted_distinct
