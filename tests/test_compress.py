@@ -101,7 +101,7 @@ def test_trained_like_state_is_compressed_and_marked(tmp_path):
         info = c.info(0, "param/w")
         assert info.encoding == "zstd" and info.stored < 0.8 * info.nbytes
         assert c.info(0, "step/s").encoding is None  # coding a scalar does not shrink it: plain
-        assert c.manifest.version == 3
+        assert c.manifest.version == 4 and info.group >= 1
     assert ucl.open(tmp_path / "x").read(0, "param/w").tobytes() == w.tobytes()
 
 
@@ -123,7 +123,7 @@ def test_reshard_compressed_and_back_is_bit_exact(demo, saved, tmp_path, codec, 
     packed = tmp_path / "packed"
     ucl.reshard(saved(a), packed, M(b), workers=2, compress=codec)
     m = json.load(open(packed / "manifest.json"))
-    assert m["version"] == 3 and any(e.get("encoding") == codec for d in m["datasets"] for e in d.values())
+    assert m["version"] == 4 and any(e.get("encoding") == codec for d in m["datasets"] for e in d.values())
     assert_intact(packed, model, truth, M(b))
     plain = tmp_path / "plain"
     ucl.reshard(packed, plain, M(a), workers=1, durable=False)  # streamed from a compressed source
@@ -148,7 +148,7 @@ def test_cli_reshard_compress(demo, saved, tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "z")]) == 0
     out = capsys.readouterr().out
-    assert "ucl format v3" in out and "stored, zstd)" in out
+    assert "ucl format v4" in out and "stored, zstd)" in out
 
 
 def test_an_unknown_codec_is_refused_before_anything_is_written(tmp_path):
@@ -213,7 +213,7 @@ def _forge(path, m, e, units: list[bytes]):
         f.seek(e["tables"] + 8 * ntab)
         f.write(np.concatenate([ends, digests]).astype("<u8").tobytes())
     e["stored"] = len(stored)
-    e["frames"] = frame_table_digest(e["checksum"], e["encoding"], len(stored), ends, digests)
+    e["frames"] = frame_table_digest(e["checksum"], e["encoding"], len(stored), ends, digests, e.get("group"))
     _rewrite(path, m)
     return n
 
@@ -237,7 +237,7 @@ def test_a_decompression_bomb_is_refused_before_it_is_decoded(tmp_path):
 
 def test_a_frame_table_that_does_not_fit_the_units_is_refused(tmp_path):
     path, m, e, w = _packed_file(tmp_path)
-    n = units_of(w.shape, 4).count
+    n = units_of(w.shape, 4, e["group"]).count
     _forge(path, m, e, [bytes(16)] * (n - 1) + [bytes(16 + 4 * 1024 * 1024)])  # a unit longer than it can be
     with Checkpoint.open(path) as c, pytest.raises(StoreError) as err:
         c.read(0, "param/w")
@@ -300,18 +300,18 @@ def test_checkpointer_compresses_in_its_flusher(tmp_path):
         model(torch.randn(8, 64)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    coded_in, real = set(), codec.encode_unit
-    codec.encode_unit = lambda *a: (coded_in.add(threading.current_thread().name), real(*a))[1]
+    coded_in, real = set(), codec._encode_block
+    codec._encode_block = lambda *a: (coded_in.add(threading.current_thread().name), real(*a))[1]
     try:
         with ucl.Checkpointer(str(tmp_path), model, opt, compress="zstd") as ck:
             ck.save(1)
             ck.wait()
             latest = ck.root.latest()
     finally:
-        codec.encode_unit = real
+        codec._encode_block = real
     assert coded_in and threading.current_thread().name not in coded_in  # never the training thread
     with ucl.open(latest) as c:
-        assert c.manifest.version == 3 and c.verify() == []
+        assert c.manifest.version == 4 and c.verify() == []
         assert any(c.info(0, k).encoding == "zstd" for k in c.keys(0))
     want = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -394,17 +394,14 @@ def test_long_flat_reads_go_a_group_of_units_at_a_time(tmp_path, monkeypatch):
        shape=st.sampled_from([(1,), (4097,), (300_001,), (3, 5), (64, 1000), (70, 4480), (5, 7, 300)]),
        seed=st.integers(0, 2**32 - 1))
 def test_encode_is_the_units_encoded_one_by_one(dtype, codec, shape, seed):
-    """However encode() batches units (flat chunks split into planes a block at a time), each unit's
-    stored bytes are those of encode_unit on it alone, with the planes the first unit showed
-    worth coding."""
-    from ucl.store.codec import coded_planes, encode_unit, planes_of, unit_view
+    """However encode() batches units (a block of them split into planes at once, a grid's cells
+    gathered first), each unit's stored bytes are those of encode_unit on it alone, with the planes
+    the dataset's first elements showed worth coding."""
+    from ucl.store.codec import encode_unit, unit_view, worth_coding
     arr = np.ascontiguousarray(_storage(dtype, shape, np.random.default_rng(seed)))
-    units = units_of(arr.shape, arr.itemsize)
     got = encode(arr, dtype, codec)
-    first = encode_unit(unit_view(arr, units, 0), dtype, arr.itemsize, codec)
-    k = planes_of(dtype, arr.itemsize)
-    tries = coded_planes(first, k, units.unit_bytes(0) // k)
-    want = [first] + [encode_unit(unit_view(arr, units, u), dtype, arr.itemsize, codec, tries)
-                      for u in range(1, units.count)]
+    units = units_of(arr.shape, arr.itemsize, got.group)
+    tries = worth_coding(arr, dtype, codec)
+    want = [encode_unit(unit_view(arr, units, u), dtype, arr.itemsize, codec, tries) for u in range(units.count)]
     assert got.stored.tobytes() == b"".join(want)
     assert got.ends.tolist() == np.cumsum([len(w) for w in want]).tolist()

@@ -11,7 +11,7 @@ import struct
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import xxhash
@@ -20,11 +20,18 @@ from ..errors import StoreError
 from .checksum import chunk_size, format_checksum, tile_grid, TileGrid
 
 CODECS = ("zstd", "lz4")
-ZSTD_LEVEL = 1  # level 1: the mantissa planes barely compress at any level, the exponent plane does at 1
+# zstd's fastest strategy with the smallest hash table and the longest minimum match: on exponent planes
+# (a few bits of entropy a byte) matches are short and chance, so finding them costs time and ratio;
+# this keeps zstd's Huffman-coded literals and little else (measured on trained state: 2x faster than
+# level 1 and 2-6% smaller exponent planes; bench/compress.py)
+ZSTD_PARAMS = dict(window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0)
+UNIT_BYTES = 256 << 10  # a writer's units hold at least this many logical bytes where the dataset has them
+MAX_UNIT_BANDS = 4  # ... but a tiled dataset's unit spans at most this many tile bands (row reads stay fine)
 _RAW = 1 << 31  # a plane header's top bit: the plane is stored raw
 _HEADER = struct.Struct("<I")
 _FLOATS = frozenset({"bfloat16", "float16", "float32", "float64"})
-_BLOCK_BYTES = 1 << 20  # flat chunks split into planes together, about this many bytes at a time
+SAMPLE_ELEMENTS = 16 << 10  # a dataset's first elements, whose planes are coded to see which shrink
+BLOCK_BYTES = 1 << 20  # units coded together (one task of a thread pool): about this many logical bytes
 
 
 def check_codec(name: object) -> str | None:
@@ -39,9 +46,9 @@ def check_codec(name: object) -> str | None:
 
 @dataclass(frozen=True)
 class Units:
-    """How a dataset of ``shape`` is cut into coded units: the tiles of ``grid`` row-major (each
-    tile's bytes row by row within it), else consecutive ``chunk`` bytes of its flattening (the last
-    may be short)."""
+    """How a dataset of ``shape`` is cut into coded units: the cells of ``grid`` row-major (each
+    cell's bytes row by row within it), else consecutive ``chunk`` bytes of its flattening (the last
+    may be short). ``grid`` is the tile grid with ``group`` tile bands to a cell."""
 
     shape: tuple[int, ...]
     itemsize: int
@@ -68,13 +75,33 @@ class Units:
         return min(self.chunk, self.nbytes - u * self.chunk)
 
 
-def units_of(shape: Sequence[int], itemsize: int) -> Units:
-    """The writer's units for a dataset (docs/format.md): its tiles when it has a tile grid, else its
-    checksum chunks, else one unit of the whole dataset."""
+def units_of(shape: Sequence[int], itemsize: int, group: int = 1) -> Units:
+    """A dataset's units (docs/format.md): ``group`` tile bands of one tile column when it has a
+    tile grid, else ``group`` consecutive checksum chunks, else one unit of the whole dataset
+    (``group`` 1: the units of version-3 entries, which record none)."""
     shape = tuple(int(x) for x in shape)
     nbytes = math.prod(shape) * itemsize
     grid = tile_grid(shape, itemsize)
-    return Units(shape, itemsize, grid, chunk_size(nbytes) or max(nbytes, 1))
+    if grid is not None:
+        grid = TileGrid(grid.rows, grid.cols, min(grid.rows, grid.tile_rows * group), grid.tile_cols)
+    size = chunk_size(nbytes)
+    return Units(shape, itemsize, grid, min(nbytes, size * group) if size else max(nbytes, 1))
+
+
+def group_for(shape: Sequence[int], itemsize: int) -> int:
+    """The ``group`` a writer chooses: the least power of two giving units of at least UNIT_BYTES
+    (fewer, larger units cost less per byte to code), at most MAX_UNIT_BANDS tile bands of a tiled
+    dataset, and no more chunks or bands than the dataset has."""
+    base = units_of(shape, itemsize)
+    if base.grid is not None:
+        g, top = base.grid, min(MAX_UNIT_BANDS, base.grid.nr)
+        each = g.tile_rows * g.tile_cols * itemsize
+    else:
+        top, each = base.count, base.chunk
+    group = 1
+    while group < top and group * each < UNIT_BYTES:
+        group *= 2
+    return group
 
 
 def planes_of(dtype: str, itemsize: int) -> int:
@@ -92,14 +119,20 @@ def _rotate(u: np.ndarray, left: bool) -> np.ndarray:
 
 def split_planes(raw: np.ndarray, dtype: str, itemsize: int) -> list[np.ndarray]:
     """A unit's bytes (uint8, whole elements) as its byte planes, most significant first."""
-    k = planes_of(dtype, itemsize)
-    if k == 1:
+    if planes_of(dtype, itemsize) == 1:
         return [raw]
-    u = raw.view(f"<u{itemsize}")
+    return _split(raw.view(f"<u{itemsize}"), dtype)
+
+
+def _split(elems: np.ndarray, dtype: str) -> list[np.ndarray]:
+    """The byte planes of ``elems`` (unsigned, of the dtype's width; any shape, rows may be strided:
+    a cell of a grid is split where it lies, not copied first), each a contiguous uint8 array in
+    row-major order: floats rotated in one pass, then each plane gathered from its byte."""
+    k = elems.dtype.itemsize
     if dtype in _FLOATS:
-        u = _rotate(u, True)
-    planes = u.view(np.uint8).reshape(-1, k).T[::-1].copy()  # one transposing copy: row p is plane p
-    return list(planes)
+        elems = _rotate(elems, True)
+    by = np.ascontiguousarray(elems).view(np.uint8).reshape(-1, k)
+    return [np.ascontiguousarray(by[:, k - 1 - p]) for p in range(k)]
 
 
 def join_planes(planes: Sequence[np.ndarray], dtype: str, itemsize: int, out: np.ndarray) -> None:
@@ -111,15 +144,30 @@ def join_planes(planes: Sequence[np.ndarray], dtype: str, itemsize: int, out: np
     by = out.reshape(-1, k)
     for p in range(k):  # plane by plane: 10x faster than one transposing copy of the stacked planes
         by[:, k - 1 - p] = planes[p]
-    if dtype in _FLOATS:
+    if dtype in _FLOATS:  # rotated back in place
         u = out.view(f"<u{itemsize}")
-        u[...] = _rotate(u, False)
+        low = _scratch("low", u.nbytes).view(u.dtype)[:u.size]
+        np.right_shift(u, 1, out=low)
+        np.left_shift(u, 8 * itemsize - 1, out=u)
+        np.bitwise_or(u, low, out=u)
 
 
-_LOCAL = threading.local()  # per thread: zstd contexts are not shared between threads
+_LOCAL = threading.local()  # per thread: zstd contexts and scratch buffers are not shared between threads
 
 
-def coders(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], bytes]]:
+def _scratch(name: str, nbytes: int) -> np.ndarray:
+    """A uint8 buffer of at least ``nbytes`` kept by this thread under ``name``: a temporary of a
+    unit's size made afresh costs its page faults each time, more than the arithmetic on it."""
+    made = getattr(_LOCAL, "scratch", None)
+    if made is None:
+        made = _LOCAL.scratch = {}
+    buf = made.get(name)
+    if buf is None or buf.size < nbytes:
+        buf = made[name] = np.empty(max(nbytes, 1), np.uint8)
+    return buf[:nbytes]
+
+
+def coders(name: str) -> tuple[Callable[[Any], bytes], Callable[[Any, int], bytes]]:
     """(compress, decompress(data, exact size)) of a codec, made once per thread (a zstd context
     costs more to make than a unit costs to code); UCL418 if its package is missing."""
     made = getattr(_LOCAL, "codecs", None)
@@ -130,13 +178,14 @@ def coders(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], 
     return made[name]
 
 
-def _make_codec(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], bytes]]:
+def _make_codec(name: str) -> tuple[Callable[[Any], bytes], Callable[[Any, int], bytes]]:
     try:
         if name == "zstd":
             import zstandard
-            cctx, dctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL), zstandard.ZstdDecompressor()
+            params = zstandard.ZstdCompressionParameters(strategy=zstandard.STRATEGY_FAST, **ZSTD_PARAMS)
+            cctx, dctx = zstandard.ZstdCompressor(compression_params=params), zstandard.ZstdDecompressor()
 
-            def unzstd(data: bytes, n: int) -> bytes:
+            def unzstd(data: Any, n: int) -> bytes:
                 # the frame's own declared size is checked before zstd allocates anything for it
                 if zstandard.frame_content_size(data) != n:
                     raise ValueError("declared size differs from the unit's")
@@ -153,20 +202,25 @@ def _make_codec(name: str) -> tuple[Callable[[bytes], bytes], Callable[[bytes, i
 def encode_unit(raw: np.ndarray, dtype: str, itemsize: int, codec: str, tries: Sequence[bool] | None = None) -> bytes:
     """One unit's stored bytes: per plane a little-endian uint32 header (its stored length; top bit
     set: raw), then the plane. ``tries[p]`` False: plane ``p`` is stored raw without trying to code it."""
-    return _pack(split_planes(raw, dtype, itemsize), codec, tries)
+    parts: list = []
+    _pack(split_planes(raw, dtype, itemsize), codec, tries, parts)
+    return b"".join(parts)
 
 
-def _pack(planes: Sequence[np.ndarray], codec: str, tries: Sequence[bool] | None) -> bytes:
-    """A unit's stored bytes from its planes (contiguous uint8 arrays)."""
+def _pack(planes: Sequence[np.ndarray], codec: str, tries: Sequence[bool] | None, parts: list) -> int:
+    """A unit's stored bytes from its planes (contiguous uint8 arrays), appended to ``parts`` (raw
+    planes as they are: the caller joins everything once); returns their length."""
     compress, _ = coders(codec)
-    parts = []
+    n = 0
     for p, plane in enumerate(planes):
-        coded = compress(plane.data) if tries is None or tries[p] else b""
+        coded = compress(plane) if tries is None or tries[p] else b""
         if coded and len(coded) < plane.size:
             parts += [_HEADER.pack(len(coded)), coded]
+            n += 4 + len(coded)
         else:
-            parts += [_HEADER.pack(plane.size | _RAW), plane.tobytes()]
-    return b"".join(parts)
+            parts += [_HEADER.pack(plane.size | _RAW), plane]
+            n += 4 + plane.size
+    return n
 
 
 def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, codec: str, out: np.ndarray,
@@ -203,7 +257,7 @@ def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, cod
 
 def unit_view(arr: np.ndarray, units: Units, u: int) -> np.ndarray:
     """Unit ``u``'s logical bytes of the C-contiguous storage array ``arr``, as a uint8 array (a
-    copy for a tile, a view for a chunk)."""
+    copy for a cell of a grid, a view for a chunk)."""
     g = units.grid
     if g is not None:
         b, j = divmod(u, g.nc)
@@ -216,70 +270,141 @@ def unit_view(arr: np.ndarray, units: Units, u: int) -> np.ndarray:
 @dataclass(frozen=True)
 class Encoded:
     """A dataset's stored bytes and its frame table: where each unit ends (relative to the first
-    stored byte) and the xxh3-64 of each unit's stored bytes."""
+    stored byte) and the xxh3-64 of each unit's stored bytes; ``group`` as units_of takes it."""
 
     stored: np.ndarray  # uint8
     ends: np.ndarray  # uint64
     digests: np.ndarray  # uint64
+    group: int = 1
 
     def table(self) -> np.ndarray:
         """Its values in the rank file's ``ucl_tables``: the ends, then the digests."""
         return np.concatenate([self.ends, self.digests])
 
 
-def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None) -> Encoded:
-    """Encode a C-contiguous storage array unit by unit (in ``pool``'s threads when given: zstd and
-    lz4 release the GIL)."""
-    units = units_of(arr.shape, arr.itemsize)
+def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None, group: int | None = None) -> Encoded:
+    """Encode a C-contiguous storage array unit by unit (``group``: default group_for's), a block
+    of units of about BLOCK_BYTES at a time (in ``pool``'s threads when given: zstd and lz4 release
+    the GIL). The planes coded are those a sample of the first unit shows worth coding
+    (:func:`worth_coding`)."""
+    group = group_for(arr.shape, arr.itemsize) if group is None else group
+    units = units_of(arr.shape, arr.itemsize, group)
     if not units.count:
-        return Encoded(np.zeros(0, np.uint8), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
-    first = encode_unit(unit_view(arr, units, 0), dtype, arr.itemsize, codec)
-    k = planes_of(dtype, arr.itemsize)
-    tries = coded_planes(first, k, units.unit_bytes(0) // k)
-
-    def band(b: int) -> list[bytes]:  # tiles: a band of them split into planes at once
-        g = units.grid
-        r0, r1 = g.row_span(b)
-        planes = [q.reshape(r1 - r0, g.cols) for q in split_planes(
-            arr.reshape(g.rows, g.cols)[r0:r1].reshape(-1).view(np.uint8), dtype, arr.itemsize)]
-        return [_pack([np.ascontiguousarray(q[:, slice(*g.col_span(j, j))]).reshape(-1) for q in planes], codec, tries)
-                for j in range(1 if b == 0 else 0, g.nc)]
-
-    def run(lo: int) -> list[bytes]:  # flat chunks: a block of them split into planes at once
-        hi = min(units.count, lo + per)
-        planes = split_planes(arr.reshape(-1).view(np.uint8)[lo * units.chunk:hi * units.chunk], dtype, arr.itemsize)
-        each = units.chunk // k
-        return [_pack([q[(u - lo) * each:(u - lo) * each + units.unit_bytes(u) // k] for q in planes], codec, tries)
-                for u in range(lo, hi)]
-    per = max(1, _BLOCK_BYTES // units.chunk)
-    jobs, fn = (range(units.grid.nr), band) if units.grid is not None else (range(1, units.count, per), run)
-    coded = [first] + [c for block in (pool.map(fn, jobs) if pool is not None else map(fn, jobs)) for c in block]
-    lengths = np.fromiter(map(len, coded), np.uint64, len(coded))
-    stored = np.frombuffer(b"".join(coded), np.uint8)
-    digests = np.fromiter(map(xxhash.xxh3_64_intdigest, coded), np.uint64, len(coded))
-    return Encoded(stored, np.cumsum(lengths, dtype=np.uint64), digests)
+        return Encoded(np.zeros(0, np.uint8), np.zeros(0, np.uint64), np.zeros(0, np.uint64), group)
+    tries = worth_coding(arr, dtype, codec)
+    blocks = _blocks(units)
+    run = lambda block: _encode_block(arr, units, dtype, codec, tries, *block)  # noqa: E731
+    done = list(pool.map(run, blocks) if pool is not None and len(blocks) > 1 else map(run, blocks))
+    stored = done[0][0] if len(done) == 1 else np.concatenate([d[0] for d in done])
+    lengths = [n for d in done for n in d[1]]
+    ends = np.cumsum(np.array(lengths, np.uint64), dtype=np.uint64)
+    view, starts = memoryview(stored), [0] + [int(e) for e in ends[:-1]]
+    digests = np.fromiter((xxhash.xxh3_64_intdigest(view[a:int(b)]) for a, b in zip(starts, ends)), np.uint64,
+                          len(lengths))
+    return Encoded(stored, ends, digests, group)
 
 
-def coded_planes(unit: bytes, k: int, each: int) -> list[bool]:
-    """Which planes (of ``each`` bytes) of a coded unit shrank by at least 2%: the others (the
-    mantissa bytes of trained floats, noise to a coder) are stored raw in the dataset's other units
-    without being tried (a writer's choice: readers see raw planes either way)."""
-    out, pos = [], 0
-    for _ in range(k):
-        (head,) = _HEADER.unpack_from(unit, pos)
-        n = head & ~_RAW
-        out.append(not head & _RAW and n < 0.98 * each)
-        pos += 4 + n
+def _blocks(units: Units) -> list[tuple[int, int]]:
+    """Runs ``(first, last)`` of units coded together: about BLOCK_BYTES of consecutive units; with a
+    grid, units of one row of it and of one width (a narrower last column is a block of its own)."""
+    per = max(1, BLOCK_BYTES // max(1, units.unit_bytes(0)))
+    g = units.grid
+    if g is None:
+        return [(a, min(a + per, units.count) - 1) for a in range(0, units.count, per)]
+    full = g.cols // g.tile_cols  # columns of full width
+    out = []
+    for r in range(0, units.count, g.nc):
+        out += [(r + a, r + min(a + per, full) - 1) for a in range(0, full, per)]
+        out += [(r + full, r + full)] if full < g.nc else []
     return out
 
 
-def frame_table_digest(whole: str, codec: str, stored: int, ends: np.ndarray, digests: np.ndarray) -> str:
+def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, tries: Sequence[bool], first: int,
+                  last: int) -> tuple[np.ndarray, list[int]]:
+    """Units ``first..last`` (one block) coded: their stored bytes, one after the other, and each
+    one's length. A block of grid cells is first copied cell after cell (one copy, so that every
+    plane of every cell is contiguous); the whole block is split into planes at once; each unit's
+    part of a plane is then coded, or copied into the stored bytes when it is kept raw."""
+    item, g = arr.itemsize, units.grid
+    nu = last - first + 1
+    if g is not None:
+        (r0, r1), (c0, c1) = g.row_span(first // g.nc), g.col_span(first % g.nc, last % g.nc)
+        rows, w = r1 - r0, (c1 - c0) // nu
+        cells = _scratch("cells", rows * (c1 - c0) * item).view(arr.dtype).reshape(nu, rows, w)
+        np.copyto(cells, arr.reshape(g.rows, g.cols)[r0:r1, c0:c1].reshape(rows, nu, w).transpose(1, 0, 2))
+        block, per = cells.reshape(-1), rows * w
+    else:
+        per = units.chunk // item
+        block = arr.reshape(-1)[first * per:(last + 1) * per]
+    planes = _block_planes(block, dtype)
+    compress, _ = coders(codec)
+    out = np.empty(block.nbytes + 4 * len(planes) * nu, np.uint8)
+    pos, lengths = 0, []
+    for i in range(nu):
+        start = pos
+        for p, plane in enumerate(planes):
+            src = plane[i * per:(i + 1) * per]
+            n = src.size
+            coded = compress(src) if tries[p] else None
+            if coded is not None and len(coded) < n:
+                _HEADER.pack_into(out, pos, len(coded))
+                out[pos + 4:pos + 4 + len(coded)] = np.frombuffer(coded, np.uint8)
+                pos += 4 + len(coded)
+            else:
+                _HEADER.pack_into(out, pos, n | _RAW)
+                out[pos + 4:pos + 4 + n] = src
+                pos += 4 + n
+        lengths.append(pos - start)
+    return out[:pos], lengths
+
+
+def _block_planes(block: np.ndarray, dtype: str) -> list[np.ndarray]:
+    """The byte planes of ``block`` (1-D, or 2-D rows that may be strided), each of its shape, in
+    this thread's scratch (valid until its next call): floats rotated in one pass, then each plane
+    a shift and a narrowing cast of the whole block (faster than gathering every k-th byte)."""
+    k = planes_of(dtype, block.itemsize)
+    if k == 1:
+        return [block.view(np.uint8)]
+    e = block.view(f"<u{k}")
+    shape, n = e.shape, e.size
+    tmp = _scratch("low", e.nbytes).view(e.dtype)[:n].reshape(shape)
+    if dtype in _FLOATS:
+        r = _scratch("rotated", e.nbytes).view(e.dtype)[:n].reshape(shape)
+        np.left_shift(e, 1, out=r)
+        np.right_shift(e, 8 * k - 1, out=tmp)
+        np.bitwise_or(r, tmp, out=r)
+        e = r
+    out = _scratch("planes", k * n).reshape((k,) + shape)
+    for p in range(k):
+        shift = 8 * (k - 1 - p)
+        if shift:
+            np.right_shift(e, shift, out=tmp)
+        np.copyto(out[p], tmp if shift else e, casting="unsafe")
+    return list(out)
+
+
+def worth_coding(arr: np.ndarray, dtype: str, codec: str) -> list[bool]:
+    """Which planes are worth coding: those of the dataset's first SAMPLE_ELEMENTS elements that
+    shrink by at least 2%. The others (the mantissa bytes of trained floats, noise to a
+    coder) are stored raw in every unit of the dataset without being tried (a writer's choice:
+    readers see raw planes either way)."""
+    compress, _ = coders(codec)
+    k = planes_of(dtype, arr.itemsize)
+    planes = _block_planes(arr.reshape(-1)[:SAMPLE_ELEMENTS], dtype)
+    return [len(compress(p)) < 0.98 * p.size for p in planes[:k]]
+
+
+def frame_table_digest(whole: str, codec: str, stored: int, ends: np.ndarray, digests: np.ndarray,
+                       group: int | None = None) -> str:
     """``xxh3_64:<hex>`` binding a compressed dataset's whole checksum to its encoding and frame
     table (the entry's ``frames``): the checksum and codec name (ASCII), the stored byte count as
-    little-endian int64, then the ends and digests as little-endian uint64."""
+    little-endian int64, the entry's ``group`` likewise where it has one (version 4), then the ends
+    and digests as little-endian uint64."""
     h = xxhash.xxh3_64(whole.encode("ascii"))
     h.update(codec.encode("ascii"))
     h.update(np.int64(stored).astype("<i8").tobytes())
+    if group is not None:
+        h.update(np.int64(group).astype("<i8").tobytes())
     h.update(np.ascontiguousarray(ends, dtype="<u8").tobytes())
     h.update(np.ascontiguousarray(digests, dtype="<u8").tobytes())
     return format_checksum(h.hexdigest())

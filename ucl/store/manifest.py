@@ -21,9 +21,12 @@ from .checksum import is_checksum
 
 FORMAT_NAME = "ucl-checkpoint"
 FORMAT_VERSION = 2  # 2: a replicated dataset is stored by its first replica only (docs/format.md)
-COMPRESSED_VERSION = 3  # 3: some datasets in the compressed encoding; what a checkpoint with one says
+# 3: some datasets in the compressed encoding, a unit per checksum chunk or tile; 4: units of ``group``
+# chunks or tile bands (docs/format.md). What a checkpoint with a compressed dataset says now:
+COMPRESSED_VERSION = 4
 READ_VERSION = COMPRESSED_VERSION  # the newest version this ucl reads
 ENCODINGS = ("zstd", "lz4")  # the compressed encodings an entry's ``encoding`` may name
+MAX_GROUP = 1 << 20  # the largest ``group`` a reader takes (far above any a writer chooses)
 MANIFEST_NAME = "manifest.json"
 TABLES_NAME = "ucl_tables"  # each rank file's dataset of digest tables that entries' ``tables`` locate
 
@@ -60,6 +63,7 @@ class DatasetInfo:
     encoding: str | None = None  # the compressed encoding's codec; None: plain
     stored: int | None = None  # bytes the compressed dataset takes in the rank file
     frames: str | None = None  # digest binding its frame table (codec.frame_table_digest)
+    group: int | None = None  # checksum chunks or tile bands per coded unit (None: 1, as version 3 wrote)
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -256,10 +260,12 @@ def check_entry(rank: int, key: str, e: Any) -> None:
             raise _bad(f"{where}: {k!r} must be a non-negative integer (a byte offset in the rank file)")
     if "tables" in e and "chunks" not in e and "tiles" not in e and "frames" not in e:
         raise _bad(f"{where}: 'tables' locates digest tables that no 'chunks', 'tiles' or 'frames' digest binds")
-    packed = [k for k in ("encoding", "stored", "frames") if k in e]
+    packed = [k for k in ("encoding", "stored", "frames", "group") if k in e]
     if packed:
         missing = [k for k in ("encoding", "stored", "frames", "offset", "tables") if k not in e]
         if missing:
             raise _bad(f"{where}: a compressed entry lacks {', '.join(repr(k) for k in missing)}")
+        if "group" in e and not (_is_int(e["group"]) and 1 <= e["group"] <= MAX_GROUP):
+            raise _bad(f"{where}: 'group' must be an integer from 1 to {MAX_GROUP:,}, got {e['group']!r}")
         if e["encoding"] not in ENCODINGS:
             raise _bad(f"{where}: unknown 'encoding' {e['encoding']!r} (ucl knows {', '.join(ENCODINGS)})")

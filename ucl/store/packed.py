@@ -180,10 +180,10 @@ def open_packed(file: RawFile, info: Any, values: np.ndarray, cache: Any, key: t
     locate(file, info.offset, (info.stored,), np.dtype(np.uint8), info.stored)
     n = values.size // 2
     ends, digests = values[:n], values[n:]
-    if frame_table_digest(info.checksum, info.encoding, info.stored, ends, digests) != info.frames:
+    if frame_table_digest(info.checksum, info.encoding, info.stored, ends, digests, info.group) != info.frames:
         raise StoreError(f"{where}: its frame table does not match the manifest (the file belongs to another "
                          "rank or checkpoint, or was altered)", code="UCL407")
-    units = units_of(info.shape, sdtype.itemsize)
+    units = units_of(info.shape, sdtype.itemsize, info.group or 1)
     check_ends(units, info.dtype, ends, info.stored, where)
     return PackedDataset(file, info.offset, tuple(info.shape), sdtype, info.dtype, info.encoding, units, ends,
                          digests, cache, key, count)

@@ -111,7 +111,8 @@ class Checkpoint(ManifestBacked):
                 f"there, or load rank {rank}'s tensors with ucl.load_rank)")
             raise StoreError(f"rank {rank} has no dataset {key!r} in {self.path}{hint}", code="UCL408")
         return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"), e.get("tiles"),
-                           e.get("offset"), e.get("tables"), e.get("encoding"), e.get("stored"), e.get("frames"))
+                           e.get("offset"), e.get("tables"), e.get("encoding"), e.get("stored"), e.get("frames"),
+                           e.get("group"))
 
     def _entries(self, rank: int) -> dict[str, Any]:
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.nranks:
@@ -206,7 +207,7 @@ class Checkpoint(ManifestBacked):
             self._stored_tables(rank, key, info)  # the chunk and tile tables' shapes are checked first
             got = self._tables[(rank, key, "packed")] = open_packed(
                 self._raw_file(rank), info, self._tables[(rank, key, "stored")][-2 * units_of(
-                    info.shape, info.storage_dtype.itemsize).count:], self._decoded, (rank, key), self.stored_read,
+                    info.shape, info.storage_dtype.itemsize, info.group or 1).count:], self._decoded, (rank, key), self.stored_read,
                 self._where(rank, key))
         return got
 
@@ -413,7 +414,7 @@ class Checkpoint(ManifestBacked):
             raise StoreError(f"{where}: the manifest locates chunk checksums but records no digest of them",
                              code="UCL406")
         ntiles = grid.nr * grid.nc if info.tiles is not None else 0
-        nframes = 2 * units_of(info.shape, info.storage_dtype.itemsize).count if info.encoding else 0
+        nframes = 2 * units_of(info.shape, info.storage_dtype.itemsize, info.group or 1).count if info.encoding else 0
         values = self._tables.get((rank, key, "stored"))
         if values is None:  # every table at once: chunks, tiles (and a compressed dataset's frames) together
             values = self._tables[(rank, key, "stored")] = raw.read_table(self._raw_file(rank), info.tables,

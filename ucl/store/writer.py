@@ -250,8 +250,8 @@ class CheckpointWriter:
             d.attrs["ucl_dtype"], d.attrs["ucl_encoding"] = logical, self.compress
             h5.set_checksum_tables(d, digests)
         e = self._entry(rank, key, logical, arr.shape, digests, offset, enc.table())
-        e.update(encoding=self.compress, stored=n,
-                 frames=frame_table_digest(digests.whole, self.compress, n, enc.ends, enc.digests))
+        e.update(encoding=self.compress, stored=n, group=enc.group,
+                 frames=frame_table_digest(digests.whole, self.compress, n, enc.ends, enc.digests, enc.group))
         self._entries[rank][key] = e
 
     def write_stream(self, targets: Mapping[int, int | None], key: str, shape: Sequence[int], dtype: str,
