@@ -122,3 +122,17 @@ def test_a_plain_entry_with_a_group_is_malformed(tmp_path):
     with pytest.raises(StoreError) as err:
         Checkpoint.open(tmp_path / "x")
     assert err.value.code == "UCL403"
+
+
+def test_cli_import_compress(tmp_path, capsys):
+    """``ucl import --compress`` writes the imported copy compressed; it reads back like the plain one."""
+    from ucl.cli import main
+    fixture = Path(__file__).parent / "fixtures" / "megatron" / "tp2_dp2_optim"
+    assert main(["import", str(fixture), str(tmp_path / "z"), "--compress", "zstd", "--quiet"]) == 0
+    assert main(["import", str(fixture), str(tmp_path / "p"), "--quiet"]) == 0
+    capsys.readouterr()
+    with ucl.open(tmp_path / "z") as z, ucl.open(tmp_path / "p") as p:
+        assert z.manifest.version == 4 and z.verify() == []
+        assert any(z.info(r, k).encoding == "zstd" for r in range(z.nranks) for k in z.keys(r))
+        assert {(r, k): z.read(r, k).tobytes() for r in range(z.nranks) for k in z.keys(r)} == \
+            {(r, k): p.read(r, k).tobytes() for r in range(p.nranks) for k in p.keys(r)}

@@ -182,7 +182,8 @@ def _import(args, con, src, spec, dims, user) -> int:
                   console=con, transient=True, disable=args.quiet) as bar:
         task = bar.add_task(esc(f"import {fmt} ({mesh})"), total=total)
         stats = import_checkpoint(src, args.dst, format=fmt, workers=args.workers, durable=not args.no_fsync,
-                                  progress=lambda n: bar.advance(task, n), spec=spec, dims=dims, **args.cap)
+                                  progress=lambda n: bar.advance(task, n), spec=spec, dims=dims, compress=args.compress,
+                                  **args.cap)
     con.print("[green]imported[/] " + esc(f"{fmt} checkpoint {src} -> {args.dst} ({mesh}): {stats.datasets_written} "
               f"datasets, {stats.bytes_written:,} B written, {stats.bytes_read:,} B read in {stats.seconds:.2f} s"))
     return 0

@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files: still atomic if the "
                    "process dies, but not if the machine loses power before the OS writes the pages")
     p.add_argument("--compress", choices=["none", "zstd", "lz4"], default="none",
-                   help="the target's encoding: each checksum chunk or tile coded on its own after a byte-plane "
-                   "transform, lossless (docs/format.md; default none: plain, whatever the source's)")
+                   help="the target's encoding: units of checksum chunks or tiles, each coded on its own after a "
+                   "byte-plane transform, lossless (docs/format.md; default none: plain, whatever the source's)")
     p.add_argument("--timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
                    help="under torchrun: how long to wait for a process that stopped answering before giving "
                    "up, publishing nothing (default 300)")
@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of the data files")
     add_max_memory(p, "the import")
+    p.add_argument("--compress", choices=["none", "zstd", "lz4"], default="none",
+                   help="the copy's encoding, as for reshard (default none: plain)")
     p.set_defaults(handler="import")
 
     p = sub.add_parser("export", help="write a checkpoint (ucl, or any folder ucl reads) in another framework's "

@@ -17,7 +17,8 @@ from .stats import IOStats
 def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, format: str | None = None,
                       workers: int | None = None, durable: bool = True,
                       progress: Callable[[int], None] | None = None,
-                      spec: str | Path | Spec | None = None, dims: Mapping[str, int] | None = None) -> IOStats:
+                      spec: str | Path | Spec | None = None, dims: Mapping[str, int] | None = None,
+                      compress: str | None = None) -> IOStats:
     """Write ucl checkpoint ``dst`` holding the DeepSpeed, DCP, Megatron or Hugging Face checkpoint
     ``src`` (``format`` detected when None) in the layout ``src`` was saved in, with the spec,
     parameters and non-tensor state its reader derived; ``dst`` appears atomically. ``reshard``,
@@ -25,11 +26,12 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, format:
     directly, without importing it). ``spec`` (text, a ``.ucl`` path or ``stdlib:NAME``) and its
     ``dims``: the parameter placements of a DeepSpeed tensor-parallel checkpoint whose files do not
     record them (mesh ``tp, dp``, a rule with a shape per parameter; the optimizer state's layout
-    stays generated from the files)."""
+    stays generated from the files). ``compress``: ``dst``'s encoding, as for ``reshard``."""
     user = user_spec(spec, dims)
     with open_checkpoint(src, format, user) as ckpt:
         mesh, format = mesh_of(ckpt), getattr(ckpt, "format", "ucl")
-    return reshard(src, dst, mesh, workers=workers, durable=durable, progress=progress, format=format, user=user)
+    return reshard(src, dst, mesh, workers=workers, durable=durable, progress=progress, format=format, user=user,
+                   compress=compress)
 
 
 def user_spec(spec: str | Path | Spec | None, dims: Mapping[str, int] | None = None) -> UserSpec | None:
