@@ -3,6 +3,8 @@ on the state of a model really trained here, side by side in one run with zstd a
 bytes (same units, no byte-plane transform) and with torch.save of the same state.
 
     python bench/compress.py [--steps 300] [--dim 256] [--layers 4] [--rounds 3] [--rate-mb 1000 250]
+                             [--cache FILE] [--large-shape 8192 4096]
+                             [--only codecs large durable fixtures slices]
 
 The model: a toy next-token MLP language model (embedding, --layers residual MLP blocks with
 LayerNorm, output head; torch.nn, CPU), trained --steps AdamW steps on sequences of a fixed random
@@ -14,12 +16,21 @@ Reported, medians (min-max) over --rounds: per kind and codec, stored / logical 
 saving; compress and decompress throughput of one thread (logical bytes per second of the thread's
 own CPU time: per core, and not inflated by other processes waiting for the same cores);
 time to durable of a Checkpointer save (save -> wait()) with and without compression when the disk
-is the bottleneck, paced: each rank file's fsync first sleeps (file bytes / --rate-mb MB/s), as if
-the device wrote at that rate, so compression pays for its CPU time with fewer bytes to the device;
+is the bottleneck, under two models of a disk of --rate-mb MB/s: "fsync-paced", each rank file's
+fsync first sleeps (file bytes / rate), so nothing overlaps the device; and "write-paced", each
+write of a dataset's bytes sleeps (its bytes / rate) in the thread that writes them, as a
+write-through device (ucl writes large datasets with O_DIRECT) would block it, and the fsync
+sleeps for the file's bytes not yet paced (small datasets, tables, metadata): the device is busy
+while the next dataset is coded, as a real one is;
+the same per core on a matrix of a large shard's size (--large-shape) filled with the trained
+weights' or exp_avg_sq's values repeated (their statistics, with the units of a large shard);
 compression ratios of the held-in test fixtures (tests/fixtures: DeepSpeed, Megatron, DCP
-checkpoints of tiny models, imported, then resharded compressed); a column-slice read (a quarter of the columns of a matrix saved whole: what load_rank does for
-another tensor-parallel degree), verified: bytes read from disk, against the stored bytes of the
-units holding those columns, and time. Not a timed test: figures for the issue's note.
+checkpoints of tiny models, imported, then resharded compressed); a column slice and a row slice
+read (a quarter of the columns or rows of a matrix saved whole: what load_rank does for another
+tensor-parallel degree), verified: bytes read from disk, against the stored bytes of the units
+holding them, and time. The raw codecs (no transform) are zstd level 1 and lz4's default, on the
+same units. It runs against older ucl checkouts too (units of one chunk or tile, no ``group``),
+so before and after are measured in one session. Not a timed test: figures for the issue's note.
 """
 from __future__ import annotations
 
@@ -32,9 +43,26 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ucl  # noqa: E402
+import ucl.store.direct as store_direct  # noqa: E402
 import ucl.store.writer as store_writer  # noqa: E402
 from ucl.store import Checkpoint, CheckpointWriter  # noqa: E402
-from ucl.store.codec import coders, decode_unit, encode, unit_view, units_of  # noqa: E402
+from ucl.store.codec import decode_unit, encode, unit_view, units_of  # noqa: E402
+
+
+def units_for(shape, itemsize, enc):
+    """The units of an encoded dataset (older ucl: one per chunk or tile, no group)."""
+    return units_of(shape, itemsize, enc.group) if hasattr(enc, "group") else units_of(shape, itemsize)
+
+
+def raw_coders(codec: str):
+    """zstd level 1 or lz4's default on raw bytes: (compress, decompress(data, size))."""
+    if codec == "zstd":
+        import zstandard
+        c, d = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+        return c.compress, lambda data, n: d.decompress(data, max_output_size=n)
+    import lz4.block
+    return (lambda data: lz4.block.compress(data, store_size=False),
+            lambda data, n: lz4.block.decompress(data, uncompressed_size=n))
 
 
 class Model(nn.Module):
@@ -96,7 +124,7 @@ def med(xs) -> str:
     return f"{statistics.median(xs):.3g} ({min(xs):.3g}-{max(xs):.3g})"
 
 
-def codec_figures(tensors, codec: str, rounds: int) -> dict:
+def codec_figures(tensors, codec: str, rounds: int, raw: bool = True) -> dict:
     """ucl's encoding and the raw codec on the same units: sizes, one-thread throughput."""
     logical = sum(a.nbytes for a, _ in tensors)
     comp, decomp, stored = [], [], 0
@@ -107,18 +135,22 @@ def codec_figures(tensors, codec: str, rounds: int) -> dict:
         stored = sum(e.stored.size for e in encs)
         t0 = time.thread_time()
         for (a, d), e in zip(tensors, encs):
-            units, view = units_of(a.shape, a.itemsize), memoryview(e.stored)
+            units, view = units_for(a.shape, a.itemsize, e), memoryview(e.stored)
             for u in range(units.count):
                 lo = int(e.ends[u - 1]) if u else 0
                 out = np.empty(units.unit_bytes(u), np.uint8)
                 decode_unit(view[lo:int(e.ends[u])], out.size, d, a.itemsize, codec, out, str)
         decomp.append(logical / (time.thread_time() - t0) / 1e9)
-    compress, decompress = coders(codec)
+    figures = {"logical": logical, "stored": stored, "saving": 1 - stored / logical,
+               "compress_GBps": comp, "decompress_GBps": decomp}
+    if not raw:
+        return figures
+    compress, decompress = raw_coders(codec)
     rcomp, rdecomp, rstored = [], [], 0
     for _ in range(rounds):
         pieces, t0 = [], time.thread_time()
-        for a, _ in tensors:
-            units = units_of(a.shape, a.itemsize)
+        for (a, _), e in zip(tensors, encs):
+            units = units_for(a.shape, a.itemsize, e)
             pieces += [(compress(unit_view(np.ascontiguousarray(a), units, u).tobytes()), units.unit_bytes(u))
                        for u in range(units.count)]
         rcomp.append(logical / (time.thread_time() - t0) / 1e9)
@@ -127,72 +159,88 @@ def codec_figures(tensors, codec: str, rounds: int) -> dict:
         for p, n in pieces:
             decompress(p, n)
         rdecomp.append(logical / (time.thread_time() - t0) / 1e9)
-    return {"logical": logical, "stored": stored, "saving": 1 - stored / logical,
-            "compress_GBps": comp, "decompress_GBps": decomp,
-            "raw_stored": rstored, "raw_saving": 1 - rstored / logical,
+    return {**figures, "raw_stored": rstored, "raw_saving": 1 - rstored / logical,
             "raw_compress_GBps": rcomp, "raw_decompress_GBps": rdecomp}
 
 
 def durable_times(model, opt, args, work: Path) -> dict:
-    """save -> wait() of a Checkpointer, its rank file's fsync paced at each rate."""
-    real = store_writer.fsync_path
+    """save -> wait() of a Checkpointer, the disk paced at each rate under each model (module doc)."""
+    real_fsync, real_write = store_writer.fsync_path, store_direct.DirectWriter.write
     out = {}
-    for rate in args.rate_mb:
-        def paced(path, _rate=rate):
-            size = Path(path).stat().st_size if Path(path).is_file() else 0
-            time.sleep(size / (_rate * 1e6))
-            real(path)
-        store_writer.fsync_path = paced
-        try:
-            variants = [(None, 1), ("zstd", 1), ("lz4", 1)]
-            variants += [("zstd", args.threads), ("lz4", args.threads)] if args.threads > 1 else []
-            for codec, threads in variants:
-                times, size = [], 0
-                root = Path(tempfile.mkdtemp(dir=work))
-                with ucl.Checkpointer(str(root), model, opt, keep=2, compress=codec, compress_threads=threads) as ck:
-                    for i in range(args.rounds + 1):
-                        t0 = time.perf_counter()
-                        ck.save(i + 1)
-                        ck.wait()
-                        if i:  # the first builds the layout: not counted
-                            times.append(time.perf_counter() - t0)
-                    latest = ck.root.latest()
-                    size = sum(f.stat().st_size for f in Path(latest).glob("*.h5"))
-                out[f"{rate} MB/s {codec or 'plain'}" + (f" x{threads}" if codec else "")] = {
-                    "seconds": times, "file_bytes": size}
-        finally:
-            store_writer.fsync_path = real
+    for model_name in ("fsync-paced", "write-paced"):
+        for rate in args.rate_mb:
+            paced: dict = {}  # file -> bytes already paced by its writes
+
+            def write(self, path, offset, data, direct=True, _rate=rate):
+                real_write(self, path, offset, data, direct)
+                paced[str(path)] = paced.get(str(path), 0) + data.size
+                time.sleep(data.size / (_rate * 1e6))
+
+            def fsync(path, _rate=rate):
+                size = Path(path).stat().st_size if Path(path).is_file() else 0
+                time.sleep(max(0, size - paced.pop(str(path), 0)) / (_rate * 1e6))
+                real_fsync(path)
+            store_writer.fsync_path = fsync
+            if model_name == "write-paced":
+                store_direct.DirectWriter.write = write
+            try:
+                variants = [(None, 1), ("zstd", 1), ("lz4", 1)]
+                variants += [("zstd", args.threads), ("lz4", args.threads)] if args.threads > 1 else []
+                for codec, threads in variants:
+                    times, size = [], 0
+                    root = Path(tempfile.mkdtemp(dir=work))
+                    with ucl.Checkpointer(str(root), model, opt, keep=2, compress=codec,
+                                          compress_threads=threads) as ck:
+                        for i in range(args.rounds + 1):
+                            t0 = time.perf_counter()
+                            ck.save(i + 1)
+                            ck.wait()
+                            if i:  # the first builds the layout: not counted
+                                times.append(time.perf_counter() - t0)
+                        latest = ck.root.latest()
+                        size = sum(f.stat().st_size for f in Path(latest).glob("*.h5"))
+                    out[f"{model_name} {rate:g} MB/s {codec or 'plain'}" + (f" x{threads}" if codec else "")] = {
+                        "seconds": times, "file_bytes": size}
+            finally:
+                store_writer.fsync_path, store_direct.DirectWriter.write = real_fsync, real_write
     return out
 
 
-def column_slice(model, args, work: Path) -> dict:
-    """A quarter of the columns of the largest matrix, read verified: plain vs compressed."""
+def slices(model, args, work: Path) -> dict:
+    """A quarter of the columns, and a quarter of the rows, of the largest matrix, read verified:
+    plain vs compressed; bytes read against the stored bytes of the units holding them."""
     w = max((p for p in model.parameters() if p.dim() == 2), key=lambda p: p.numel()).detach().numpy()
     rows, cols = w.shape
-    q = cols // 4
+    q, h = cols // 4, rows // 4
     out = {"shape": [rows, cols]}
     for codec in (None, "zstd", "lz4"):
         path = work / f"slice-{codec}"
         with CheckpointWriter(path, 1, compress=codec) as wr:
             wr.write(0, "param/w", w)
             wr.commit()
-        times, got, need = [], 0, 0
-        for _ in range(args.rounds):
-            with Checkpoint.open(path) as c:  # a fresh reader: nothing cached
-                info = c.info(0, "param/w")
-                t0 = time.perf_counter()
-                c.read_runs(0, "param/w", [(q, rows, cols, q)], verify=True)
-                times.append(time.perf_counter() - t0)
-                got = c.stored_read.stored if codec else c.bytes_last_read
-                if codec:  # the stored bytes of the tiles holding those columns (the same encoding again)
-                    enc, g = encode(w, "float32", codec), units_of(w.shape, w.itemsize).grid
-                    lens = np.diff(np.concatenate([[0], enc.ends.astype(np.int64)]))
-                    js = range(q // g.tile_cols, (2 * q - 1) // g.tile_cols + 1)
-                    need = int(sum(lens[b * g.nc + j] for b in range(g.nr) for j in js))
-                else:
-                    need = rows * q * w.itemsize
-        out[codec or "plain"] = {"seconds": times, "bytes_read": got, "bytes_needed": need,
-                                 "file_bytes": info.file_bytes}
+        for what, runs in (("columns", [(q, rows, cols, q)]), ("rows", [(h * cols, h, cols, cols)])):
+            times, got, need = [], 0, 0
+            for _ in range(args.rounds):
+                with Checkpoint.open(path) as c:  # a fresh reader: nothing cached
+                    info = c.info(0, "param/w")
+                    t0 = time.perf_counter()
+                    c.read_runs(0, "param/w", runs, verify=True)
+                    times.append(time.perf_counter() - t0)
+                    got = c.stored_read.stored if codec else c.bytes_last_read
+                    g = units_of(w.shape, w.itemsize).grid
+                    if codec and g is not None:  # the stored bytes of the units holding those columns or rows
+                        enc = encode(w, "float32", codec)
+                        g = units_for(w.shape, w.itemsize, enc).grid
+                        lens = np.diff(np.concatenate([[0], enc.ends.astype(np.int64)]))
+                        if what == "columns":
+                            bands, js = range(g.nr), range(q // g.tile_cols, (2 * q - 1) // g.tile_cols + 1)
+                        else:
+                            bands, js = range(h // g.tile_rows, (2 * h - 1) // g.tile_rows + 1), range(g.nc)
+                        need = int(sum(lens[b * g.nc + j] for b in bands for j in js))
+                    elif not codec:
+                        need = rows * q * w.itemsize if what == "columns" else h * cols * w.itemsize
+            out[f"{what} {codec or 'plain'}"] = {"seconds": times, "bytes_read": got, "bytes_needed": need,
+                                                "file_bytes": info.file_bytes}
     return out
 
 
@@ -232,14 +280,54 @@ def main() -> None:
     ap.add_argument("--rate-mb", type=float, nargs="+", default=[1000.0, 250.0])
     ap.add_argument("--threads", type=int, default=2, help="the Checkpointer's compress_threads, beside 1")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--cache", help="the trained model and optimizer state: loaded from this file when it exists "
+                    "(written there after training otherwise), so runs against two checkouts share one training")
+    ap.add_argument("--large-shape", type=int, nargs=2, default=[8192, 4096], metavar=("ROWS", "COLS"),
+                    help="the matrix of the 'large' part (default 8192 4096: 128 MiB of fp32)")
+    ap.add_argument("--only", choices=["codecs", "large", "durable", "fixtures", "slices"], nargs="+",
+                    help="run these parts only (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    model, opt, first, last = train(args)
-    print(f"trained {sum(p.numel() for p in model.parameters()):,} parameters, {args.steps} steps in "
-          f"{time.perf_counter() - t0:.1f} s: loss {first:.3f} -> {last:.3f}")
+    model, opt, first, last, loaded = trained(args)
+    how = f"loaded from {args.cache}" if loaded else f"trained {args.steps} steps in {time.perf_counter() - t0:.1f} s"
+    print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {how}: loss {first:.3f} -> {last:.3f}")
     figures: dict = {"loss": [first, last]}
-    per_kind = {}
+    parts = set(args.only or ["codecs", "large", "durable", "fixtures", "slices"])
+    if "codecs" in parts:
+        figures.update(codec_part(model, opt, args))
+    if "large" in parts:
+        figures["large"] = large_part(model, opt, args)
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(d)
+        if "durable" in parts:
+            figures["durable"] = durable_part(model, opt, args, work)
+        if "fixtures" in parts:
+            figures["fixtures"] = fixtures_part(work)
+        if "slices" in parts:
+            figures["slices"] = slices_part(model, args, work)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
+def trained(args):
+    """The trained model and optimizer (from ``--cache`` when it holds them), first and last loss,
+    and whether they were loaded."""
+    if args.cache and Path(args.cache).exists():
+        saved = torch.load(args.cache, weights_only=True)
+        model = Model(2048, args.dim, args.layers)
+        model.load_state_dict(saved["model"])
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        opt.load_state_dict(saved["optimizer"])
+        return model, opt, *saved["loss"], True
+    model, opt, first, last = train(args)
+    if args.cache:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "loss": [first, last]}, args.cache)
+    return model, opt, first, last, False
+
+
+def codec_part(model, opt, args) -> dict:
+    figures, per_kind = {}, {}
     for kind, tensors in kinds(model, opt).items():
         for codec in ("zstd", "lz4"):
             f = codec_figures(tensors, codec, args.rounds)
@@ -261,26 +349,53 @@ def main() -> None:
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
     figures["torch.save bytes"] = buf.tell()
     print(f"torch.save of the fp32 state (model + optimizer): {buf.tell() / 1e6:.2f} MB")
-    with tempfile.TemporaryDirectory() as d:
-        work = Path(d)
-        dur = durable_times(model, opt, args, work)
-        for k, v in dur.items():
-            print(f"time to durable, disk paced at {k}: {med(v['seconds'])} s, files {v['file_bytes'] / 1e6:.2f} MB")
-        figures["durable"] = dur
-        fx = fixtures(work)
-        for name, row in fx.items():
-            print(f"fixture {name}: {row['zstd']['logical']:,} B -> zstd {1 - row['zstd']['stored'] / row['zstd']['logical']:.1%}"
-                  f" smaller, lz4 {1 - row['lz4']['stored'] / row['lz4']['logical']:.1%}")
-        figures["fixtures"] = fx
-        sl = column_slice(model, args, work)
-        for k, v in sl.items():
-            if k != "shape":
-                print(f"column slice (a quarter of {sl['shape']}) {k}: read {v['bytes_read']:,} B for "
-                      f"{v['bytes_needed']:,} B needed ({v['bytes_read'] / max(v['bytes_needed'], 1):.2f}x), "
-                      f"{med([t * 1e3 for t in v['seconds']])} ms")
-        figures["column_slice"] = sl
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def large_part(model, opt, args) -> dict:
+    """Per-core speed on shards of a real model's size: the trained weights and exp_avg_sq values
+    repeated into one matrix of --large-shape (fp32, and its bf16 cast): the trained values'
+    statistics with the unit sizes of a large shard, which the toy model's small tensors lack."""
+    rows, cols = args.large_shape
+    out = {}
+    params = list(model.parameters())
+    sources = {"weights": np.concatenate([p.detach().numpy().reshape(-1) for p in params]),
+               "exp_avg_sq": np.concatenate([opt.state[p]["exp_avg_sq"].numpy().reshape(-1) for p in params])}
+    for name, flat in sources.items():
+        big = np.resize(flat, rows * cols).reshape(rows, cols)
+        for dtype, arr in (("float32", big), ("bfloat16", bf16_bits(torch.from_numpy(big)))):
+            arr = np.ascontiguousarray(arr)
+            f = codec_figures([(arr, dtype)], "zstd", args.rounds, raw=False)
+            out[f"{name} {dtype}"] = f
+            print(f"large {name} {dtype} {list(arr.shape)} zstd: {arr.nbytes / 1e6:.0f} MB -> {f['saving']:.1%} smaller, "
+                  f"compress {med(f['compress_GBps'])} GB/s, decompress {med(f['decompress_GBps'])} GB/s")
+    return out
+
+
+def durable_part(model, opt, args, work: Path) -> dict:
+    dur = durable_times(model, opt, args, work)
+    for k, v in dur.items():
+        print(f"time to durable, {k}: {med(v['seconds'])} s, files {v['file_bytes'] / 1e6:.2f} MB")
+    return dur
+
+
+def fixtures_part(work: Path) -> dict:
+    fx = fixtures(work)
+    for name, row in fx.items():
+        print(f"fixture {name}: {row['zstd']['logical']:,} B -> zstd {1 - row['zstd']['stored'] / row['zstd']['logical']:.1%}"
+              f" smaller, lz4 {1 - row['lz4']['stored'] / row['lz4']['logical']:.1%}")
+    return fx
+
+
+def slices_part(model, args, work: Path) -> dict:
+    sl = slices(model, args, work)
+    for k, v in sl.items():
+        if k != "shape":
+            need = f"for {v['bytes_needed']:,} B needed ({v['bytes_read'] / v['bytes_needed']:.2f}x)" \
+                if v["bytes_needed"] else "(no tile grid: units are flat)"
+            print(f"{k.split()[0]} slice (a quarter of {sl['shape']}) {k.split()[1]}: read {v['bytes_read']:,} B "
+                  f"{need}, {med([t * 1e3 for t in v['seconds']])} ms")
+    return sl
 
 
 if __name__ == "__main__":

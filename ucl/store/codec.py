@@ -1,9 +1,12 @@
 """The compressed encoding of a dataset (docs/format.md, "Compressed datasets"): its bytes cut into
-units (the tiles of a tiled dataset, else its checksum chunks, else the whole dataset), each unit
-split into byte planes (floats rotated first so the exponent fills one plane) and each plane coded
-on its own with zstd or lz4, or kept raw where coding does not shrink it. Pure: bytes in, bytes out;
-every length a stored unit declares is checked against what its geometry allows before anything is
-allocated or decoded."""
+units (cells of ``group`` tile bands by one tile column of a tiled dataset, else runs of ``group``
+checksum chunks, else the whole dataset), each unit split into byte planes (floats rotated first so
+the exponent fills one plane) and each plane coded on its own with zstd or lz4, or kept raw where
+coding does not shrink it. Pure: bytes in, bytes out; every length a stored unit declares is
+checked against what its geometry allows before anything is allocated or decoded. The writer works
+a block of units at a time in numpy (one rotation and one shift-and-cast per plane for the block,
+scratch buffers kept per thread), so Python runs a few statements per plane of a unit, not per
+element."""
 from __future__ import annotations
 
 import math
@@ -48,7 +51,7 @@ def check_codec(name: object) -> str | None:
 class Units:
     """How a dataset of ``shape`` is cut into coded units: the cells of ``grid`` row-major (each
     cell's bytes row by row within it), else consecutive ``chunk`` bytes of its flattening (the last
-    may be short). ``grid`` is the tile grid with ``group`` tile bands to a cell."""
+    may be short). ``grid`` is the tile grid with ``group`` tile bands to a row of cells."""
 
     shape: tuple[int, ...]
     itemsize: int
@@ -144,12 +147,16 @@ def join_planes(planes: Sequence[np.ndarray], dtype: str, itemsize: int, out: np
     by = out.reshape(-1, k)
     for p in range(k):  # plane by plane: 10x faster than one transposing copy of the stacked planes
         by[:, k - 1 - p] = planes[p]
-    if dtype in _FLOATS:  # rotated back in place
-        u = out.view(f"<u{itemsize}")
-        low = _scratch("low", u.nbytes).view(u.dtype)[:u.size]
-        np.right_shift(u, 1, out=low)
-        np.left_shift(u, 8 * itemsize - 1, out=u)
-        np.bitwise_or(u, low, out=u)
+    if dtype in _FLOATS:
+        _rotate_back(out.view(f"<u{itemsize}"))
+
+
+def _rotate_back(u: np.ndarray) -> None:
+    """Undo the float rotation in place (a temporary in this thread's scratch)."""
+    low = _scratch("low", u.nbytes).view(u.dtype)[:u.size]
+    np.right_shift(u, 1, out=low)
+    np.left_shift(u, 8 * u.itemsize - 1, out=u)
+    np.bitwise_or(u, low, out=u)
 
 
 _LOCAL = threading.local()  # per thread: zstd contexts and scratch buffers are not shared between threads
@@ -226,33 +233,35 @@ def _pack(planes: Sequence[np.ndarray], codec: str, tries: Sequence[bool] | None
 def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, codec: str, out: np.ndarray,
                 where: Callable[[], str]) -> None:
     """Decode one unit's ``stored`` bytes into the uint8 ``out`` of ``logical`` bytes. Every header
-    is checked against the unit's geometry first; a corrupt stream is UCL406 naming ``where()``."""
+    is checked against the unit's geometry first; a corrupt stream is UCL406 naming ``where()``.
+    Each plane goes straight to its byte of every element of ``out``."""
     k = planes_of(dtype, itemsize)
-    each = logical // k
+    each, size = logical // k, len(stored)
     _, decompress = coders(codec)
-    planes, pos = [], 0
+    by = out.reshape(-1, k)
+    pos = 0
     try:
-        for _ in range(k):
-            if pos + 4 > len(stored):
+        for p in range(k):
+            if pos + 4 > size:
                 raise ValueError("ends inside a plane header")
             (head,) = _HEADER.unpack_from(stored, pos)
-            n, raw = head & ~_RAW, bool(head & _RAW)
+            n, raw = head & ~_RAW, head & _RAW
             pos += 4
-            if pos + n > len(stored) or (raw and n != each) or (not raw and n >= each):
+            if pos + n > size or (raw and n != each) or (not raw and n >= each):
                 raise ValueError(f"a plane of {n:,} stored bytes where {each:,} are decoded")
-            data = stored[pos:pos + n]
+            data = stored[pos:pos + n] if raw else decompress(stored[pos:pos + n], each)
+            if len(data) != each:
+                raise ValueError(f"a plane decoded to {len(data):,} bytes, not {each:,}")
+            by[:, k - 1 - p] = np.frombuffer(data, np.uint8)
             pos += n
-            plane = np.frombuffer(data if raw else decompress(data, each), np.uint8)
-            if plane.size != each:
-                raise ValueError(f"a plane decoded to {plane.size:,} bytes, not {each:,}")
-            planes.append(plane)
-        if pos != len(stored):
-            raise ValueError(f"{len(stored) - pos:,} bytes after its last plane")
+        if pos != size:
+            raise ValueError(f"{size - pos:,} bytes after its last plane")
     except StoreError:
         raise
     except Exception as e:  # zstd and lz4 raise their own types on a corrupt stream
         raise StoreError(f"{where()}: corrupt {codec} stream ({e})", code="UCL406") from None
-    join_planes(planes, dtype, itemsize, out)
+    if k > 1 and dtype in _FLOATS:
+        _rotate_back(out.view(f"<u{itemsize}"))
 
 
 def unit_view(arr: np.ndarray, units: Units, u: int) -> np.ndarray:
