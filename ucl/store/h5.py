@@ -403,6 +403,17 @@ def set_checksum_tables(d: Any, digests: Digests) -> None:
         _put_attr(d, b"ucl_tiles", np.ascontiguousarray(table, np.uint64).reshape(grid.nr, grid.nc))
 
 
+_TEXT = h5py.string_dtype("utf-8")  # what ``d.attrs[name] = "text"`` stores: a variable-length UTF-8 string
+
+
+def set_text_attrs(d: Any, **values: str) -> None:
+    """String attributes, stored as ``d.attrs[name] = value`` stores them, through HDF5's own calls:
+    h5py's attribute manager costs about as much again (per dataset written at every checkpoint)."""
+    tid, space = h5py.h5t.py_create(_TEXT, logical=True), h5py.h5s.create(h5py.h5s.SCALAR)
+    for name, value in values.items():
+        h5py.h5a.create(d.id, name.encode(), tid, space).write(np.array(value, dtype=_TEXT))
+
+
 def _put_attr(d: Any, name: bytes, value: np.ndarray) -> None:
     # low-level: h5py's d.attrs[...] costs more than HDF5 itself, once per dataset written
     space = h5py.h5s.create_simple(value.shape) if value.shape else h5py.h5s.create(h5py.h5s.SCALAR)

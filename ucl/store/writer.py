@@ -247,8 +247,9 @@ class CheckpointWriter:
             # cost more than coding a small dataset
             d, offset = h5.create_allocated(f.require_group(kind), name, (n,), np.dtype(np.uint8))
             self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, enc.stored)
-            d.attrs["ucl_dtype"], d.attrs["ucl_encoding"] = logical, self.compress
-            h5.set_checksum_tables(d, digests)
+            # the digest tables are in ucl_tables only (their attributes would tell HDF5 tools nothing:
+            # these bytes are coded), as the training checkpointer's plain datasets have them
+            h5.set_text_attrs(d, ucl_dtype=logical, ucl_encoding=self.compress)
         e = self._entry(rank, key, logical, arr.shape, digests, offset, enc.table())
         e.update(encoding=self.compress, stored=n, group=enc.group,
                  frames=frame_table_digest(digests.whole, self.compress, n, enc.ends, enc.digests, enc.group))
