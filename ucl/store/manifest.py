@@ -65,6 +65,12 @@ class DatasetInfo:
     frames: str | None = None  # digest binding its frame table (codec.frame_table_digest)
     group: int | None = None  # checksum chunks or tile bands per coded unit (None: 1, as version 3 wrote)
 
+    @classmethod
+    def of_entry(cls, e: dict) -> "DatasetInfo":
+        """The info a manifest's dataset entry gives (every field a reader needs, compression's included)."""
+        return cls(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"), e.get("tiles"), e.get("offset"),
+                   e.get("tables"), e.get("encoding"), e.get("stored"), e.get("frames"), e.get("group"))
+
     @property
     def storage_dtype(self) -> np.dtype:
         return storage_dtype(self.dtype)

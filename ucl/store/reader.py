@@ -110,9 +110,7 @@ class Checkpoint(ManifestBacked):
                 f"; rank {stored}'s file stores it (a replica is stored once, by the first rank holding it: read it "
                 f"there, or load rank {rank}'s tensors with ucl.load_rank)")
             raise StoreError(f"rank {rank} has no dataset {key!r} in {self.path}{hint}", code="UCL408")
-        return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"), e.get("tiles"),
-                           e.get("offset"), e.get("tables"), e.get("encoding"), e.get("stored"), e.get("frames"),
-                           e.get("group"))
+        return DatasetInfo.of_entry(e)
 
     def _entries(self, rank: int) -> dict[str, Any]:
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.nranks:

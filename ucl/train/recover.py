@@ -68,8 +68,7 @@ class Assembled(ManifestBacked):
         e = self.manifest.datasets[rank].get(key)
         if e is None:
             raise StoreError(f"rank {rank} has no dataset {key!r} in {self.path}", code="UCL408")
-        return DatasetInfo(e["dtype"], tuple(e["shape"]), e["checksum"], e.get("chunks"), e.get("tiles"),
-                           e.get("offset"), e.get("tables"))
+        return DatasetInfo.of_entry(e)  # the copies read it; compression fields included, as Checkpoint.info
 
     def check_files(self, ranks) -> None:
         for r in ranks:  # a peer's files are checked by the peer that reads them
