@@ -1,12 +1,16 @@
 """The records every foreign format shares: what a reader knows about a folder (:class:`Description`),
 the placements a user supplies where a folder does not record them (:class:`UserSpec`), and on the
 writing side what an export writes (:class:`ExportSource`), what a writer wrote (:class:`Written`)
-and the check of an export's target folder (:func:`check_target`)."""
+the check of an export's target folder (:func:`check_target`), and one exported tensor read in
+bounded flat pieces (:class:`Pieces`), how writers take their tensors under a ``max_memory`` cap."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
 
 from ..errors import ForeignFormatError
 from ..store.extents import NO_CHECKSUM, Extent
@@ -77,6 +81,33 @@ class ExportSource:
         keys = [self.master[n] for n in self.trainable] + [f"param/{n}" for n in self.frozen]
         keys += [k for n in self.trainable for k in self.moments[n]]
         return keys + [k for n in self.trainable if (k := self.step_key(n)) is not None]
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """One tensor of an export, read in flat pieces so that a writer holds at most ``step``
+    elements of it at a time: ``read(lo, hi)`` gives elements ``[lo, hi)`` of its row-major
+    flattening in storage form (bf16 as uint16 bits), valid until the next read."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str  # logical
+    step: int  # elements per piece, at least 1
+    read: Callable[[int, int], np.ndarray]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        """``(first element, piece)`` in order, each piece at most ``step`` elements."""
+        for lo in range(0, self.size, self.step):
+            yield lo, self.read(lo, min(lo + self.step, self.size))
+
+    def whole(self) -> np.ndarray:
+        """The tensor in one array of its shape (for what a format cannot take in pieces), valid
+        until the next read."""
+        return self.read(0, self.size).reshape(self.shape)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ resumable format, from the universal layout (every tensor whole under its global
     export_hf("ckpt/step_100", "hf/step_100", dtype="bfloat16")       # save_pretrained folders
 
 Each entry point opens the checkpoint, sorts its tensors into what exports write (:func:`survey`,
-from the manifest alone), and feeds them one at a time (:func:`universal_tensors`) to the format's
-writer (``ucl.formats.{hf,dcp,deepspeed}.write``), which writes into a hidden temp folder beside
+from the manifest alone), and feeds them one at a time, each in pieces under the ``max_memory`` cap
+(``ucl.ops.pieces``), to the format's writer (``ucl.formats.{hf,dcp,deepspeed}.write``), which writes into a hidden temp folder beside
 ``out`` and renames it at the end, so ``out`` appears whole or not at all; an existing ``out`` is
 refused (UCL503). See docs/interop.md.
 """
@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import ForeignFormatError
-from ..formats.base import ExportSource, UserSpec, Written, check_target
+from ..formats.base import ExportSource, Pieces, UserSpec, Written, check_target
 from ..formats.dcp.write import check_style, write_dcp
 from ..formats.deepspeed.write import write_deepspeed_universal
 from ..formats.hf.write import export_dtype, parse_shard_size, plan_hf, write_hf
 from ..layout.mesh import UNIVERSAL
-from .load import iter_rank, tied_aliases
+from ..memory import MemoryCap, memory_cap
+from .load import tied_aliases
+from .pieces import UniversalReader, universal_pieces
 from .prepare import expected_datasets, model_of, open_checkpoint, resolve_root
 from .stats import IOStats
 
@@ -32,49 +34,70 @@ _WEIGHT_KINDS = ("param", "fp32")  # every other kind but step is optimizer stat
 
 def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: Any = None,
               max_shard_size: int | str = "5GB", config: Any = None, verify: bool = True,
-              durable: bool = True, user: UserSpec | None = None) -> IOStats:
+              durable: bool = True, user: UserSpec | None = None,
+              max_memory: int | str | MemoryCap | None = None) -> IOStats:
     """Write checkpoint ``ckpt`` (ucl, or a Hugging Face/DeepSpeed/... folder read in place) as a
     Hugging Face ``save_pretrained`` folder ``out`` (see ``ucl.formats.hf.write``). ``out`` appears
-    atomically and must not exist. Returns the statistics; ``details`` names the files and what was
-    left out."""
+    atomically and must not exist. ``max_memory``: the host memory the export may add (bytes,
+    ``"2GB"``, a :class:`~ucl.memory.MemoryCap`; default 2 GB; docs/memory.md). Returns the
+    statistics; ``details`` names the files and what was left out."""
     t0 = time.perf_counter()
+    cap = memory_cap(max_memory)
     target = export_dtype(dtype)
     limit = parse_shard_size(max_shard_size)
     out = check_target(out)
     src = survey(ckpt, user)
     plan = plan_hf(src, dtype=target, max_shard_size=limit, config=config)
     stats = IOStats()
-    written = write_hf(plan, out, universal_tensors(src, list(plan.keys), verify, stats, reuse=True), durable=durable)
+    written = write_hf(plan, out, universal_pieces(src.path, list(plan.keys), cap, verify=verify, stats=stats,
+                                                   user=src.user), durable=durable, whole_bytes=cap.total // 2)
     return _done(stats, written, t0)
 
 
 def export_dcp(ckpt: str | os.PathLike, out: str | os.PathLike, *, style: str = "state_dict",
-               verify: bool = True, user: UserSpec | None = None) -> IOStats:
+               verify: bool = True, user: UserSpec | None = None,
+               max_memory: int | str | MemoryCap | None = None) -> IOStats:
     """Write checkpoint ``ckpt`` (ucl, or a DeepSpeed/DCP/... folder read in place) as a PyTorch DCP
     checkpoint ``out`` (see ``ucl.formats.dcp.write`` for the keys), through
-    ``torch.distributed.checkpoint``'s ``FileSystemWriter`` in this one process. ``out`` appears
-    atomically; it must not exist."""
+    ``torch.distributed.checkpoint``'s ``FileSystemWriter`` in this one process; tensors larger
+    than a piece of ``max_memory`` (as for :func:`export_hf`) are saved as several chunks. ``out``
+    appears atomically; it must not exist."""
     t0 = time.perf_counter()
+    cap = memory_cap(max_memory)
     check_style(style)
     out = check_target(out)
     src = survey(ckpt, user)
     stats = IOStats()
-    written = write_dcp(src, out, universal_tensors(src, src.training_keys(), verify, stats), style=style)
+    keys = src.training_keys()
+    with UniversalReader(src.path, cap, verify=verify, user=src.user) as reader:
+        ties = reader.aliases(keys)
+        made: dict[str, Pieces] = {}
+
+        def pieces(key: str) -> Pieces:
+            if key not in made:
+                made[key] = reader.pieces(key, ties.get(key, key))
+            return made[key]
+        # a piece and DCP's copy of it (and torch.save's) fit in the cap: a quarter of it each at most
+        written = write_dcp(src, out, keys, pieces, style=style, piece_bytes=cap.piece_bytes())
+        stats.bytes_read, stats.bytes_needed = reader.bytes_read, reader.bytes_needed
     return _done(stats, written, t0)
 
 
 def export_deepspeed_universal(ckpt: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
-                               verify: bool = True, durable: bool = True, user: UserSpec | None = None) -> IOStats:
+                               verify: bool = True, durable: bool = True, user: UserSpec | None = None,
+                               max_memory: int | str | MemoryCap | None = None) -> IOStats:
     """Write checkpoint ``ckpt`` (ucl, or a DeepSpeed/DCP/... folder read in place) as a DeepSpeed
     universal checkpoint folder ``out`` (see ``ucl.formats.deepspeed.write``), ``tag`` defaulting to
     ``global_step<global_steps>``. Resume with ``engine.load_checkpoint(out)`` and
-    ``"checkpoint": {"load_universal": true}``. ``out`` appears atomically; it must not exist."""
+    ``"checkpoint": {"load_universal": true}``. ``max_memory``: as for :func:`export_hf`. ``out``
+    appears atomically; it must not exist."""
     t0 = time.perf_counter()
+    cap = memory_cap(max_memory)
     out = check_target(out)
     src = survey(ckpt, user)
     stats = IOStats()
-    tensors = universal_tensors(src, src.training_keys(), verify, stats, reuse=True, as_torch=False)
-    written = write_deepspeed_universal(src, out, tensors, tag=tag, durable=durable)
+    tensors = universal_pieces(src.path, src.training_keys(), cap, verify=verify, stats=stats, user=src.user)
+    written = write_deepspeed_universal(src, out, tensors, tag=tag, durable=durable, kept_bytes=cap.total // 2)
     return _done(stats, written, t0)
 
 
@@ -140,11 +163,3 @@ def _groups(model, state: dict, raw: list[dict], trainable: tuple[str, ...]):
         if len(groups) == len(raw) and sorted(n for g in groups for n in g) == sorted(trainable):
             return tuple(groups)
     return None
-
-
-def universal_tensors(src: ExportSource, keys: list[str], verify: bool, stats: IOStats,
-                      reuse: bool = False, as_torch: bool = True) -> Iterator[tuple[str, Any]]:
-    """``iter_rank`` over the universal layout, one tensor at a time (torch tensors, or storage arrays
-    when not ``as_torch``; with ``reuse``, each valid only until the next: see ``iter_rank``)."""
-    yield from iter_rank(src.path, mesh="universal", rank=0, keys=keys, as_torch=as_torch, verify=verify,
-                         stats=stats, reuse=reuse, user=src.user)

@@ -22,18 +22,24 @@ options=StateDictOptions(flatten_optimizer_state_dict=True))`` saved as ``{"mode
 ``optimizer.`` (torchtitan's ``CheckpointManager``); it writes no ``train_state``, ``lr_scheduler`` or
 ``dataloader``, so resume with ``exclude_from_loading`` naming them.
 
-Memory: DCP's writer takes the whole state dict at once, so the export holds every tensor of the
-checkpoint (about 3-4x the fp32 model for Adam) in host memory; the DeepSpeed export streams instead.
+Memory: the state dict handed to DCP's writer holds placeholders (meta tensors); a planner
+(``DefaultSavePlanner`` extended) cuts each tensor larger than a piece of the ``max_memory`` cap into
+chunks of whole rows, saved as a sharded tensor's chunks are, and reads each chunk from the checkpoint
+only when the writer resolves it. ``dcp.load`` and ``dcp_to_torch_save`` read chunked tensors as any.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import math
 import os
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable
 
+from ...dtypes import FLOAT_DTYPES, to_torch, torch_dtype
 from ...errors import ForeignFormatError
 from ...store.atomic import staged_dir
-from ..base import ExportSource, Written
+from ..base import ExportSource, Pieces, Written
 
 STYLES = {"state_dict": ("model.", "optim."), "torchtitan": ("", "optimizer.")}
 
@@ -46,12 +52,13 @@ def check_style(style: str) -> tuple[str, str]:
     return STYLES[style]
 
 
-def write_dcp(src: ExportSource, out: str, tensors: Iterable[tuple[str, Any]], *,
-              style: str = "state_dict") -> Written:
-    """Write ``tensors`` (torch tensors of ``src.training_keys()``, each kept: DCP's writer takes the
-    whole state dict at once) as the DCP folder ``out`` (see the module doc for the keys), through
-    ``torch.distributed.checkpoint``'s ``FileSystemWriter`` in this one process. ``out`` appears
-    atomically."""
+def write_dcp(src: ExportSource, out: str, keys: list[str], pieces: Callable[[str], Pieces], *,
+              style: str = "state_dict", piece_bytes: int | None = None) -> Written:
+    """Write the tensors of ``src.training_keys()`` (``keys``), each read when DCP's writer asks for
+    it as ``pieces(key)``, as the DCP folder ``out`` (see the module doc for the keys), through
+    ``torch.distributed.checkpoint``'s ``FileSystemWriter`` in this one process. A tensor over
+    ``piece_bytes`` is saved as several chunks of whole rows (as a sharded tensor is), each read and
+    written on its own, so no more than a chunk of it is in memory. ``out`` appears atomically."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -59,18 +66,24 @@ def write_dcp(src: ExportSource, out: str, tensors: Iterable[tuple[str, Any]], *
     key_name = {src.master[n]: n for n in src.trainable}
     model_sd: dict[str, Any] = {}
     optim_sd: dict[str, Any] = {}
-    for key, tensor in tensors:
+    lazy: dict[str, tuple[str, Any]] = {}  # flattened DCP key -> (dataset key, dtype it is written in)
+    for key in keys:
         kind, name = key.split("/", 1)
+        shape, dtype = src.datasets[key]
         if key in key_name or kind == "param":
-            if key in key_name and tensor.dtype != torch.float32 and tensor.is_floating_point():
-                tensor = tensor.float()  # a trainable weight without a master: fp32, as AdamW keeps it
-            model_sd[name] = tensor
+            want = "float32" if key in key_name and dtype in FLOAT_DTYPES and dtype != "float32" else dtype
+            model_sd[name] = (key, want)  # a trainable weight without a master: fp32, as AdamW keeps it
         elif kind == "step":
-            optim_sd[f"state.{name}.step"] = tensor.to(torch.float32)  # torch Adam's step is a 0-d float32
+            optim_sd[f"state.{name}.step"] = (key, "float32")  # torch Adam's step is a 0-d float32
         else:
-            optim_sd[f"state.{name}.{kind}"] = tensor
+            optim_sd[f"state.{name}.{kind}"] = (key, dtype)
     for alias, target in src.aliases.items():
         model_sd[alias] = model_sd[target]
+    tensors = len(model_sd) + len(optim_sd)
+    for prefix, sd in ((model_prefix, model_sd), (optim_prefix, optim_sd)):
+        for name, (key, want) in sd.items():
+            lazy[prefix + name] = (key, want)
+            sd[name] = torch.empty(src.datasets[key][0], dtype=torch_dtype(want), device="meta")
     if src.groups is not None and len(src.groups) == len(src.hyperparameters):
         for names, hyper in zip(src.groups, src.hyperparameters):
             for n in names:
@@ -78,14 +91,82 @@ def write_dcp(src: ExportSource, out: str, tensors: Iterable[tuple[str, Any]], *
                     # JSON turned tuples (Adam's betas) into lists; torch optimizers hold tuples
                     optim_sd[f"param_groups.{n}.{k}"] = tuple(v) if isinstance(v, list) else v
     state_dict = _nest(model_prefix, model_sd) | _nest(optim_prefix, optim_sd)
+    planner = _piece_planner(lazy, pieces, piece_bytes)
     with staged_dir(out) as folder:
         with warnings.catch_warnings():  # no_dist is what we ask for: torch's "assuming single process" note is noise
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(folder), planner=planner, no_dist=True)
         size = _size(folder)
-    return Written(size, len(model_sd) + sum(1 for k in optim_sd if k.startswith("state.")),
+    return Written(size, tensors,
                    dict(format="dcp", style=style, param_groups=src.groups is not None and bool(src.hyperparameters),
                         fp32_master=any(k.startswith("fp32/") for k in src.master.values())))
+
+
+def chunks(shape: tuple[int, ...], step: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:
+    """``shape`` cut into boxes of at most ``step`` elements, each a flat range of the row-major
+    tensor: ``(offsets, sizes, first, stop)``. Whole rows of dim 0 where one fits in ``step``, else
+    the first dim whose inner block fits is cut and the dims before it go one index at a time."""
+    total = math.prod(shape)
+    if not shape or total == 0 or total <= step:
+        return [((0,) * len(shape), tuple(shape), 0, total)]
+    k = 0
+    while math.prod(shape[k + 1:]) > step:
+        k += 1
+    inner = math.prod(shape[k + 1:])
+    per = max(1, step // inner)
+    out = []
+    for idx in itertools.product(*(range(n) for n in shape[:k])):
+        base = sum(i * math.prod(shape[j + 1:]) for j, i in enumerate(idx))
+        for a in range(0, shape[k], per):
+            b = min(a + per, shape[k])
+            out.append((tuple(idx) + (a,) + (0,) * (len(shape) - k - 1), (1,) * k + (b - a,) + tuple(shape[k + 1:]),
+                        base + a * inner, base + b * inner))
+    return out
+
+
+def _piece_planner(lazy: dict[str, tuple[str, Any]], pieces: Callable[[str], Pieces], piece_bytes: int | None):
+    """A ``DefaultSavePlanner`` whose tensors (meta placeholders in the state dict) are cut into
+    chunks (:func:`chunks`) and read from ``pieces`` only when the writer resolves each chunk."""
+    import torch
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    class PiecePlanner(DefaultSavePlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            items = []
+            for item in plan.items:
+                if item.index.fqn not in lazy:
+                    items.append(item)
+                    continue
+                td = item.tensor_data
+                step = max(1, (piece_bytes or 1 << 62) // max(1, td.properties.dtype.itemsize))
+                cut = chunks(tuple(td.size), step)
+                for offsets, sizes, _, _ in cut:
+                    items.append(WriteItem(
+                        index=MetadataIndex(item.index.fqn, torch.Size(offsets)),
+                        type=WriteItemType.SHARD if len(cut) > 1 else item.type,
+                        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                                                sizes=torch.Size(sizes)),
+                                                    properties=td.properties, size=td.size)))
+            self.plan = dataclasses.replace(plan, items=items)
+            return self.plan
+
+        def resolve_data(self, write_item):
+            fqn = write_item.index.fqn
+            if fqn not in lazy:
+                return super().resolve_data(write_item)
+            key, want = lazy[fqn]
+            chunk = write_item.tensor_data.chunk
+            shape = tuple(write_item.tensor_data.size)
+            p = pieces(key)
+            first = sum(o * math.prod(shape[j + 1:]) for j, o in enumerate(chunk.offsets))
+            t = to_torch(p.read(first, first + math.prod(chunk.sizes)), p.dtype).reshape(tuple(chunk.sizes))
+            # a copy of our own: the piece buffer is read into again for the next chunk
+            return t.to(torch_dtype(want)) if p.dtype != want else t.clone()
+
+    return PiecePlanner()
 
 
 def _nest(prefix: str, flat: dict[str, Any]) -> dict[str, Any]:

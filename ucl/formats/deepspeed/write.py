@@ -42,7 +42,8 @@ place once per group, so with 2+ sub-groups the next step uses a too-large step.
 un-share it after ``load_checkpoint``: ``for s in engine.optimizer.optimizer.state.values():
 s["step"] = s["step"].clone()``. ZeRO-1/2 loads are not affected.
 
-Streams: one tensor in memory at a time, plus the frozen parameters and buffers for ``module``.
+Streams: each tensor passes in pieces (``Pieces``, ``torchzip.write.PiecedTensor``: at most a piece of it in
+memory at a time), plus the frozen parameters and buffers kept whole for ``module`` (bounded: UCL011).
 """
 from __future__ import annotations
 
@@ -54,10 +55,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ...dtypes import FLOAT_DTYPES, to_float32
-from ...errors import ForeignFormatError
+from ...dtypes import FLOAT_DTYPES, itemsize, to_float32
+from ...errors import ForeignFormatError, UclError
+from ...memory import format_size
 from ...store.atomic import fsync_dir, staged_dir
-from ..base import ExportSource, Written
+from ..base import ExportSource, Pieces, Written
 from ..torchzip import write as torchsave
 from ..torchzip.read import MAX_KEPT_TENSOR_BYTES, kept_tensor
 
@@ -66,12 +68,14 @@ DS_VERSION = "0.19.8"  # written when the source does not say; DeepSpeed's loade
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
-def write_deepspeed_universal(src: ExportSource, out: str, tensors: Iterable[tuple[str, Any]], *,
-                              tag: str | None = None, durable: bool = True) -> Written:
-    """Write ``tensors`` (storage arrays of ``src.training_keys()``, in that order; each may be
-    reused once the next is asked for) as the DeepSpeed universal checkpoint folder ``out`` (see the
-    module doc), ``tag`` defaulting to ``global_step<global_steps>``. Names are checked before the
-    first tensor is asked for. ``out`` appears atomically."""
+def write_deepspeed_universal(src: ExportSource, out: str, tensors: Iterable[tuple[str, Pieces]], *,
+                              tag: str | None = None, durable: bool = True,
+                              kept_bytes: int | None = None) -> Written:
+    """Write ``tensors`` (:class:`~ucl.formats.base.Pieces` of ``src.training_keys()``, in that
+    order, each read only while current) as the DeepSpeed universal checkpoint folder ``out`` (see
+    the module doc), ``tag`` defaulting to ``global_step<global_steps>``. Names are checked before
+    the first tensor is asked for. ``kept_bytes``: at most this many bytes of frozen tensors are
+    kept for the model states (UCL011 beyond; None: no bound). ``out`` appears atomically."""
     ds = src.state.get("deepspeed") if isinstance(src.state.get("deepspeed"), dict) else {}
     steps = ds.get("global_steps", src.state.get("step", 0))
     tag = tag if tag is not None else f"global_step{steps if isinstance(steps, int) else 0}"
@@ -85,7 +89,8 @@ def write_deepspeed_universal(src: ExportSource, out: str, tensors: Iterable[tup
         zero = os.path.join(folder, tag, "zero")
         os.makedirs(zero)
         written = _Writer(durable)
-        module, first_step = _write_tensors(src, zero, written, tensors)
+        module, first_step = _write_tensors(src, zero, written, tensors,
+                                            kept_bytes if kept_bytes is not None else 1 << 62)
         states = _model_states(src, ds, steps, module)
         for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
             written.save(states, os.path.join(folder, tag, name))
@@ -114,45 +119,57 @@ class _Writer:
         self.tensors += tensors
 
 
-def _write_tensors(src: ExportSource, zero: str, w: _Writer, tensors: Iterable[tuple[str, Any]]):
-    """Every ``zero/<name>/<kind>.pt``, one tensor at a time; returns (module of frozen tensors in
-    training dtype, the first step seen)."""
+def _write_tensors(src: ExportSource, zero: str, w: _Writer, tensors: Iterable[tuple[str, Pieces]],
+                   kept_bytes: int):
+    """Every ``zero/<name>/<kind>.pt``, one tensor at a time, each written piece by piece; returns
+    (module of frozen tensors in training dtype, the first step seen). The module is written whole
+    into the model states (DeepSpeed's format), so frozen tensors over ``kept_bytes`` in all are
+    refused (UCL011)."""
     master_of = {k: n for n, k in src.master.items()}
     aliases_of: dict[str, list[str]] = {}
     for alias, target in src.aliases.items():
         aliases_of.setdefault(target, []).append(alias)
     module: dict[str, Any] = {}
     first_step = None
+    kept = 0
 
     def put(name: str, kind: str, obj: Any) -> None:
         folder = os.path.join(zero, name)
         os.makedirs(folder, exist_ok=True)
         w.save(obj, os.path.join(folder, f"{kind}.pt"), tensors=1)
 
-    for key, array in tensors:  # each written at once: the array may be reused for the next
+    for key, pieces in tensors:  # each written at once: its pieces are read only while it is current
         kind, name = key.split("/", 1)
-        dtype = src.datasets[key][1]
         if key in master_of:
-            fp32 = _float(array, dtype)
+            fp32 = _float(pieces)
             put(name, "fp32", {"param": fp32, "cat_dim": 0})
             for alias in aliases_of.get(name, ()):  # ds_to_universal writes the tied alias's weight too
                 put(alias, "fp32", {"param": fp32})
         elif kind == "param":  # frozen parameter or buffer: not restored by the engine, kept for users
-            module[name] = torchsave.Tensor(array.copy(), dtype)  # kept to the end: out of the reused buffer
-            put(name, "fp32", {"param": _float(array, dtype)})
+            kept += pieces.size * itemsize(pieces.dtype)
+            if kept > kept_bytes:
+                raise UclError(f"the frozen parameters and buffers, which DeepSpeed's model states file holds "
+                               f"whole, need {format_size(kept)} so far (at {name}), more than the max_memory "
+                               "cap leaves for them; give a larger max_memory", code="UCL011")
+            module[name] = torchsave.Tensor(pieces.whole().copy(), pieces.dtype)  # kept to the end
+            put(name, "fp32", {"param": _float(pieces)})
         elif kind == "step":  # DeepSpeed's own type: a 0-d float32 tensor
+            array, dtype = pieces.whole(), pieces.dtype
             value = float(to_float32(array, dtype)) if dtype in FLOAT_DTYPES else float(array)
             step = torchsave.Tensor(np.array(value, dtype=np.float32), "float32")
             first_step = step if first_step is None else first_step
             put(name, "step", step)
         else:
-            put(name, kind, {"param": _float(array, dtype), "cat_dim": 0})
+            put(name, kind, {"param": _float(pieces), "cat_dim": 0})
     return {n: module[n] for n in src.frozen if n in module}, first_step
 
 
-def _float(array: np.ndarray, dtype: str) -> torchsave.Tensor:
-    """As torch's ``.float()`` on a floating tensor; other dtypes as they are."""
-    return torchsave.Tensor(to_float32(array, dtype), "float32") if dtype in FLOAT_DTYPES else torchsave.Tensor(array, dtype)
+def _float(pieces: Pieces) -> torchsave.PiecedTensor:
+    """As torch's ``.float()`` on a floating tensor, piece by piece; other dtypes as they are."""
+    if pieces.dtype not in FLOAT_DTYPES:
+        return torchsave.PiecedTensor(pieces.shape, pieces.dtype, lambda: (a for _, a in pieces))
+    return torchsave.PiecedTensor(pieces.shape, "float32",
+                                  lambda: (to_float32(a, pieces.dtype) for _, a in pieces))
 
 
 def _client_value(value: Any, path: str, dropped: list[str]) -> Any:

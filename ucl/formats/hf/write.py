@@ -37,7 +37,8 @@ What is written, as ``save_pretrained`` (transformers 5.23, huggingface_hub 2.4)
   saved Megatron-LM arguments describe (llama, or qwen2 with QKV biases; refused if no such model
   type has the run's architecture).
 
-Streams: one source tensor in memory at a time (plus its cast copy). Shard headers are planned from the
+Streams: each tensor in pieces (``Pieces``: a piece and its cast copy in memory at a time), written at
+its offset in its shard; only a part of a fused source tensor is cut from the source read whole. Shard headers are planned from the
 manifest before any tensor is read. Written into a hidden temp folder beside ``out`` and renamed at
 the end; an existing ``out`` is refused (UCL503).
 """
@@ -48,17 +49,17 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ...dtypes import DTYPES, FLOAT_DTYPES, to_numpy, torch_dtype
+from ...dtypes import DTYPES, FLOAT_DTYPES, to_numpy, to_torch, torch_dtype
 from ...errors import ForeignFormatError, UclError
 from ...lang.spec import load_spec
-from ...memory import parse_size
+from ...memory import format_size, parse_size
 from ...model_config import CONFIG_NAME, load_config, read_raw_config
 from ...store.atomic import fsync_dir, staged_dir
-from ..base import ExportSource, Written
+from ..base import ExportSource, Pieces, Written
 from .check import check_against
 from .fit import mismatches
 from .names import INDEX_NAME, SINGLE_NAME
@@ -155,12 +156,15 @@ def plan_hf(src: ExportSource, *, dtype: str | None = None, max_shard_size: int 
                     main, dtype is not None, tuple(k for k in src.datasets if k in wanted))
 
 
-def write_hf(plan: HfExport, out: str, tensors: Iterable[tuple[str, Any]], *, durable: bool = True) -> Written:
-    """Write ``tensors`` (torch tensors of ``plan.keys``, in that order; each may be reused once the
-    next is asked for) as the Hugging Face folder ``out``, which appears atomically."""
+def write_hf(plan: HfExport, out: str, tensors: Iterable[tuple[str, Pieces]], *, durable: bool = True,
+             whole_bytes: int | None = None) -> Written:
+    """Write ``tensors`` (:class:`~ucl.formats.base.Pieces` of ``plan.keys``, in that order, each
+    read only while current) as the Hugging Face folder ``out``, which appears atomically. Each
+    tensor is written piece by piece at its offset; a part of a fused tensor (Megatron's
+    ``linear_qkv``) is cut from its source read whole, at most ``whole_bytes`` (UCL011 beyond)."""
     written = [e for e in plan.entries if e.name != plan.dropped]
     with staged_dir(out) as folder:
-        head_digest, digests = _write_shards(plan, folder, tensors, durable)
+        head_digest, digests = _write_shards(plan, folder, tensors, durable, whole_bytes)
         if plan.dropped is not None:
             same = [e.name for e in written if digests.get(e.name) == head_digest]
             if not same:
@@ -322,8 +326,8 @@ def _header(ordered: list[_Entry]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def _write_shards(plan: HfExport, folder: str, tensors: Iterable[tuple[str, Any]],
-                  durable: bool) -> tuple[bytes | None, dict[str, bytes]]:
+def _write_shards(plan: HfExport, folder: str, tensors: Iterable[tuple[str, Pieces]],
+                  durable: bool, whole_bytes: int | None) -> tuple[bytes | None, dict[str, bytes]]:
     """Write every shard's header, then take the checkpoint's tensors once, in its own order, each
     into its place (a source tensor may feed several exported ones: Megatron's ``linear_qkv``). With
     a dropped tied head, also digest the head and the tensors it could equal (same shape and dtype),
@@ -351,19 +355,24 @@ def _write_shards(plan: HfExport, folder: str, tensors: Iterable[tuple[str, Any]
         wanted: dict[str, list[_Entry]] = {}
         for e in [e for shard in shards for e in shard] + ([head] if head is not None else []):
             wanted.setdefault(e.key, []).append(e)
-        for key, tensor in tensors:
+        for key, pieces in tensors:
             for e in wanted[key]:
-                data = _converted(e.renamed.take(tensor) if e.renamed is not None else tensor, e)
-                if data.nbytes != e.nbytes:  # the manifest and the tensor read disagree: never write a lying header
-                    raise ForeignFormatError(f"{e.key} read as {data.nbytes} bytes, but its manifest entry says {e.nbytes}", code="UCL503")
+                if e.nbytes != pieces.size * DTYPES[e.dtype].itemsize and e.renamed is None:
+                    # the manifest and the tensor read disagree: never write a lying header
+                    raise ForeignFormatError(f"{e.key} reads as {pieces.size} elements, but its manifest entry says "
+                                             f"{e.numel}", code="UCL503")
+                digest = hashlib.blake2b(digest_size=32) if e is head or e.name in twins else None
+                i, offset = places[e.name] if e is not head else (-1, 0)
+                for at, data in _parts(pieces, e, whole_bytes):
+                    if digest is not None:
+                        digest.update(memoryview(data).cast("B"))
+                    if e is not head:
+                        _pwrite_all(fds[i], memoryview(data).cast("B"), offset + at)
+                        left[i] -= data.nbytes
                 if e is head:
-                    head_digest = _digest(data)
-                    continue
-                i, offset = places[e.name]
-                _pwrite_all(fds[i], memoryview(data).cast("B"), offset)
-                left[i] -= data.nbytes
-                if e.name in twins:
-                    digests[e.name] = _digest(data)
+                    head_digest = digest.digest()
+                elif digest is not None:
+                    digests[e.name] = digest.digest()
         short = [f"{names[i]} ({n} bytes)" for i, n in enumerate(left) if n]
         if short:
             raise ForeignFormatError(f"{', '.join(short)} short of what the header declares", code="UCL503")
@@ -381,15 +390,29 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+def _parts(pieces: Pieces, e: _Entry, whole_bytes: int | None) -> Iterator[tuple[int, np.ndarray]]:
+    """``(byte offset in the tensor written, storage bytes in e.dtype)``: piece by piece, or for a
+    part of a fused source tensor (``e.renamed``), that part of the source read whole, refused
+    (UCL011) over ``whole_bytes``."""
+    if e.renamed is None:
+        for lo, piece in pieces:
+            yield lo * DTYPES[e.dtype].itemsize, _converted(to_torch(piece, e.stored), e)
+        return
+    need = pieces.size * DTYPES[pieces.dtype].itemsize
+    if whole_bytes is not None and need > whole_bytes:
+        raise UclError(f"{e.name} is a part of {e.key} ({format_size(need)}), which this export reads whole to cut "
+                       "it out, more than the max_memory cap allows; give a larger max_memory", code="UCL011")
+    data = _converted(e.renamed.take(to_torch(pieces.whole(), pieces.dtype)), e)
+    if data.nbytes != e.nbytes:  # the manifest and the tensor read disagree: never write a lying header
+        raise ForeignFormatError(f"{e.key} read as {data.nbytes} bytes, but its manifest entry says {e.nbytes}", code="UCL503")
+    yield 0, data
+
+
 def _converted(tensor: Any, e: _Entry) -> np.ndarray:
     """The C-contiguous little-endian storage bytes of ``tensor`` (a torch tensor) in ``e.dtype``."""
     if e.dtype != e.stored:
         tensor = tensor.to(torch_dtype(e.dtype))  # torch's cast: round to nearest even, as .to() does
     return to_numpy(tensor)[0].reshape(-1)
-
-
-def _digest(arr: np.ndarray) -> bytes:
-    return hashlib.blake2b(memoryview(arr).cast("B"), digest_size=32).digest()
 
 
 def _write_json(path: str, obj: Any, durable: bool) -> None:

@@ -8,12 +8,13 @@ import, zlib's CRC-32) and one copy of each tensor in memory: the array itself, 
 The pickle is the inverse of ``ucl.formats.torchzip.read``: that module reads what this writes."""
 from __future__ import annotations
 
+import math
 import os
 import struct
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -34,6 +35,19 @@ class Tensor:
             raise ForeignFormatError(f"cannot write a {self.array.dtype} array as a torch {self.dtype} tensor", code="UCL503")
 
 
+@dataclass(frozen=True)
+class PiecedTensor:
+    """A tensor written from pieces, never whole in memory: ``pieces()`` gives its row-major storage
+    (arrays of the storage dtype of logical ``dtype``) in order, once, as the file is written."""
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: Callable[[], Iterable[np.ndarray]]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * storage_dtype(self.dtype).itemsize
+
+
 class Size(tuple):
     """A shape written as ``torch.Size``."""
 
@@ -45,7 +59,7 @@ def _global(module: str, name: str) -> bytes:
 class _Pickler:
     def __init__(self):
         self.out = bytearray(b"\x80\x02")  # protocol 2, as torch.save
-        self.storages: list[np.ndarray] = []
+        self.storages: list[np.ndarray | PiecedTensor] = []
 
     def dump(self, obj: Any) -> bytes:
         self._put(obj)
@@ -70,7 +84,7 @@ class _Pickler:
         elif isinstance(o, str):
             raw = o.encode("utf-8")
             out += b"X" + struct.pack("<I", len(raw)) + raw
-        elif isinstance(o, Tensor):
+        elif isinstance(o, (Tensor, PiecedTensor)):
             self._tensor(o)
         elif isinstance(o, Size):
             out += _global("torch", "Size")
@@ -101,10 +115,12 @@ class _Pickler:
             self._put(v)
             self.out += b"s"
 
-    def _tensor(self, t: Tensor) -> None:
+    def _tensor(self, t: Tensor | PiecedTensor) -> None:
         key = str(len(self.storages))
-        self.storages.append(t.array)
-        shape = tuple(int(x) for x in t.array.shape)
+        pieced = isinstance(t, PiecedTensor)
+        self.storages.append(t if pieced else t.array)
+        shape = tuple(int(x) for x in (t.shape if pieced else t.array.shape))
+        nbytes, numel = (t.nbytes, math.prod(shape)) if pieced else (t.array.nbytes, t.array.size)
         strides, acc = [], 1
         for n in reversed(shape):
             strides.append(acc)
@@ -114,12 +130,12 @@ class _Pickler:
             self.out += _global("torch._utils", "_rebuild_tensor_v3") + b"("
             self.out += b"(" + _pack_str("storage") + _global("torch.storage", "UntypedStorage") + _pack_str(key) \
                 + _pack_str("cpu")
-            self._put(int(t.array.nbytes))
+            self._put(int(nbytes))
         else:
             self.out += _global("torch._utils", "_rebuild_tensor_v2") + b"("
             self.out += b"(" + _pack_str("storage") + _global("torch", storage_class) + _pack_str(key) \
                 + _pack_str("cpu")
-            self._put(int(t.array.size))
+            self._put(int(numel))
         self.out += b"tQ"  # the persistent id (storage, class, key, location, numel)
         self._put(0)
         self._put(shape)
@@ -138,7 +154,7 @@ def _pack_str(s: str) -> bytes:
 
 def save(obj: Any, path: str | os.PathLike, *, durable: bool = False) -> int:
     """Write ``obj`` (dicts, OrderedDicts, lists, tuples, strings, numbers, None, :class:`Size`,
-    :class:`Tensor`) to ``path`` as ``torch.load`` reads it; returns the file's size."""
+    :class:`Tensor`, :class:`PiecedTensor`) to ``path`` as ``torch.load`` reads it; returns the file's size."""
     p = _Pickler()
     data = p.dump(obj)
     with open(path, "wb") as f:
@@ -146,9 +162,15 @@ def save(obj: Any, path: str | os.PathLike, *, durable: bool = False) -> int:
             z.writestr(f"{_ARCHIVE}/data.pkl", data)
             z.writestr(f"{_ARCHIVE}/byteorder", "little")
             for key, arr in enumerate(p.storages):
-                arr = np.ascontiguousarray(arr)
+                pieces = arr.pieces() if isinstance(arr, PiecedTensor) else (arr,)
                 with z.open(f"{_ARCHIVE}/data/{key}", "w", force_zip64=arr.nbytes >= 1 << 31) as member:
-                    member.write(memoryview(arr.reshape(-1)).cast("B"))
+                    done = 0
+                    for piece in pieces:
+                        piece = np.ascontiguousarray(piece)
+                        member.write(memoryview(piece.reshape(-1)).cast("B"))
+                        done += piece.nbytes
+                if done != arr.nbytes:  # never a storage shorter or longer than its tensor says
+                    raise ForeignFormatError(f"{path}: storage {key} got {done:,} bytes of {arr.nbytes:,}", code="UCL503")
             z.writestr(f"{_ARCHIVE}/version", "3\n")
         f.flush()
         if durable:
