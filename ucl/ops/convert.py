@@ -9,6 +9,7 @@ from typing import Callable, Mapping
 from ..errors import UclError
 from ..formats.base import UserSpec
 from ..lang.spec import load_spec, Spec
+from ..memory import MemoryCap, memory_cap
 from .prepare import mesh_of, open_checkpoint
 from .reshard import reshard
 from .stats import IOStats
@@ -18,7 +19,8 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, format:
                       workers: int | None = None, durable: bool = True,
                       progress: Callable[[int], None] | None = None,
                       spec: str | Path | Spec | None = None, dims: Mapping[str, int] | None = None,
-                      compress: str | None = None) -> IOStats:
+                      compress: str | None = None,
+                      max_memory: int | str | MemoryCap | None = None) -> IOStats:
     """Write ucl checkpoint ``dst`` holding the DeepSpeed, DCP, Megatron or Hugging Face checkpoint
     ``src`` (``format`` detected when None) in the layout ``src`` was saved in, with the spec,
     parameters and non-tensor state its reader derived; ``dst`` appears atomically. ``reshard``,
@@ -26,12 +28,16 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, format:
     directly, without importing it). ``spec`` (text, a ``.ucl`` path or ``stdlib:NAME``) and its
     ``dims``: the parameter placements of a DeepSpeed tensor-parallel checkpoint whose files do not
     record them (mesh ``tp, dp``, a rule with a shape per parameter; the optimizer state's layout
-    stays generated from the files). ``compress``: ``dst``'s encoding, as for ``reshard``."""
+    stays generated from the files). ``compress``: ``dst``'s encoding, as for ``reshard``.
+    ``max_memory``: the host memory the import may add over all its processes (bytes, ``"2GB"``, a
+    :class:`~ucl.memory.MemoryCap`; default 2 GB), passed on to ``reshard``, which reads the
+    folder's tensors as byte ranges of its files (docs/memory.md)."""
+    cap = memory_cap(max_memory)  # a bad size is UCL011 before the folder is read
     user = user_spec(spec, dims)
     with open_checkpoint(src, format, user) as ckpt:
         mesh, format = mesh_of(ckpt), getattr(ckpt, "format", "ucl")
     return reshard(src, dst, mesh, workers=workers, durable=durable, progress=progress, format=format, user=user,
-                   compress=compress)
+                   compress=compress, max_memory=cap)
 
 
 def user_spec(spec: str | Path | Spec | None, dims: Mapping[str, int] | None = None) -> UserSpec | None:

@@ -36,7 +36,9 @@ import os
 import warnings
 from typing import Any, Callable
 
-from ...dtypes import FLOAT_DTYPES, to_torch, torch_dtype
+import numpy as np
+
+from ...dtypes import FLOAT_DTYPES, itemsize, to_torch, torch_dtype
 from ...errors import ForeignFormatError
 from ...store.atomic import staged_dir
 from ..base import ExportSource, Pieces, Written
@@ -80,6 +82,7 @@ def write_dcp(src: ExportSource, out: str, keys: list[str], pieces: Callable[[st
     for alias, target in src.aliases.items():
         model_sd[alias] = model_sd[target]
     tensors = len(model_sd) + len(optim_sd)
+    total = sum(math.prod(src.datasets[k][0]) * itemsize(w) for sd in (model_sd, optim_sd) for k, w in sd.values())
     for prefix, sd in ((model_prefix, model_sd), (optim_prefix, optim_sd)):
         for name, (key, want) in sd.items():
             lazy[prefix + name] = (key, want)
@@ -95,7 +98,12 @@ def write_dcp(src: ExportSource, out: str, keys: list[str], pieces: Callable[[st
     with staged_dir(out) as folder:
         with warnings.catch_warnings():  # no_dist is what we ask for: torch's "assuming single process" note is noise
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(folder), planner=planner, no_dist=True)
+            # torch's writer keeps every tensor of a file alive until that file is done (torch 2.13,
+            # filesystem._write_files_from_queue): over the cap, one file per chunk instead of one file
+            one_file = piece_bytes is None or total <= piece_bytes
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(folder, single_file_per_rank=one_file,
+                                                                            per_thread_copy_ahead=0),
+                     planner=planner, no_dist=True)
         size = _size(folder)
     return Written(size, tensors,
                    dict(format="dcp", style=style, param_groups=src.groups is not None and bool(src.hyperparameters),
@@ -162,9 +170,17 @@ def _piece_planner(lazy: dict[str, tuple[str, Any]], pieces: Callable[[str], Pie
             shape = tuple(write_item.tensor_data.size)
             p = pieces(key)
             first = sum(o * math.prod(shape[j + 1:]) for j, o in enumerate(chunk.offsets))
-            t = to_torch(p.read(first, first + math.prod(chunk.sizes)), p.dtype).reshape(tuple(chunk.sizes))
-            # a copy of our own: the piece buffer is read into again for the next chunk
-            return t.to(torch_dtype(want)) if p.dtype != want else t.clone()
+            piece = p.read(first, first + math.prod(chunk.sizes))
+            if p.dtype != want:
+                return to_torch(piece, p.dtype).to(torch_dtype(want)).reshape(tuple(chunk.sizes))
+            # into a buffer of exactly its size, reused: torch's writer copies a tensor whose storage is
+            # larger (the piece buffer is), and fresh buffers per chunk leave freed heap behind (PSS)
+            if self._out is None or self._out.nbytes != piece.nbytes or self._out.dtype != piece.dtype:
+                self._out = np.empty(piece.shape, piece.dtype)
+            np.copyto(self._out, piece)
+            return to_torch(self._out, p.dtype).reshape(tuple(chunk.sizes))
+
+    PiecePlanner._out = None
 
     return PiecePlanner()
 
