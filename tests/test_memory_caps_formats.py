@@ -137,3 +137,26 @@ def test_dcp_chunks_tile_the_tensor_in_flat_ranges(shape, step):
         assert flat == first and all(o + s <= n for o, s, n in zip(offsets, sizes, shape))
         pos = stop
     assert pos == total
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("name", ["z1_fp32_dp2", "z2_bf16_dp2", "z3_bf16_dp2", "tp2_z2_bf16_tied"])
+@pytest.mark.parametrize("op", ["dcp", "universal"])
+def test_tiny_pieces_write_what_one_piece_writes(name, op, tmp_path):
+    """Pieces of 256 bytes (a cap far below the floor users may give: MemoryCap directly), so pieces
+    start and end inside ZeRO partitions, TP shards and bf16 tensors: the same export, bit for bit."""
+    pytest.importorskip("torch")
+    from ucl.memory import MemoryCap
+    from ucl.ops import export as ex
+    fn = {"dcp": ex.export_dcp, "universal": ex.export_deepspeed_universal}[op]
+    fn(FIXTURES / name, tmp_path / "tiny", max_memory=MemoryCap(1024))
+    fn(FIXTURES / name, tmp_path / "whole")
+    if op == "dcp":
+        assert len(list((tmp_path / "tiny").glob("*.distcp"))) > 1  # one file per chunk
+    got, want = _read(op, tmp_path / "tiny"), _read(op, tmp_path / "whole")
+    assert got and got.keys() == want.keys()
+    for k in want:
+        assert _same(got[k], want[k]), k
