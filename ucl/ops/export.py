@@ -77,8 +77,9 @@ def export_dcp(ckpt: str | os.PathLike, out: str | os.PathLike, *, style: str = 
             if key not in made:
                 made[key] = reader.pieces(key, ties.get(key, key))
             return made[key]
-        # a piece and DCP's copy of it (and torch.save's) fit in the cap: a quarter of it each at most
-        written = write_dcp(src, out, keys, pieces, style=style, piece_bytes=cap.piece_bytes())
+        # chunks of an eighth: the piece read, the chunk handed to DCP and torch.save's copy of it
+        # (three buffers) stay under half the cap, the rest is the interpreter's slack
+        written = write_dcp(src, out, keys, pieces, style=style, piece_bytes=cap.split(2).piece_bytes())
         stats.bytes_read, stats.bytes_needed = reader.bytes_read, reader.bytes_needed
     return _done(stats, written, t0)
 
