@@ -5,7 +5,6 @@ place: each run in a subprocess (tests/memcap_formats_child.py) on a ~200 MB DCP
 the cap and its output equal, as the frameworks' own loaders read it, to the uncapped run's."""
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -109,9 +108,6 @@ def test_an_export_stays_under_its_cap_and_writes_what_uncapped_writes(op, sourc
 @pytest.mark.slow
 @pytest.mark.parametrize("source", list(CAPS))
 def test_import_stays_under_its_cap(source, sources, tmp_path):
-    from ucl.ops.reshard import reshard
-    if "max_memory" not in inspect.signature(reshard).parameters:
-        pytest.skip("reshard takes no max_memory yet (#31, the ops side): import passes its cap on to it")
     src, cap = sources / source, CAPS[source]
     capped = _capped("import", src, tmp_path / "capped", cap)
     _child("import", str(src), str(tmp_path / "free"))
