@@ -129,3 +129,17 @@ def test_piece_boxes_are_the_products_of_each_dims_runs(runs):
     want = [(i, combo) for i, p in enumerate(runs) for combo in itertools.product(*p)]
     assert owner.tolist() == [i for i, _ in want]
     assert boxes.tolist() == [[list(r) for r in combo] for _, combo in want]
+
+
+def test_a_second_rank_of_a_stage_reuses_the_placement_of_the_first():
+    # one rank's plan after another's (a loader planning its node's ranks): the tensors placed on a
+    # stage and their whole (not flat) holdings are lowered once; only the flat partitions are cut anew
+    model, mesh = llama_model(SMALL), ucl.Mesh.parse(DST)
+    maps = []
+    for rank in (mesh.rank(pp=1, dp=5, tp=1), mesh.rank(pp=1, dp=6, tp=0)):
+        at = [mesh.coords(rank)]
+        maps.append(lower(model, mesh, tensors=tensors_on(model, mesh, at), at=at, held=True))
+    a, b = maps
+    whole = [t.id for t in model.tensors if t.flat is None and a.holdings[t.id]]
+    assert whole and all(a.holdings[i][0] is b.holdings[i][0] for i in whole)
+    assert a.whole_datasets == b.whole_datasets and a.datasets != b.datasets

@@ -136,6 +136,9 @@ class _Lowered:
 
     whole: dict[Mesh, ShardMap] = field(default_factory=dict)
     focused: dict[Mesh, dict[tuple, ShardMap]] = field(default_factory=dict)
+    # until the whole map exists, per focus (tensor ids) what the ranks planned for do not change
+    # (:func:`_stem`): the next rank of a stage only cuts its own flat partitions
+    stems: dict[Mesh, dict[frozenset[int], "_Stem"]] = field(default_factory=dict)
     placements: dict[Mesh, dict[int | tuple, tuple[dict[str, list[int]], str]]] = field(default_factory=dict)
 
 
@@ -174,6 +177,7 @@ def lower(model: Model, mesh: Mesh, *, reuse: bool = True, tensors: frozenset[in
     with gc_paused():
         whole = cache.whole[mesh] = _lower(model, mesh, True)
     cache.focused.pop(mesh, None)  # the whole map serves every later plan
+    cache.stems.pop(mesh, None)
     return whole
 
 
@@ -244,12 +248,6 @@ def gc_paused():
 
 def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None = None,
            at: list[dict] | None = None, held: bool = False) -> ShardMap:
-    ctx = LoweringContext.of(model, mesh, reuse, focus)
-    todo, members, in_focus = range(len(model.tensors)), [], set()
-    if focus is not None:  # a flat buffer is laid out from all its members: they are placed too (after)
-        todo = sorted(focus)
-        in_focus = {model.tensors[i].flat_group for i in focus} - {-1}  # flat groups, by index
-        members = sorted({m.id for g in in_focus for m in model.flat_groups[g].members} - focus)
     sm = ShardMap(mesh, model, [[] for _ in model.tensors], focus=focus)
     if mesh.is_universal:
         for t in model.tensors:
@@ -257,37 +255,19 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
             sm.holdings[t.id].append(Holding({}, Slot(t.key, 0, t.shape, t.shape), [layouts]))
             sm.whole_datasets.append(DatasetSlot({}, t.key, t.shape, t.dtype))
         return sm
-
-    placed = {}  # tensor id -> Placed
-    failures: list[TensorFailure] = []  # every tensor that does not fit, reported together
-    notes: dict = {}  # what fits only loosely (empty stages, shared elements): warned about once
-    for t in (model.tensors[i] for i in todo):
-        try:
-            dims = _dims(ctx, t)
-            allowed, local = place(ctx, t, notes)
-            dim_axes = split_axes(dims)
-            placed[t.id] = Placed(dims, allowed, local, dim_axes)
-            if t.kind == PARAM:
-                note_shared(t, dims, mesh, notes)
-            if t.flat is not None:
-                continue
-            axes = sorted({a for axes in dim_axes for a in axes})
-            for fixed in coordinates(axes, mesh, allowed):
-                layouts = local_layouts(ctx, t, dims, fixed, dim_axes)
-                shape = tuple(x.local for x in layouts)
-                key = f"{t.kind}/{local}"
-                sm.holdings[t.id].append(Holding(fixed, Slot(key, 0, shape, shape), [layouts]))
-                sm.whole_datasets.append(DatasetSlot(fixed, key, shape, t.dtype))
-        except TensorFailure as e:
-            failures.append(e)
-    if members and not failures:
-        try:
-            _place_other_members(ctx, members, placed)
-        except TensorFailure as e:
-            failures.append(e)
-    if failures:
-        raise mesh_report(model, mesh, failures)
-    warn_loose_fit(model, mesh, notes)
+    if reuse and focus is not None:  # one rank's plan after another's: placed once per focus
+        stems = model.derived.of(_Lowered).stems.setdefault(mesh, {})
+        stem = stems.get(focus)
+        if stem is None:
+            stem = _stem(model, mesh, reuse, focus)
+            if len(stems) < _FOCUSED_MAPS:
+                stems[focus] = stem
+    else:
+        stem = _stem(model, mesh, reuse, focus)
+    ctx, placed, in_focus = stem.ctx, stem.placed, stem.in_focus
+    for tid, hs in stem.holdings.items():  # shared Holding objects: nothing changes them
+        sm.holdings[tid].extend(hs)
+    sm.whole_datasets.extend(stem.whole_datasets)
 
     groups = [g for g in model.flat_groups if focus is None or g.id in in_focus]
     if held and focus is not None and at is not None:
@@ -306,6 +286,61 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
     for g in groups:
         _lower_flat(ctx, g, placed, sm, geometry_cache, at)
     return sm
+
+
+@dataclass(frozen=True, eq=False)
+class _Stem:
+    """Lowering ``focus`` (tensor ids; None: every tensor) up to the flat buffers, which is all the
+    coordinates planned for do not change: each tensor placed, the holdings and datasets of those
+    that are not flat."""
+
+    ctx: LoweringContext
+    placed: dict  # tensor id -> Placed (the other members of their flat groups too)
+    in_focus: set  # flat groups with a member in ``focus``, by index
+    holdings: dict[int, list[Holding]]
+    whole_datasets: list[DatasetSlot]
+
+
+def _stem(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None) -> _Stem:
+    ctx = LoweringContext.of(model, mesh, reuse, focus)
+    todo, members, in_focus = range(len(model.tensors)), [], set()
+    if focus is not None:  # a flat buffer is laid out from all its members: they are placed too (after)
+        todo = sorted(focus)
+        in_focus = {model.tensors[i].flat_group for i in focus} - {-1}  # flat groups, by index
+        members = sorted({m.id for g in in_focus for m in model.flat_groups[g].members} - focus)
+    holdings: dict[int, list[Holding]] = {}
+    whole_datasets: list[DatasetSlot] = []
+    placed = {}  # tensor id -> Placed
+    failures: list[TensorFailure] = []  # every tensor that does not fit, reported together
+    notes: dict = {}  # what fits only loosely (empty stages, shared elements): warned about once
+    for t in (model.tensors[i] for i in todo):
+        try:
+            dims = _dims(ctx, t)
+            allowed, local = place(ctx, t, notes)
+            dim_axes = split_axes(dims)
+            placed[t.id] = Placed(dims, allowed, local, dim_axes)
+            if t.kind == PARAM:
+                note_shared(t, dims, mesh, notes)
+            if t.flat is not None:
+                continue
+            axes = sorted({a for axes in dim_axes for a in axes})
+            for fixed in coordinates(axes, mesh, allowed):
+                layouts = local_layouts(ctx, t, dims, fixed, dim_axes)
+                shape = tuple(x.local for x in layouts)
+                key = f"{t.kind}/{local}"
+                holdings.setdefault(t.id, []).append(Holding(fixed, Slot(key, 0, shape, shape), [layouts]))
+                whole_datasets.append(DatasetSlot(fixed, key, shape, t.dtype))
+        except TensorFailure as e:
+            failures.append(e)
+    if members and not failures:
+        try:
+            _place_other_members(ctx, members, placed)
+        except TensorFailure as e:
+            failures.append(e)
+    if failures:
+        raise mesh_report(model, mesh, failures)
+    warn_loose_fit(model, mesh, notes)
+    return _Stem(ctx, placed, in_focus, holdings, whole_datasets)
 
 
 def _dims(ctx: LoweringContext, t) -> tuple[DimSpec, ...]:
