@@ -70,12 +70,12 @@ def child(name: str, what: str) -> dict:
         plan = ucl.compile(model, src, dst, ranks=[r1])
         out["seconds"], out["cpu"] = time.perf_counter() - t0, time.process_time() - c0
         if what == "rank:middle":
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             ucl.compile(model, src, dst, ranks=[dst.size - 5])  # another stage: lowered afresh
-            out["warm"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            ucl.compile(model, src, dst, ranks=[r1 + 1])  # same stage as r1: its proofs are cached too
-            out["warm_same"] = time.perf_counter() - t0
+            out["warm"], out["warm_cpu"] = time.perf_counter() - t0, time.process_time() - c0
+            t0, c0 = time.perf_counter(), time.process_time()
+            ucl.compile(model, src, dst, ranks=[r1 + 1])  # same stage as r1: placed and proved already
+            out["warm_same"], out["warm_same_cpu"] = time.perf_counter() - t0, time.process_time() - c0
         out.update(stored=plan.stored_rows, expanded=plan.rows)
     out["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
     return out
@@ -118,7 +118,9 @@ def run(name: str, repeat: int) -> None:
         print(f"  one rank of the {stage} stage (ranks=[r]): compile {_med([x['seconds'] for x in runs], fmt='{:.3f}')} "
               f"cold (CPU {_med([x['cpu'] for x in runs], fmt='{:.3f}')})")
     print(f"  in the middle stage's process, model lowered: a rank of another stage "
-          f"{_med([x['warm'] for x in one], fmt='{:.3f}')}, of the same stage {_med([x['warm_same'] for x in one], fmt='{:.3f}')}; "
+          f"{_med([x['warm'] for x in one], fmt='{:.3f}')} (CPU {_med([x['warm_cpu'] for x in one], fmt='{:.3f}')}), "
+          f"of the same stage {_med([x['warm_same'] for x in one], fmt='{:.3f}')} "
+          f"(CPU {_med([x['warm_same_cpu'] for x in one], fmt='{:.3f}')}); "
           f"{one[0]['expanded']:,} rows; peak RSS {_med([x['rss'] for x in one], 'MiB', '{:.0f}')}")
     worst = max(statistics.median(x["seconds"] for x in runs) for runs in stages.values())
     print(f"  baseline: empty loop over {n:,} (rank, tensor) pairs: {baseline:.2f} s -> full compile/baseline "
