@@ -88,7 +88,7 @@ def budgeted(groups: Sequence[Any], plan: Plan, cap: MemoryCap, workers: int, *,
     """A reshard's workers (at most ``workers``) and each one's budget under ``cap``, for the target
     datasets ``groups`` (``reshard.ReplicaGroup``: ``key``, ``nbytes``, the plan ``rows`` filling it):
     fewer workers where a share would be small (``worker_count``) or where a dataset that must be
-    assembled whole (a ``compress``\ed target's, or one the streamed path cannot take) would not fit
+    assembled whole (a compressed target's, or one the streamed path cannot take) would not fit
     one share; UCL011 when it fits none, before anything is written. ``forked``: workers are forked
     even when there is one (a distributed reshard). Larger datasets are streamed."""
     workers = worker_count(cap, workers)
