@@ -306,12 +306,7 @@ class Checkpoint(ManifestBacked):
         tiles = self._bound_tile_table(rank, key, info)
         per = table[0] // item if table is not None else max(size, 1)
         n = -(-size // per) if size else 0
-        touched = np.zeros(n + 1, dtype=np.int64)
-        for start, count, stride, block in runs:
-            b = start + np.arange(count, dtype=np.int64) * stride
-            np.add.at(touched, b // per, 1)
-            np.add.at(touched, (b + block - 1) // per + 1, -1)
-        need = np.flatnonzero(np.cumsum(touched[:n]) > 0)
+        need = _chunks_touched(runs, per, n)
         cache = self._verified
         if tiles is not None:  # by tiles when the tiles around the runs hold fewer bytes than the chunks
             plan = tile_plan(tiles[0], runs, lambda b, j: cache.get((rank, key, "tile", b, j)) is not None)
@@ -320,36 +315,21 @@ class Checkpoint(ManifestBacked):
         have = {int(c): cache.get((rank, key, int(c))) for c in need}
         missing = [c for c, v in have.items() if v is None]
         digests = table[1] if table is not None else None
-        read = 0
-        whole_buf = None  # the buffer of a single read covering every needed chunk, if there is one
         # one read per run of consecutive missing chunks; every chunk verified before use
         groups = np.split(np.array(missing, dtype=np.int64), np.flatnonzero(np.diff(missing) != 1) + 1) if missing else []
-        for g in groups:
-            first = int(g[0])
-            lo, hi = first * per, min((int(g[-1]) + 1) * per, size)
-            # one group reads into reusable (warm) scratch memory; several need their own buffers
-            buf = self._scratch.array((hi - lo,), info.storage_dtype) if len(groups) == 1 else np.empty(hi - lo, info.storage_dtype)
-            src.read_flat_into(lo, hi, buf)
-            read += buf.nbytes
-            if len(groups) == 1 and len(g) == len(need):
-                whole_buf = buf
-            if digests is None:  # verified whole
-                if checksum_of(buf) != info.checksum:
-                    raise StoreError(f"checksum mismatch in {self._where(rank, key)} (elements 0..{size})",
-                                     code="UCL407")
-            else:
-                self._check_chunks(rank, key, info, buf, first, per, digests)
-            for c in (int(x) for x in g):
-                piece = buf[(c - first) * per:(c - first + 1) * per]
-                have[c] = piece
-                if c in (int(g[0]), int(g[-1])):  # edge chunks are the ones neighbouring boxes share
-                    cache.put((rank, key, c), piece.copy())
         if len(need) and need[-1] - need[0] + 1 == len(need):
-            # the usual case: one contiguous stretch of chunks; cut the runs out with strided views
+            # the usual case: one contiguous stretch of chunks, assembled in one span of warm scratch
+            # memory (missing chunks read into their place, cached ones copied into theirs: no
+            # buffer per group, no second copy of the stretch), the runs cut out with strided views
             c0 = int(need[0])
-            span = whole_buf if whole_buf is not None else (
-                have[c0] if len(need) == 1 else np.concatenate([have[int(c)] for c in need]))
-            base, pos = c0 * per, 0
+            base = c0 * per
+            span = self._scratch.array((min((int(need[-1]) + 1) * per, size) - base,), info.storage_dtype)
+            read = sum(self._read_group(rank, key, src, info, g, per, digests, span[int(g[0]) * per - base:])
+                       for g in groups)
+            for c, v in have.items():
+                if v is not None:
+                    span[c * per - base:c * per - base + v.size] = v
+            pos = 0
             for start, count, stride, block in runs:
                 n = count * block
                 view = np.lib.stride_tricks.as_strided(span[start - base:], (count, block),
@@ -357,6 +337,12 @@ class Checkpoint(ManifestBacked):
                 out[pos:pos + n].reshape(count, block)[...] = view
                 pos += n
             return read
+        read = 0
+        for g in groups:
+            buf = np.empty(min((int(g[-1]) + 1) * per, size) - int(g[0]) * per, info.storage_dtype)
+            read += self._read_group(rank, key, src, info, g, per, digests, buf)
+            for c in (int(x) for x in g):
+                have[c] = buf[(c - int(g[0])) * per:(c - int(g[0]) + 1) * per]
         pos = 0
         for start, count, stride, block in runs:
             for i in range(count):
@@ -367,6 +353,23 @@ class Checkpoint(ManifestBacked):
                     out[pos:pos + take] = have[c][b - c * per:b - c * per + take]
                     pos, b, left = pos + take, b + take, left - take
         return read
+
+    def _read_group(self, rank, key, src, info: DatasetInfo, g, per: int, digests, buf: np.ndarray) -> int:
+        """Read the consecutive chunks ``g`` into the front of ``buf``, verify them (against the whole
+        checksum where ``digests`` is None: a dataset verified whole), and keep the edge chunks,
+        the ones neighbouring boxes share, in the LRU. Returns the bytes read."""
+        first, size = int(g[0]), info.size
+        lo, hi = first * per, min((int(g[-1]) + 1) * per, size)
+        buf = buf[:hi - lo]
+        src.read_flat_into(lo, hi, buf)
+        if digests is None:
+            if checksum_of(buf) != info.checksum:
+                raise StoreError(f"checksum mismatch in {self._where(rank, key)} (elements 0..{size})", code="UCL407")
+        else:
+            self._check_chunks(rank, key, info, buf, first, per, digests)
+        for c in {first, int(g[-1])}:
+            self._verified.put((rank, key, c), buf[(c - first) * per:(c - first + 1) * per].copy())
+        return buf.nbytes
 
     def digests(self, rank: int, key: str) -> Digests | None:
         """The dataset's checksums as its manifest entry binds them (the whole checksum, the chunk
@@ -572,6 +575,34 @@ class Checkpoint(ManifestBacked):
                 except StoreError as e:
                     problems.append(str(e))
         return problems
+
+
+def _chunks_touched(runs, per: int, n: int) -> np.ndarray:
+    """The chunks (of ``per`` elements, ``n`` of them) the regular runs touch, ascending. A run whose
+    gaps (``stride - block``) are shorter than a chunk touches every chunk from its first to its
+    last (no chunk fits in a gap): a range, found without an array per run (the streamed path reads
+    a run or two per block, thousands of times a reshard)."""
+    spans = []
+    for start, count, stride, block in runs:
+        if count * block == 0:
+            continue
+        if count > 1 and stride - block >= per:
+            break
+        spans.append((start // per, (start + (count - 1) * stride + block - 1) // per + 1))
+    else:
+        if len(spans) == 1:
+            return np.arange(*spans[0], dtype=np.int64)
+        touched = np.zeros(n + 1, dtype=np.int64)
+        for a, b in spans:
+            touched[a] += 1
+            touched[b] -= 1
+        return np.flatnonzero(np.cumsum(touched[:n]) > 0)
+    touched = np.zeros(n + 1, dtype=np.int64)
+    for start, count, stride, block in runs:
+        b = start + np.arange(count, dtype=np.int64) * stride
+        np.add.at(touched, b // per, 1)
+        np.add.at(touched, (b + block - 1) // per + 1, -1)
+    return np.flatnonzero(np.cumsum(touched[:n]) > 0)
 
 
 def _columns_wanted(runs, cols: int) -> tuple[int, int]:
