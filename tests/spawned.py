@@ -11,7 +11,6 @@ import socket
 import time
 
 import pytest
-import torch.multiprocessing as tmp_mp
 
 
 def free_port() -> int:
@@ -20,19 +19,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(worker, world: int, args: tuple, out: str, phase: str, limit_s: float = 120.0,
-                label: str | None = None) -> list[dict]:
-    os.makedirs(out, exist_ok=True)
-    ctx = tmp_mp.spawn(worker, args=args, nprocs=world, join=False)
+def join_within(ctx, limit_s: float, what: str) -> None:
+    """Wait for a ``tmp_mp.spawn(..., join=False)`` context; fail the test after ``limit_s`` and kill its processes."""
     deadline = time.time() + limit_s
     try:
         while not ctx.join(timeout=0.5):
             if time.time() > deadline:
-                pytest.fail(f"{label or phase}: processes did not finish within {limit_s} s")
+                pytest.fail(f"{what}: processes did not finish within {limit_s} s (a collective hangs?)")
     finally:
-        for p in ctx.processes:
+        for p in ctx.processes:  # only the processes this test spawned
             if p.is_alive():
                 p.kill()
+                p.join()
+
+
+def spawn_ranks(worker, world: int, args: tuple, out: str, phase: str, limit_s: float = 120.0,
+                label: str | None = None) -> list[dict]:
+    import torch.multiprocessing as tmp_mp  # here: importing this module needs no torch (free_port)
+
+    os.makedirs(out, exist_ok=True)
+    join_within(tmp_mp.spawn(worker, args=args, nprocs=world, join=False), limit_s, label or phase)
     results = [json.load(open(os.path.join(out, f"{phase}_{r}.json"))) for r in range(world)]
     for r in results:
         assert "error" not in r, r["error"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 import torch.multiprocessing as tmp_mp
 
 import ucl
+from spawned import free_port, join_within  # noqa: E402
 from ucl.demo import llama_model, universal_state
 from ucl.dtypes import to_numpy, to_torch
 from ucl.layout import lower
@@ -28,12 +28,6 @@ DST = "pp=1,dp=2,tp=4"           # same world size, another layout
 BAD_WORLD = 2
 BAD_MESH = "tp=2"
 STATE = {"step": 1000, "rng": {"torch": [1, 2, 3]}, "data_position": 4242}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_tensors(model, truth, mesh, rank):
@@ -109,17 +103,8 @@ def _worker(rank: int, world: int, port: int, workdir: str, phases: list) -> Non
 
 
 def _spawn(world: int, workdir, phases: list[str], limit_s: float = 100.0) -> dict[str, list[dict]]:
-    ctx = tmp_mp.spawn(_worker, args=(world, _free_port(), str(workdir), phases), nprocs=world, join=False)
-    deadline = time.time() + limit_s
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.time() > deadline:
-                pytest.fail(f"ranks did not finish within {limit_s} s (a collective hangs?)")
-    finally:
-        for p in ctx.processes:   # only the processes this test spawned
-            if p.is_alive():
-                p.kill()
-                p.join()
+    join_within(tmp_mp.spawn(_worker, args=(world, free_port(), str(workdir), phases), nprocs=world, join=False),
+                limit_s, "ranks")
     out: dict[str, list[dict]] = {}
     for phase in phases:
         out[phase] = []

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ucl  # noqa: E402
+from spawned import free_port  # noqa: E402
 from ucl.errors import StoreError  # noqa: E402
 from ucl.ops.export import export_dcp, export_deepspeed_universal, survey  # noqa: E402
 
@@ -216,7 +216,7 @@ def test_dcp_loads_into_fsdp2(tmp_path):
 
     export_dcp(FIXTURES / "z1_fp32_dp2", tmp_path / "dcp")
     want = ucl.load_rank(FIXTURES / "z1_fp32_dp2", mesh="universal", rank=0, as_torch=True)
-    mp.spawn(_fsdp2_worker, args=(2, _free_port(), str(tmp_path / "dcp"), want), nprocs=2, join=True)
+    mp.spawn(_fsdp2_worker, args=(2, free_port(), str(tmp_path / "dcp"), want), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------------------- DeepSpeed universal
@@ -290,19 +290,13 @@ def test_ds_universal_matches_ds_to_universal(name, tmp_path):
     assert [g["weight_decay"] for g in optim["param_groups"][:2]] == [WD, 0.0] and optim["ds_version"] == "0.19.8"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ds(export: Path, dump: Path, world: int, stage: int, bf16: bool) -> dict:
     pytest.importorskip("deepspeed")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     args = [str(Path(__file__).resolve()), "--ds-worker", str(export), str(dump), str(stage), str(int(bf16))]
     if world == 1:
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()))
+                   MASTER_PORT=str(free_port()))
         cmd = [sys.executable] + args
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] + args

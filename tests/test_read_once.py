@@ -10,7 +10,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ucl
+from spawned import free_port  # noqa: E402
 from ucl.demo import llama_model, universal_state
 from ucl.memory import MemoryCap
 from ucl.ops import IOStats
@@ -31,12 +31,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::ucl.layout.fit.MeshFitWarning")
 DEMO_DIMS = dict(vocab=500, hidden=64, heads=4, kv_heads=2, ffn=128, layers=2)  # GQA: 2 query heads per KV head
 QKV = "param/decoder.layers.0.self_attention.linear_qkv.weight"  # replicated over dp: corrupted below
 GROUP_TIMEOUT_S = 3.0  # the gloo group of the phase whose second process never arrives
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tied_model():
@@ -148,7 +142,7 @@ def _model_of(src, ph):
 
 def _run(world: int, workdir: Path, src: Path, phases: list[dict], limit_s: float = 120.0) -> dict:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, str(workdir), str(src), phases)) for r in range(world)]
     for p in procs:
         p.start()

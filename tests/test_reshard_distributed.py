@@ -11,7 +11,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import ucl
+from spawned import free_port  # noqa: E402
 from ucl.demo import llama_model, universal_state
 
 SRC_MESH = "pp=2,dp=2,tp=2"
@@ -35,12 +35,6 @@ _SKIP_SLOW = pytest.mark.skipif(not os.environ.get("UCL_SLOW_TESTS"), reason="sl
 
 def slow(test):
     return pytest.mark.slow(_SKIP_SLOW(test))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inject(kind: str) -> None:
@@ -92,7 +86,7 @@ def _worker(rank: int, world: int, port: int, workdir: str, src: str, phases: li
 def _run(world: int, workdir: Path, src: Path, phases: list[dict], limit_s: float = 90.0,
          expect_dead: tuple[int, ...] = ()) -> dict[str, list[dict | None]]:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, str(workdir), str(src), phases)) for r in range(world)]
     for p in procs:
         p.start()
@@ -266,7 +260,7 @@ def test_cli_under_torchrun(source, tmp_path):
     out = tmp_path / "cli"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    p = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
                         "-m", "ucl", "reshard", str(source / "src"), str(out), "--to", MULTI, "--timeout", "30"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -281,7 +275,7 @@ def test_cli_under_torchrun_fails_cleanly(source, tmp_path):
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    p = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
                         "-m", "ucl", "reshard", str(source / "src"), str(out), "--to", MULTI],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode != 0

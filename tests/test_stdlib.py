@@ -24,7 +24,6 @@ import itertools
 import json
 import os
 import re
-import socket
 
 import numpy as np
 import pytest
@@ -32,6 +31,7 @@ import torch
 
 import hf_models as H
 import ucl
+from spawned import free_port  # noqa: E402
 from ucl import UNIVERSAL, Mesh
 from ucl.formats import hf as uhf
 
@@ -243,12 +243,6 @@ def test_tp_splits_agree_with_hf_plan(arch):
 ORACLE_ARCHS = ["llama_tied", "qwen2", "qwen3_moe", "deepseek_v3"]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dtensor_worker(rank, world, port, outdir):
     """One of 4 gloo ranks: every parameter laid out by DTensor as FSDP2-on-TP does it."""
     import torch.distributed as dist
@@ -316,7 +310,7 @@ def dtensor_layouts(tmp_path_factory):
     """One spawn of 4 gloo processes for the whole module; returns {rank: {key: tensor}}."""
     import torch.multiprocessing as mp
     outdir = str(tmp_path_factory.mktemp("dtensor"))
-    mp.spawn(_dtensor_worker, args=(4, _free_port(), outdir), nprocs=4, join=True)
+    mp.spawn(_dtensor_worker, args=(4, free_port(), outdir), nprocs=4, join=True)
     return {r: torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=True) for r in range(4)}
 
 
