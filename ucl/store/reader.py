@@ -26,6 +26,7 @@ from .like import ManifestBacked
 from .manifest import MANIFEST_NAME, TABLES_NAME, DatasetInfo, Manifest
 from .packed import PackedDataset, ReadCount, open_packed
 from .raw import RawFile
+from .runs import chunks_touched, columns_wanted, one_range
 
 MAX_MANIFEST_BYTES = 1 << 30  # ~16k ranks of a large model's datasets; a bigger manifest is hostile
 _MANIFESTS: OrderedDict[tuple, Manifest] = OrderedDict()  # parsed manifests by file identity
@@ -277,7 +278,7 @@ class Checkpoint(ManifestBacked):
         ``out`` and verified there (no bounce copy); the rest goes through :meth:`_read_chunks_verified`.
         On a mismatch the error is raised and ``out`` may hold the bad bytes."""
         table = self._bound_chunk_table(rank, key, info)
-        span = _one_range(runs)
+        span = one_range(runs)
         if table is None or span is None:
             return self._read_chunks_verified(rank, key, src, info, runs, out)
         a, b = span
@@ -306,7 +307,7 @@ class Checkpoint(ManifestBacked):
         tiles = self._bound_tile_table(rank, key, info)
         per = table[0] // item if table is not None else max(size, 1)
         n = -(-size // per) if size else 0
-        need = _chunks_touched(runs, per, n)
+        need = chunks_touched(runs, per, n)
         cache = self._verified
         if tiles is not None:  # by tiles when the tiles around the runs hold fewer bytes than the chunks
             plan = tile_plan(tiles[0], runs, lambda b, j: cache.get((rank, key, "tile", b, j)) is not None)
@@ -479,7 +480,7 @@ class Checkpoint(ManifestBacked):
         cache, read = self._verified, 0
         # the cached tiles the plan counts on, held before this read's own puts can evict them
         held = {(b, j): cache.get((rank, key, "tile", b, j)) for t in plan.reads for b in t.bands for j in t.cached}
-        want = _columns_wanted(runs, grid.cols)
+        want = columns_wanted(runs, grid.cols)
         for t in plan.reads:
             bands, j0, j1 = t.bands, t.first, t.last
             ra, rb = grid.row_span(bands[0])[0], grid.row_span(bands[-1])[1]
@@ -577,46 +578,6 @@ class Checkpoint(ManifestBacked):
         return problems
 
 
-def _chunks_touched(runs, per: int, n: int) -> np.ndarray:
-    """The chunks (of ``per`` elements, ``n`` of them) the regular runs touch, ascending. A run whose
-    gaps (``stride - block``) are shorter than a chunk touches every chunk from its first to its
-    last (no chunk fits in a gap): a range, found without an array per run (the streamed path reads
-    a run or two per block, thousands of times a reshard)."""
-    spans = []
-    for start, count, stride, block in runs:
-        if count * block == 0:
-            continue
-        if count > 1 and stride - block >= per:
-            break
-        spans.append((start // per, (start + (count - 1) * stride + block - 1) // per + 1))
-    else:
-        if len(spans) == 1:
-            return np.arange(*spans[0], dtype=np.int64)
-        touched = np.zeros(n + 1, dtype=np.int64)
-        for a, b in spans:
-            touched[a] += 1
-            touched[b] -= 1
-        return np.flatnonzero(np.cumsum(touched[:n]) > 0)
-    touched = np.zeros(n + 1, dtype=np.int64)
-    for start, count, stride, block in runs:
-        b = start + np.arange(count, dtype=np.int64) * stride
-        np.add.at(touched, b // per, 1)
-        np.add.at(touched, (b + block - 1) // per + 1, -1)
-    return np.flatnonzero(np.cumsum(touched[:n]) > 0)
-
-
-def _columns_wanted(runs, cols: int) -> tuple[int, int]:
-    """The columns ``[lo, hi)`` the runs ``(start, count, stride, block)`` take, of rows ``cols``
-    wide: every column when a run leaves its row."""
-    lo, hi = cols, 0
-    for start, _, _, block in runs:
-        c = start % cols
-        if c + block > cols:
-            return 0, cols
-        lo, hi = min(lo, c), max(hi, c + block)
-    return lo, hi
-
-
 def _same_table(a, b) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a[1], b[1]))
 
@@ -645,16 +606,3 @@ def _tile_problem(stored, computed, info: DatasetInfo) -> str | None:
             info.checksum, (stored[0].tile_rows, stored[0].tile_cols), stored[1]) != info.tiles:
         return "tile checksums that the manifest does not record"
     return None
-
-
-def _one_range(runs) -> tuple[int, int] | None:
-    """The flat range ``[a, b)`` that ``runs`` cover when they are contiguous and adjacent, else None."""
-    a = b = None
-    for start, count, stride, block in runs:
-        if count > 1 and stride != block:
-            return None
-        if b is not None and start != b:
-            return None
-        a = start if a is None else a
-        b = start + count * block
-    return None if a is None else (a, b)
