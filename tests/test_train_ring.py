@@ -215,3 +215,33 @@ def test_a_compressed_checkpoint_streams_through_a_small_pool(tmp_path, codec):
     assert same == losses
     small, plain = CheckpointRoot(tmp_path / "small"), CheckpointRoot(tmp_path / "plain")
     assert datasets(small.latest()) == datasets(plain.latest())
+
+
+def test_the_default_pool_is_a_quarter_snapshot_when_every_save_is_written(tmp_path, monkeypatch):
+    """The default pool (train.pool.default_pool_bytes): with every save written, a quarter of a
+    snapshot (at least WHOLE_POOL_BYTES, lowered here so a ~9 MiB state streams) and the checkpoints
+    are the ones a whole-snapshot pool writes; with persist_every > 1, unwritten saves live only in
+    the pool, so it holds a whole snapshot and a rollback from memory still works."""
+    from ucl.train import pool as pool_module
+    monkeypatch.setattr(pool_module, "WHOLE_POOL_BYTES", 64 << 10)
+    _, _, losses, events = train(tmp_path / "quarter", 3, keep=3)
+    snaps = [e for e in events if e["phase"] == "snapshot"]
+    size = snaps[0]["bytes"]
+    high = max(e["pool_high_water"] for e in events if e["phase"] == "flush")
+    assert all(e["pieces"] > 1 for e in snaps) and high <= -(-(size // 4) // 4096) * 4096 + 4096, (size, high)
+    _, _, same, _ = train(tmp_path / "whole", 3, keep=3, pool_bytes=size + 4096)
+    assert same == losses
+    quarter, whole = CheckpointRoot(tmp_path / "quarter"), CheckpointRoot(tmp_path / "whole")
+    for s in whole.steps():
+        assert datasets(quarter.path_for(s)) == datasets(whole.path_for(s))
+    assert pool_module.default_pool_bytes(size, rollbacks=True) >= size  # persist_every > 1: whole
+    model, optimizer = make()
+    with ucl.Checkpointer(tmp_path / "rollback", model, optimizer, persist_every=4) as ck:
+        step(model, optimizer, 0)
+        ck.save(1)  # written (the first save after none)
+        step(model, optimizer, 1)
+        ck.save(2)  # host memory only
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        step(model, optimizer, 2)
+        assert ck.load()[0] == 2 and ck.last_load.bytes_from == {"memory": 0}
+        assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())

@@ -54,8 +54,9 @@ class Checkpointer:
     fsspec URLs each checkpoint is copied to, in the background, after it is durable.
     ``persist_every``: every ``save`` snapshots to host memory; steps that are multiples of N, and any
     save after N - 1 unwritten ones, are written.
-    ``pool_bytes``: host pool size (default: one snapshot; any size down to 4 KiB works, a snapshot
-    larger than what is free streams through it, train.ring). ``tile_checksums``: also hash each
+    ``pool_bytes``: host pool size (default: one snapshot with ``persist_every > 1``, else a quarter of
+    one, at least 256 MiB; any size down to 4 KiB works, a snapshot larger than what is free streams
+    through it, train.ring). ``tile_checksums``: also hash each
     matrix by tiles, so a later load that takes column slices (another tensor-parallel degree)
     verifies only those columns; off, snapshots cost about a third less CPU and such loads read whole
     rows. ``debug``: detect state mutated between ``save`` and the next fence (checksums).
@@ -171,7 +172,8 @@ class Checkpointer:
         sizes = [e.tensor.numel() * e.tensor.element_size() for e in layout.entries]
         offsets, total = layout_bytes(sizes)
         pool = self._snapshots.pool
-        default = default_pool_bytes(total)
+        # unwritten saves live only in the pool (persist_every > 1 without a local tier): keep them whole
+        default = default_pool_bytes(total, rollbacks=self.persist_every > 1 and self._local is None)
         if pool is None or (self.pool_bytes is None and pool.nbytes < default):
             self._new_pool(self.pool_bytes or default)
         pool = self._snapshots.pool
