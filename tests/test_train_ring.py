@@ -63,6 +63,18 @@ def datasets(path):
         return {k: np.asarray(ck.read(0, k)).tobytes() for k in ck.keys(0)}
 
 
+def _failing_call(real, nth: int, error: BaseException):
+    """``real`` (a method), raising ``error`` on its ``nth`` call instead of running."""
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == nth:
+            raise error
+        return real(*args, **kwargs)
+    return flaky
+
+
 @pytest.mark.parametrize("pool", [4096, 3 * 4096, 256 << 10])
 def test_a_pool_of_a_few_blocks_checkpoints_a_larger_model(tmp_path, pool):
     """Before the ring, a pool smaller than the snapshot (about 9 MiB here) raised UCL431."""
@@ -141,14 +153,8 @@ def test_a_failing_write_mid_stream_neither_hangs_nor_publishes(tmp_path, monkey
     surfaces; the step before stays latest; later saves work again."""
     from ucl.store import direct
     model, optimizer, _, _ = train(tmp_path, 1, pool_bytes=16 << 10)
-    real, calls = direct.DirectWriter.write, []
-
-    def flaky(self, path, offset, data, direct=True):
-        calls.append(1)
-        if len(calls) == 5:
-            raise OSError(28, "No space left on device")
-        return real(self, path, offset, data, direct)
-    monkeypatch.setattr(direct.DirectWriter, "write", flaky)
+    real = direct.DirectWriter.write
+    monkeypatch.setattr(direct.DirectWriter, "write", _failing_call(real, 5, OSError(28, "No space left on device")))
     with ucl.Checkpointer(tmp_path, model, optimizer, pool_bytes=16 << 10) as ck:
         step(model, optimizer, 1)
         ck.save(2)
@@ -165,15 +171,8 @@ def test_a_failing_write_mid_stream_neither_hangs_nor_publishes(tmp_path, monkey
 def test_a_failing_copy_mid_stream_neither_hangs_nor_publishes(tmp_path, monkeypatch):
     from ucl.train import ring
     model, optimizer, _, _ = train(tmp_path, 1, pool_bytes=16 << 10)
-    real = ring.IncrementalChecksum.advance
-    calls = []
-
-    def flaky(self, start, flat):
-        calls.append(1)
-        if len(calls) == 7:
-            raise MemoryError("injected")
-        return real(self, start, flat)
-    monkeypatch.setattr(ring.IncrementalChecksum, "advance", flaky)
+    monkeypatch.setattr(ring.IncrementalChecksum, "advance",
+                        _failing_call(ring.IncrementalChecksum.advance, 7, MemoryError("injected")))
     with ucl.Checkpointer(tmp_path, model, optimizer, pool_bytes=16 << 10) as ck:
         step(model, optimizer, 1)
         ck.save(2)
