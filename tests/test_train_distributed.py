@@ -132,6 +132,11 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, phase: str, 
                 ck.wait()
             except ucl.StoreError as e:
                 result["code"], result["message"] = e.code, str(e)
+            finally:  # its threads and group go before the process group does (else, at times, SIGABRT at exit)
+                try:
+                    ck.close()
+                except ucl.UclError:
+                    pass
             return
         if phase == "mismatch":  # every process saves, but not the same step
             ck = ucl.Checkpointer(root, model, opt, **kw)
