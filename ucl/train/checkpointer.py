@@ -11,9 +11,12 @@ multi-process save use their own gloo group. Errors in the background surface on
 """
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 from ..dtypes import to_numpy
@@ -43,6 +46,25 @@ from .ring import PieceStream
 from .snapshot import Snapshot, Snapshots
 from .tiers import latest_of, open_tier
 from .trace import Trace
+
+
+# Checkpointers not closed yet: closed at interpreter exit, before Python stops their daemon threads
+# and tears down their process group under them (a gloo group destroyed mid-collective aborts the
+# process), and so that a save still in flight is finished rather than dropped. The hook is the
+# one concurrent.futures itself uses (run before the executors refuse work, which happens before
+# atexit's hooks run); plain atexit where Python lacks it.
+_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    for ck in list(_OPEN):
+        try:
+            ck.close()
+        except Exception as e:  # noqa: BLE001 - at exit nobody can catch it: say it, let the others close
+            warnings.warn(f"closing a Checkpointer of {ck.root.root} at exit failed: {e}", stacklevel=1)
+
+
+getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
 
 
 class Checkpointer:
@@ -134,6 +156,7 @@ class Checkpointer:
         self._copier = Copier(self._snapshots, self._progress, self.trace, rank, device=self._device,
                               then=self._flusher.submit, stored=self._layouts.stored, tiles=tile_checksums)
         self._hook = optimizer.register_step_pre_hook(lambda *a: self._fence()) if optimizer is not None else None
+        _OPEN.add(self)
 
     def _check_same_root(self) -> None:
         """UCL430 on every process when they were given different roots (a per-process temp dir):
@@ -358,6 +381,7 @@ class Checkpointer:
         """Wait for pending work, stop the background threads, remove the hook. Idempotent."""
         if self._closed:
             return
+        _OPEN.discard(self)
         try:
             self.wait()
         finally:
@@ -374,7 +398,8 @@ class Checkpointer:
                 self._lock.release()
                 self._lock = None
             if self._group is not None:  # its threads and sockets: a job that reopens checkpointers leaked them
-                self._dist.destroy_process_group(self._group)
+                if self._dist.is_initialized():  # else the job's destroy_process_group() took it already
+                    self._dist.destroy_process_group(self._group)
                 self._group = None
 
     def __enter__(self) -> "Checkpointer":
