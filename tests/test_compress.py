@@ -18,7 +18,8 @@ from tests.test_checkpoint import (U, M, assert_intact, demo, read_all, assert_s
                                    _copy)
 from ucl.errors import StoreError
 from ucl.store import Checkpoint, CheckpointWriter
-from ucl.store.codec import encode, frame_table_digest, join_planes, split_planes, units_of
+from ucl.store.codec import encode, frame_table_digest, units_of
+from ucl.store.planes import join_into, split_planes
 
 DTYPES = ["float32", "bfloat16", "float16", "float64", "int64", "int32", "uint8", "bool", "float8_e4m3fn"]
 
@@ -53,7 +54,7 @@ def test_byte_planes_invert(dtype):
     planes = split_planes(raw, dtype, arr.itemsize)
     assert len(planes) == arr.itemsize
     out = np.empty_like(raw)
-    join_planes(planes, dtype, arr.itemsize, out)
+    join_into(planes, dtype, out)
     assert out.tobytes() == raw.tobytes()
 
 

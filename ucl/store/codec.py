@@ -1,12 +1,12 @@
 """The compressed encoding of a dataset (docs/format.md, "Compressed datasets"): its bytes cut into
 units (cells of ``group`` tile bands by one tile column of a tiled dataset, else runs of ``group``
 checksum chunks, else the whole dataset), each unit split into byte planes (floats rotated first so
-the exponent fills one plane) and each plane coded on its own with zstd or lz4, or kept raw where
-coding does not shrink it. Pure: bytes in, bytes out; every length a stored unit declares is
-checked against what its geometry allows before anything is allocated or decoded. The writer works
-a block of units at a time in numpy (one rotation and one shift-and-cast per plane for the block,
-scratch buffers kept per thread), so Python runs a few statements per plane of a unit, not per
-element."""
+the exponent fills one plane; the transform is ``planes``') and each plane coded on its own with
+zstd or lz4, or kept raw where coding does not shrink it. Pure: bytes in, bytes out; every length a
+stored unit declares is checked against what its geometry allows before anything is allocated or
+decoded. The writer works a unit at a time (a unit's temporaries fit in a core's cache), each plane
+made straight into the stored bytes when it is kept raw, so Python runs a few statements per plane
+of a unit, not per element, and numpy passes over each element only a few times."""
 from __future__ import annotations
 
 import math
@@ -21,6 +21,7 @@ import xxhash
 
 from ..errors import StoreError
 from .checksum import chunk_size, format_checksum, tile_grid, TileGrid
+from .planes import join_into, plane_into, planes_of, scratch, split_planes
 
 CODECS = ("zstd", "lz4")
 # zstd's fastest strategy with the smallest hash table and the longest minimum match: on exponent planes
@@ -32,7 +33,6 @@ UNIT_BYTES = 256 << 10  # a writer's units hold at least this many logical bytes
 MAX_UNIT_BANDS = 4  # ... but a tiled dataset's unit spans at most this many tile bands (row reads stay fine)
 _RAW = 1 << 31  # a plane header's top bit: the plane is stored raw
 _HEADER = struct.Struct("<I")
-_FLOATS = frozenset({"bfloat16", "float16", "float32", "float64"})
 SAMPLE_ELEMENTS = 16 << 10  # a dataset's first elements, whose planes are coded to see which shrink
 BLOCK_BYTES = 1 << 20  # units coded together (one task of a thread pool): about this many logical bytes
 
@@ -107,70 +107,7 @@ def group_for(shape: Sequence[int], itemsize: int) -> int:
     return group
 
 
-def planes_of(dtype: str, itemsize: int) -> int:
-    """Byte planes a unit of this logical dtype is split into (1: not split)."""
-    return itemsize if itemsize > 1 and (dtype in _FLOATS or dtype.startswith(("int", "uint"))) else 1
-
-
-def _rotate(u: np.ndarray, left: bool) -> np.ndarray:
-    """Each unsigned element rotated by one bit: left puts the sign bit lowest, so the exponent
-    (of a float) fills the top byte (bf16, fp32) or its top bits (fp16, fp64)."""
-    bits = u.dtype.itemsize * 8
-    one, back = u.dtype.type(1), u.dtype.type(bits - 1)
-    return (u << one) | (u >> back) if left else (u >> one) | (u << back)
-
-
-def split_planes(raw: np.ndarray, dtype: str, itemsize: int) -> list[np.ndarray]:
-    """A unit's bytes (uint8, whole elements) as its byte planes, most significant first."""
-    if planes_of(dtype, itemsize) == 1:
-        return [raw]
-    return _split(raw.view(f"<u{itemsize}"), dtype)
-
-
-def _split(elems: np.ndarray, dtype: str) -> list[np.ndarray]:
-    """The byte planes of ``elems`` (unsigned, of the dtype's width), each a contiguous uint8 array:
-    floats rotated, then each plane gathered from its byte (one unit alone: ``encode_unit``)."""
-    k = elems.dtype.itemsize
-    if dtype in _FLOATS:
-        elems = _rotate(elems, True)
-    by = np.ascontiguousarray(elems).view(np.uint8).reshape(-1, k)
-    return [np.ascontiguousarray(by[:, k - 1 - p]) for p in range(k)]
-
-
-def join_planes(planes: Sequence[np.ndarray], dtype: str, itemsize: int, out: np.ndarray) -> None:
-    """Inverse of :func:`split_planes`, into the uint8 ``out``."""
-    k = len(planes)
-    if k == 1:
-        out[...] = planes[0]
-        return
-    by = out.reshape(-1, k)
-    for p in range(k):  # plane by plane: 10x faster than one transposing copy of the stacked planes
-        by[:, k - 1 - p] = planes[p]
-    if dtype in _FLOATS:
-        _rotate_back(out.view(f"<u{itemsize}"))
-
-
-def _rotate_back(u: np.ndarray) -> None:
-    """Undo the float rotation in place (a temporary in this thread's scratch)."""
-    low = _scratch("low", u.nbytes).view(u.dtype)[:u.size]
-    np.right_shift(u, 1, out=low)
-    np.left_shift(u, 8 * u.itemsize - 1, out=u)
-    np.bitwise_or(u, low, out=u)
-
-
-_LOCAL = threading.local()  # per thread: zstd contexts and scratch buffers are not shared between threads
-
-
-def _scratch(name: str, nbytes: int) -> np.ndarray:
-    """A uint8 buffer of at least ``nbytes`` kept by this thread under ``name``: a temporary of a
-    unit's size made afresh costs its page faults each time, more than the arithmetic on it."""
-    made = getattr(_LOCAL, "scratch", None)
-    if made is None:
-        made = _LOCAL.scratch = {}
-    buf = made.get(name)
-    if buf is None or buf.size < nbytes:
-        buf = made[name] = np.empty(max(nbytes, 1), np.uint8)
-    return buf[:nbytes]
+_LOCAL = threading.local()  # per thread: zstd contexts are not shared between threads
 
 
 def coders(name: str) -> tuple[Callable[[Any], bytes], Callable[[Any, int], bytes]]:
@@ -233,12 +170,11 @@ def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, cod
                 where: Callable[[], str]) -> None:
     """Decode one unit's ``stored`` bytes into the uint8 ``out`` of ``logical`` bytes. Every header
     is checked against the unit's geometry first; a corrupt stream is UCL406 naming ``where()``.
-    Each plane goes straight to its byte of every element of ``out``."""
+    The planes (raw ones read where they lie) are joined into ``out`` once all are checked."""
     k = planes_of(dtype, itemsize)
     each, size = logical // k, len(stored)
     _, decompress = coders(codec)
-    by = out.reshape(-1, k)
-    pos = 0
+    planes, pos = [], 0
     try:
         for p in range(k):
             if pos + 4 > size:
@@ -251,7 +187,7 @@ def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, cod
             data = stored[pos:pos + n] if raw else decompress(stored[pos:pos + n], each)
             if len(data) != each:
                 raise ValueError(f"a plane decoded to {len(data):,} bytes, not {each:,}")
-            by[:, k - 1 - p] = np.frombuffer(data, np.uint8)
+            planes.append(np.frombuffer(data, np.uint8))
             pos += n
         if pos != size:
             raise ValueError(f"{size - pos:,} bytes after its last plane")
@@ -259,8 +195,7 @@ def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, cod
         raise
     except Exception as e:  # zstd and lz4 raise their own types on a corrupt stream
         raise StoreError(f"{where()}: corrupt {codec} stream ({e})", code="UCL406") from None
-    if k > 1 and dtype in _FLOATS:
-        _rotate_back(out.view(f"<u{itemsize}"))
+    join_into(planes, dtype, out)
 
 
 def unit_view(arr: np.ndarray, units: Units, u: int) -> np.ndarray:
@@ -293,23 +228,39 @@ class Encoded:
 def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None, group: int | None = None) -> Encoded:
     """Encode a C-contiguous storage array unit by unit (``group``: default group_for's), a block
     of units of about BLOCK_BYTES at a time (in ``pool``'s threads when given: zstd and lz4 release
-    the GIL). The planes coded are those the dataset's first elements show worth coding
-    (:func:`worth_coding`)."""
+    the GIL), into one buffer sized for the worst case: without a pool each block is written right
+    after the previous one; with one, each at its worst-case offset, then moved down into place
+    (no second buffer of the whole dataset). The planes coded are those the dataset's first
+    elements show worth coding (:func:`worth_coding`)."""
     group = group_for(arr.shape, arr.itemsize) if group is None else group
     units = units_of(arr.shape, arr.itemsize, group)
     if not units.count:
         return Encoded(np.zeros(0, np.uint8), np.zeros(0, np.uint64), np.zeros(0, np.uint64), group)
     tries = worth_coding(arr, dtype, codec)
     blocks = _blocks(units)
-    run = lambda block: _encode_block(arr, units, dtype, codec, tries, *block)  # noqa: E731
-    done = list(pool.map(run, blocks) if pool is not None and len(blocks) > 1 else map(run, blocks))
-    stored = done[0][0] if len(done) == 1 else np.concatenate([d[0] for d in done])
-    lengths = [n for d in done for n in d[1]]
+    heads = 4 * planes_of(dtype, arr.itemsize)
+    most = [sum(units.unit_bytes(u) + heads for u in range(a, b + 1)) for a, b in blocks]
+    out = np.empty(sum(most), np.uint8)
+    job = lambda block, at: _encode_block(arr, units, dtype, codec, tries, *block, out, at)  # noqa: E731
+    lengths: list[int] = []
+    digests: list[int] = []
+    pos = 0
+    if pool is None or len(blocks) == 1:
+        for block in blocks:
+            pos, ls, ds = job(block, pos)
+            lengths += ls
+            digests += ds
+    else:
+        starts = np.cumsum([0] + most[:-1]).tolist()
+        view = memoryview(out)
+        for at, (end, ls, ds) in zip(starts, pool.map(job, blocks, starts)):
+            if at != pos:
+                view[pos:pos + end - at] = view[at:end]  # a memmove: the two may overlap
+            pos += end - at
+            lengths += ls
+            digests += ds
     ends = np.cumsum(np.array(lengths, np.uint64), dtype=np.uint64)
-    view, starts = memoryview(stored), [0] + [int(e) for e in ends[:-1]]
-    digests = np.fromiter((xxhash.xxh3_64_intdigest(view[a:int(b)]) for a, b in zip(starts, ends)), np.uint64,
-                          len(lengths))
-    return Encoded(stored, ends, digests, group)
+    return Encoded(out[:pos], ends, np.array(digests, np.uint64), group)
 
 
 def _blocks(units: Units) -> list[tuple[int, int]]:
@@ -328,67 +279,47 @@ def _blocks(units: Units) -> list[tuple[int, int]]:
 
 
 def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, tries: Sequence[bool], first: int,
-                  last: int) -> tuple[np.ndarray, list[int]]:
-    """Units ``first..last`` (one block) coded: their stored bytes, one after the other, and each
-    one's length. A block of grid cells is first copied cell after cell (one copy, so that every
-    plane of every cell is contiguous); the whole block is split into planes at once; each unit's
-    part of a plane is then coded, or copied into the stored bytes when it is kept raw."""
+                  last: int, out: np.ndarray, at: int) -> tuple[int, list[int], list[int]]:
+    """Units ``first..last`` (one block) coded into ``out`` from ``at`` on, one after the other:
+    where they end, each one's length and the xxh3-64 of each one's stored bytes (hashed while in
+    cache). A grid cell is first copied to contiguous scratch (its rows are strided); each plane is
+    then made with one or two numpy passes straight into ``out`` when it is kept raw, else into
+    scratch for the coder, whose output is copied in (raw after all when it did not shrink)."""
     item, g = arr.itemsize, units.grid
-    nu = last - first + 1
-    if g is not None:
-        (r0, r1), (c0, c1) = g.row_span(first // g.nc), g.col_span(first % g.nc, last % g.nc)
-        rows, w = r1 - r0, (c1 - c0) // nu
-        cells = _scratch("cells", rows * (c1 - c0) * item).view(arr.dtype).reshape(nu, rows, w)
-        np.copyto(cells, arr.reshape(g.rows, g.cols)[r0:r1, c0:c1].reshape(rows, nu, w).transpose(1, 0, 2))
-        block, per = cells.reshape(-1), rows * w
-    else:
-        per = units.chunk // item
-        block = arr.reshape(-1)[first * per:(last + 1) * per]
-    planes = _block_planes(block, dtype)
+    k = planes_of(dtype, item)
+    elems = np.dtype(f"<u{item}") if k > 1 else np.dtype(np.uint8)
     compress, _ = coders(codec)
-    out = np.empty(block.nbytes + 4 * len(planes) * nu, np.uint8)
-    pos, lengths = 0, []
-    for i in range(nu):
-        start = pos
-        for p, plane in enumerate(planes):
-            src = plane[i * per:(i + 1) * per]
-            n = src.size
-            coded = compress(src) if tries[p] else None
-            if coded is not None and len(coded) < n:
-                _HEADER.pack_into(out, pos, len(coded))
-                out[pos + 4:pos + 4 + len(coded)] = np.frombuffer(coded, np.uint8)
-                pos += 4 + len(coded)
+    flat = arr.reshape(-1)
+    lengths, digests, pos = [], [], at
+    for u in range(first, last + 1):
+        if g is not None:
+            b, j = divmod(u, g.nc)
+            (r0, r1), (c0, c1) = g.row_span(b), g.col_span(j, j)
+            cell = scratch("cell", (r1 - r0) * (c1 - c0) * item).view(arr.dtype).reshape(r1 - r0, c1 - c0)
+            np.copyto(cell, arr.reshape(g.rows, g.cols)[r0:r1, c0:c1])
+            x = cell.reshape(-1).view(elems)
+        else:
+            per = units.chunk // item
+            x = flat[u * per:(u + 1) * per].view(elems)
+        n, start = x.size, pos
+        for p in range(k):
+            if tries[p]:
+                plane = scratch("plane", n)
+                plane_into(x, dtype, p, plane)
+                coded = compress(plane)
+                if len(coded) < n:
+                    _HEADER.pack_into(out, pos, len(coded))
+                    out[pos + 4:pos + 4 + len(coded)] = np.frombuffer(coded, np.uint8)
+                    pos += 4 + len(coded)
+                    continue
+                out[pos + 4:pos + 4 + n] = plane
             else:
-                _HEADER.pack_into(out, pos, n | _RAW)
-                out[pos + 4:pos + 4 + n] = src
-                pos += 4 + n
+                plane_into(x, dtype, p, out[pos + 4:pos + 4 + n])
+            _HEADER.pack_into(out, pos, n | _RAW)
+            pos += 4 + n
         lengths.append(pos - start)
-    return out[:pos], lengths
-
-
-def _block_planes(block: np.ndarray, dtype: str) -> list[np.ndarray]:
-    """The byte planes of ``block`` (1-D, or 2-D rows that may be strided), each of its shape, in
-    this thread's scratch (valid until its next call): floats rotated in one pass, then each plane
-    a shift and a narrowing cast of the whole block (faster than gathering every k-th byte)."""
-    k = planes_of(dtype, block.itemsize)
-    if k == 1:
-        return [block.view(np.uint8)]
-    e = block.view(f"<u{k}")
-    shape, n = e.shape, e.size
-    tmp = _scratch("low", e.nbytes).view(e.dtype)[:n].reshape(shape)
-    if dtype in _FLOATS:
-        r = _scratch("rotated", e.nbytes).view(e.dtype)[:n].reshape(shape)
-        np.left_shift(e, 1, out=r)
-        np.right_shift(e, 8 * k - 1, out=tmp)
-        np.bitwise_or(r, tmp, out=r)
-        e = r
-    out = _scratch("planes", k * n).reshape((k,) + shape)
-    for p in range(k):
-        shift = 8 * (k - 1 - p)
-        if shift:
-            np.right_shift(e, shift, out=tmp)
-        np.copyto(out[p], tmp if shift else e, casting="unsafe")
-    return list(out)
+        digests.append(xxhash.xxh3_64_intdigest(out[start:pos]))
+    return pos, lengths, digests
 
 
 def worth_coding(arr: np.ndarray, dtype: str, codec: str) -> list[bool]:
@@ -398,8 +329,13 @@ def worth_coding(arr: np.ndarray, dtype: str, codec: str) -> list[bool]:
     readers see raw planes either way)."""
     compress, _ = coders(codec)
     k = planes_of(dtype, arr.itemsize)
-    planes = _block_planes(arr.reshape(-1)[:SAMPLE_ELEMENTS], dtype)
-    return [len(compress(p)) < 0.98 * p.size for p in planes[:k]]
+    sample = arr.reshape(-1)[:SAMPLE_ELEMENTS].view(f"<u{arr.itemsize}" if k > 1 else np.uint8)
+    plane = scratch("plane", sample.size)
+    tries = []
+    for p in range(k):
+        plane_into(sample, dtype, p, plane)
+        tries.append(len(compress(plane)) < 0.98 * plane.size)
+    return tries
 
 
 def frame_table_digest(whole: str, codec: str, stored: int, ends: np.ndarray, digests: np.ndarray,
