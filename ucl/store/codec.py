@@ -289,14 +289,14 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, tries: 
     k = planes_of(dtype, item)
     elems = np.dtype(f"<u{item}") if k > 1 else np.dtype(np.uint8)
     compress, _ = coders(codec)
-    flat = arr.reshape(-1)
+    flat, rows = arr.reshape(-1), arr.reshape(g.rows, g.cols) if g is not None else None
     lengths, digests, pos = [], [], at
     for u in range(first, last + 1):
         if g is not None:
             b, j = divmod(u, g.nc)
             (r0, r1), (c0, c1) = g.row_span(b), g.col_span(j, j)
             cell = scratch("cell", (r1 - r0) * (c1 - c0) * item).view(arr.dtype).reshape(r1 - r0, c1 - c0)
-            np.copyto(cell, arr.reshape(g.rows, g.cols)[r0:r1, c0:c1])
+            np.copyto(cell, rows[r0:r1, c0:c1])
             x = cell.reshape(-1).view(elems)
         else:
             per = units.chunk // item
