@@ -35,6 +35,7 @@ _RAW = 1 << 31  # a plane header's top bit: the plane is stored raw
 _HEADER = struct.Struct("<I")
 SAMPLE_ELEMENTS = 16 << 10  # a dataset's first elements, whose planes are coded to see which shrink
 BLOCK_BYTES = 1 << 20  # units coded together (one task of a thread pool): about this many logical bytes
+RUN_BYTES = 1 << 18  # smaller units split into planes together: fewer numpy calls, still in a core's cache
 
 
 def check_codec(name: object) -> str | None:
@@ -282,43 +283,59 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, tries: 
                   last: int, out: np.ndarray, at: int) -> tuple[int, list[int], list[int]]:
     """Units ``first..last`` (one block) coded into ``out`` from ``at`` on, one after the other:
     where they end, each one's length and the xxh3-64 of each one's stored bytes (hashed while in
-    cache). A grid cell is first copied to contiguous scratch (its rows are strided); each plane is
-    then made with one or two numpy passes straight into ``out`` when it is kept raw, else into
-    scratch for the coder, whose output is copied in (raw after all when it did not shrink)."""
+    cache). Units are taken a run of about RUN_BYTES at a time (a grid's cells copied to contiguous
+    scratch first: their rows are strided). A run of one unit has each plane made with one or two
+    numpy passes straight into ``out`` when it is kept raw, else into scratch for the coder; a run
+    of smaller units is split into planes at once (fewer numpy calls a unit) and each unit's part
+    of a plane coded or copied. A coded plane that did not shrink is stored raw after all."""
     item, g = arr.itemsize, units.grid
     k = planes_of(dtype, item)
     elems = np.dtype(f"<u{item}") if k > 1 else np.dtype(np.uint8)
     compress, _ = coders(codec)
     flat, rows = arr.reshape(-1), arr.reshape(g.rows, g.cols) if g is not None else None
     lengths, digests, pos = [], [], at
-    for u in range(first, last + 1):
-        if g is not None:
-            b, j = divmod(u, g.nc)
-            (r0, r1), (c0, c1) = g.row_span(b), g.col_span(j, j)
-            cell = scratch("cell", (r1 - r0) * (c1 - c0) * item).view(arr.dtype).reshape(r1 - r0, c1 - c0)
-            np.copyto(cell, rows[r0:r1, c0:c1])
-            x = cell.reshape(-1).view(elems)
+    step = max(1, RUN_BYTES // max(1, units.unit_bytes(first)))
+    for a in range(first, last + 1, step):
+        b = min(last, a + step - 1)
+        sizes = [units.unit_bytes(u) // elems.itemsize for u in range(a, b + 1)]
+        if g is not None:  # one band of cells of one width (_blocks): copied in one pass
+            (r0, r1), (c0, c1) = g.row_span(a // g.nc), g.col_span(a % g.nc, b % g.nc)
+            nu, h, w = b - a + 1, r1 - r0, (c1 - c0) // (b - a + 1)
+            cells = scratch("cells", (c1 - c0) * h * item).view(arr.dtype).reshape(nu, h, w)
+            np.copyto(cells, rows[r0:r1, c0:c1].reshape(h, nu, w).transpose(1, 0, 2))
+            x = cells.reshape(-1).view(elems)
         else:
             per = units.chunk // item
-            x = flat[u * per:(u + 1) * per].view(elems)
-        n, start = x.size, pos
-        for p in range(k):
-            if tries[p]:
-                plane = scratch("plane", n)
-                plane_into(x, dtype, p, plane)
-                coded = compress(plane)
-                if len(coded) < n:
-                    _HEADER.pack_into(out, pos, len(coded))
-                    out[pos + 4:pos + 4 + len(coded)] = np.frombuffer(coded, np.uint8)
-                    pos += 4 + len(coded)
-                    continue
-                out[pos + 4:pos + 4 + n] = plane
-            else:
-                plane_into(x, dtype, p, out[pos + 4:pos + 4 + n])
-            _HEADER.pack_into(out, pos, n | _RAW)
-            pos += 4 + n
-        lengths.append(pos - start)
-        digests.append(xxhash.xxh3_64_intdigest(out[start:pos]))
+            x = flat[a * per:a * per + sum(sizes) * elems.itemsize // item].view(elems)
+        planes = None
+        if a < b:
+            planes = scratch("planes", k * x.size).reshape(k, x.size)
+            for p in range(k):
+                plane_into(x, dtype, p, planes[p])
+        off = 0
+        for n in sizes:
+            start = pos
+            for p in range(k):
+                if planes is None and not tries[p]:  # straight into the stored bytes
+                    plane_into(x, dtype, p, out[pos + 4:pos + 4 + n])
+                else:
+                    if planes is None:
+                        plane = scratch("plane", n)
+                        plane_into(x, dtype, p, plane)
+                    else:
+                        plane = planes[p, off:off + n]
+                    coded = compress(plane) if tries[p] else None
+                    if coded is not None and len(coded) < n:
+                        _HEADER.pack_into(out, pos, len(coded))
+                        out[pos + 4:pos + 4 + len(coded)] = np.frombuffer(coded, np.uint8)
+                        pos += 4 + len(coded)
+                        continue
+                    out[pos + 4:pos + 4 + n] = plane
+                _HEADER.pack_into(out, pos, n | _RAW)
+                pos += 4 + n
+            off += n
+            lengths.append(pos - start)
+            digests.append(xxhash.xxh3_64_intdigest(out[start:pos]))
     return pos, lengths, digests
 
 
