@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..errors import UclError
-from ..formats.base import UserSpec
 from ..lang.spec import load_spec, Spec
 from ..memory import MemoryCap, memory_cap
 from .prepare import mesh_of, open_checkpoint
 from .reshard import reshard
 from .stats import IOStats
+
+if TYPE_CHECKING:
+    from ..formats.base import UserSpec
 
 
 def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, format: str | None = None,
@@ -47,5 +49,6 @@ def user_spec(spec: str | Path | Spec | None, dims: Mapping[str, int] | None = N
         if dims:
             raise UclError("dims are given without a spec for the parameter placements", code="UCL009")
         return None
+    from ..formats.base import UserSpec  # (a reshard of a ucl checkpoint imports no format code)
     s = load_spec(spec)
     return UserSpec(s.text, tuple((str(k), int(v)) for k, v in (dims or {}).items()), s.filename)

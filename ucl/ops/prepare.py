@@ -7,7 +7,7 @@ import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple
 
 import numpy as np
 import xxhash
@@ -20,13 +20,14 @@ from ..layout.lower import lower
 from ..layout.mesh import Mesh
 from ..plan.compile import compile, compile_between
 from ..plan.ir import Plan
-from ..formats.base import UserSpec
-from ..formats.registry import open_foreign
 from ..store.like import CheckpointLike
 from ..store.manifest import MANIFEST_NAME
 from ..store.reader import Checkpoint
 from ..store.root import follow_latest
 from .machine import check_plan_fits
+
+if TYPE_CHECKING:
+    from ..formats.base import UserSpec
 
 _MODELS: OrderedDict[str, Model] = OrderedDict()  # manifest digest -> bound model
 _MAX_MODELS = 8
@@ -45,6 +46,7 @@ def open_checkpoint(path: str | os.PathLike, format: str | None = None,
         path = resolve_root(path)
     if format in (None, "ucl") and (format == "ucl" or os.path.lexists(os.path.join(os.fspath(path), MANIFEST_NAME))):
         return Checkpoint.open(path)
+    from ..formats.registry import open_foreign  # the format readers load only when a foreign folder is met
     return open_foreign(path, format, user)
 
 

@@ -9,14 +9,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
 
 from ..dtypes import storage_dtype
 from ..errors import StoreError, UclError
-from ..formats.base import UserSpec
 from ..layout.mesh import Mesh, as_mesh
 from ..memory import MemoryCap, memory_cap
 from ..plan.buffers import Arena
@@ -35,6 +34,9 @@ from .budget import Budget, budgeted
 from .machine import check_workers, usable_cores
 from .bounded import BoundedSource
 from .workers import run_forked
+
+if TYPE_CHECKING:  # only a foreign source's reshard builds one: a ucl checkpoint's imports no format code
+    from ..formats.base import UserSpec
 
 
 @dataclass(frozen=True)
