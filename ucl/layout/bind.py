@@ -46,6 +46,15 @@ class Tensor:
             n *= s
         return n
 
+    @property
+    def cuts_last_dim(self) -> bool:
+        """Whether its rule splits or pads its last dim (of two or more), on any mesh: only then do
+        layouts of this spec read a stored copy of it in column blocks, which tile digests serve
+        (docs/format.md); its other cuts read whole rows, which flat chunks serve as finely."""
+        last = len(self.shape) - 1
+        return last >= 1 and any(
+            isinstance(t, (ast.Split, ast.Pad)) and t.dim.root == last for t in self.rule.transforms)
+
 
 @dataclass(eq=False)
 class FlatGroup:

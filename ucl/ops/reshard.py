@@ -37,6 +37,7 @@ from .workers import run_forked
 
 if TYPE_CHECKING:  # only a foreign source's reshard builds one: a ucl checkpoint's imports no format code
     from ..formats.base import UserSpec
+    from ..layout.bind import Model
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class ReplicaGroup:
     dtype: str
     ranks: tuple[int, ...]
     rows: np.ndarray  # copy rows that fill it (those of its first rank)
+    tiles: bool = True  # tile digests: not where no layout reads it by columns (replica_groups)
 
     @property
     def nbytes(self) -> int:
@@ -154,7 +156,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, to: Mesh | str, *, w
                                     float(timeout), t0, format, user, compress, cap)
     prep = _prepare(src, to, format, user=user)
     workers = max(1, workers or min(2, usable_cores()))  # taskset -c 0: one worker, not two on one core
-    groups = replica_groups(prep.plan)
+    groups = replica_groups(prep.plan, prep.model)
     stats = IOStats(compile_seconds=prep.compile_seconds, open_seconds=prep.open_seconds)
     writer = CheckpointWriter(dst, to.size, durable=durable, **manifest_fields(prep.model, to, prep.state))
     try:
@@ -273,7 +275,7 @@ def _reshard_distributed(src: str, dst: str, to: Mesh, workers: int, durable: bo
             raise own[0] if own else StoreError("reshard not done: " + "; ".join(problems), code="UCL410")
         _check_same_job(jobs)
         stats.compile_seconds = prep.compile_seconds
-        groups = replica_groups(prep.plan)
+        groups = replica_groups(prep.plan, prep.model)
         mine = assign(groups, prep.plan, world)[me]
 
         def write(writer: CheckpointWriter) -> dict:
@@ -350,8 +352,10 @@ def _destroy(dist, group) -> None:
         pass
 
 
-def replica_groups(plan: Plan) -> list[ReplicaGroup]:
-    """Target datasets with identical contents on several ranks (replicas) become one group."""
+def replica_groups(plan: Plan, model: Model | None = None) -> list[ReplicaGroup]:
+    """Target datasets with identical contents on several ranks (replicas) become one group.
+    ``model``: the plan's; a dataset of one tensor no layout of it reads by columns then gets no
+    tile digests (``Tensor.cuts_last_dim``: a hash pass and a copy to tile order saved per byte)."""
     c = plan.copies
     slot_keys = np.array([s.key for s in plan.slots], dtype=object)
     row_keys = slot_keys[c["dst_slot"]] if len(c["dst_slot"]) else np.zeros(0, dtype=object)
@@ -374,7 +378,17 @@ def replica_groups(plan: Plan) -> list[ReplicaGroup]:
             found[sig][1].append(int(r))
         else:
             found[sig] = (ds, [int(r)], rows)
-    return [ReplicaGroup(ds["key"], tuple(ds["shape"]), ds["dtype"], tuple(ranks), rows)
+    def tiles(rows: np.ndarray) -> bool:
+        ids = set(c["tensor"][rows].tolist())
+        if model is None or len(ids) != 1:
+            return True
+        t = plan.tensors[ids.pop()]
+        try:
+            return model.tensor(f"{t['kind']}/{t['name']}").cuts_last_dim
+        except KeyError:  # (not one of the model's tensors: the writer's rule, as ever)
+            return True
+
+    return [ReplicaGroup(ds["key"], tuple(ds["shape"]), ds["dtype"], tuple(ranks), rows, tiles(rows))
             for ds, ranks, rows in found.values()]
 
 
@@ -471,7 +485,7 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
             done = None if job.compress else streamed.stream_dataset(job.plan, g.rows, g.key, g.shape, g.dtype,
                                            {r: laid[r][g.key] if r in laid else None for r in t.ranks}, ckpt, writer,
                                            blocks, verify=job.verify, durable=job.durable, block_bytes=budget.block,
-                                           force=g.nbytes > budget.whole)
+                                           force=g.nbytes > budget.whole, tiles=g.tiles)
             if done is not None:
                 stats.bytes_read += done.bytes_read
                 stats.bytes_needed += done.bytes_needed
@@ -485,9 +499,9 @@ def _run_worker(task: WorkerTask, progress: Callable[[int], None] | None = None)
                 known = streamed.whole_copy(job.plan, g.rows, g.shape, g.dtype, ckpt) if job.verify else None
                 for r in t.ranks:
                     if r in laid:
-                        writer.fill(r, g.key, laid[r][g.key], buf, dtype=g.dtype, digests=known)
+                        writer.fill(r, g.key, laid[r][g.key], buf, dtype=g.dtype, digests=known, tiles=g.tiles)
                     else:
-                        writer.write(r, g.key, buf, dtype=g.dtype, digests=known)
+                        writer.write(r, g.key, buf, dtype=g.dtype, digests=known, tiles=g.tiles)
             for _ in t.ranks:
                 stats.bytes_written += g.nbytes
                 stats.datasets_written += 1

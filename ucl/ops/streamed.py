@@ -44,7 +44,7 @@ def streamable(plan: Plan, rows) -> bool:
 
 def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: str, targets: Mapping[int, int | None],
                    ckpt: CheckpointLike, writer: CheckpointWriter, blocks: ArenaRing, *, verify: bool, durable: bool,
-                   block_bytes: int = STREAM_BLOCK_BYTES, force: bool = False) -> Streamed | None:
+                   block_bytes: int = STREAM_BLOCK_BYTES, force: bool = False, tiles: bool = True) -> Streamed | None:
     """Write dataset ``key`` (filled by plan ``rows``) into the files of ``targets`` (as
     ``write_stream``) block by block: each part of a block is read with ``Checkpoint.read_runs``
     (straight into the block where it lands contiguously), every checksum chunk or tile it touches
@@ -55,7 +55,8 @@ def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: st
     device busier than queued blocks (same run, 2-core VM: universal 1.59 s whole vs 1.82 s streamed,
     TP4 1.50 vs 1.60); through the page cache, streaming is the faster. ``force``: stream a durable
     reshard's dataset, or a foreign source's, all the same (one larger than the memory a worker may
-    spend on it whole, docs/memory.md), in blocks of ``block_bytes``."""
+    spend on it whole, docs/memory.md), in blocks of ``block_bytes``. ``tiles=False``: the target gets
+    no tile digests of its own (``write_stream``)."""
     sdtype = storage_dtype(dtype)
     total = int(np.prod(shape, dtype=np.int64))
     if (durable and not force) or total * sdtype.itemsize < MIN_STREAM_BYTES or not total:
@@ -69,7 +70,7 @@ def stream_dataset(plan: Plan, rows, key: str, shape: tuple[int, ...], dtype: st
     read = [0]
     pieces = (b for _, b in target_blocks(copies, total, sdtype, ckpt, blocks, verify=verify,
                                           block_bytes=block_bytes, read=read))
-    writer.write_stream(targets, key, shape, dtype, pieces, digests=known)
+    writer.write_stream(targets, key, shape, dtype, pieces, digests=known, tiles=tiles)
     return Streamed(read[0], sum(cp.count for cp in copies) * sdtype.itemsize)
 
 

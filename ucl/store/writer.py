@@ -209,11 +209,12 @@ class CheckpointWriter:
         return kind, name
 
     def write(self, rank: int, key: str, data: Any, *, dtype: str | None = None,
-              digests: Digests | None = None) -> None:
+              digests: Digests | None = None, tiles: bool = True) -> None:
         """Write a whole dataset from an array or tensor; ``dtype`` declares raw-bit numpy input.
         ``digests``: its checksums, known already, so it is not hashed again: computed as it was filled
         (``store.checksum.copy_checksummed``; the caller vouches that it has not changed since), or
-        carried over from a verified source (``known_digests``)."""
+        carried over from a verified source (``known_digests``). ``tiles=False``: a plain dataset hashed
+        here gets no tile table (a writer may leave it out, docs/format.md)."""
         with self._lock:
             kind, name = self._new_key(rank, key)
             arr, logical = _dt.to_numpy(data, dtype)
@@ -230,7 +231,8 @@ class CheckpointWriter:
                     d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
                     offset = h5.data_offset(d)
                 d.attrs["ucl_dtype"] = logical
-                digests = checksums(arr) if digests is None else known_digests(digests, arr.shape, arr.dtype, key)
+                digests = checksums(arr, tiles=tiles) if digests is None else \
+                    known_digests(digests, arr.shape, arr.dtype, key)
                 h5.set_checksum_tables(d, digests)
             self._entries[rank][key] = self._entry(rank, key, logical, arr.shape, digests, offset)
 
@@ -256,7 +258,7 @@ class CheckpointWriter:
         self._entries[rank][key] = e
 
     def write_stream(self, targets: Mapping[int, int | None], key: str, shape: Sequence[int], dtype: str,
-                     pieces: Iterable[np.ndarray], *, digests: Digests | None = None) -> None:
+                     pieces: Iterable[np.ndarray], *, digests: Digests | None = None, tiles: bool = True) -> None:
         """Write one dataset (logical ``dtype``) into the file of every rank in ``targets`` from
         ``pieces``: 1-D storage arrays that follow each other in flat order and cover it exactly.
         ``targets`` maps a rank to the byte offset of the dataset in a file another writer laid out
@@ -266,7 +268,7 @@ class CheckpointWriter:
         written when the next is drawn, and when this returns (the next call of any other method
         waits for them): a piece's memory may be reused ``STREAM_DEPTH + 1`` pieces later, counted
         across calls, not sooner. ``digests``: the dataset's checksums, known already (``known_digests``),
-        so the pieces are not hashed again."""
+        so the pieces are not hashed again; ``tiles`` as for ``write``."""
         with self._lock:
             shape = tuple(int(x) for x in shape)
             sdtype = _dt.storage_dtype(dtype)
@@ -287,7 +289,7 @@ class CheckpointWriter:
                         self._check_open()
                     at[rank] = (path, offset)
                 known = None if digests is None else known_digests(digests, shape, sdtype, key)
-                h, pos = None if known is not None else IncrementalChecksum(shape, sdtype), 0
+                h, pos = None if known is not None else IncrementalChecksum(shape, sdtype, tiles=tiles), 0
                 for piece in pieces:
                     if piece.dtype != sdtype or piece.ndim != 1 or pos + piece.size > total:
                         raise StoreError(f"write_stream of {key!r}: a piece of {piece.dtype} {list(piece.shape)} "
@@ -344,10 +346,10 @@ class CheckpointWriter:
             return {key: offset for key, (_, _, offset) in laid.items()}
 
     def fill(self, rank: int, key: str, offset: int | None, data: Any, *, dtype: str | None = None,
-             digests: Digests | None = None) -> None:
+             digests: Digests | None = None, tiles: bool = True) -> None:
         """Write a whole dataset's bytes at ``offset`` of a file another writer laid out (``lay_out``),
-        and hash them (unless their ``digests`` are known, as for ``write``); the report joins
-        ``self.filled`` for that writer's ``adopt_filled``."""
+        and hash them (unless their ``digests`` are known, as for ``write``; ``tiles`` as there); the
+        report joins ``self.filled`` for that writer's ``adopt_filled``."""
         with self._lock:
             self._check_open()
             arr, logical = _dt.to_numpy(data, dtype)
@@ -355,7 +357,8 @@ class CheckpointWriter:
                 self._settle()
                 if offset is not None and arr.nbytes:
                     self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
-                digests = checksums(arr) if digests is None else known_digests(digests, arr.shape, arr.dtype, key)
+                digests = checksums(arr, tiles=tiles) if digests is None else \
+                    known_digests(digests, arr.shape, arr.dtype, key)
             self.filled.append(Filled(int(rank), key, logical, tuple(arr.shape), digests))
 
     def adopt_filled(self, filled: Iterable[Filled]) -> None:
