@@ -73,12 +73,15 @@ def test_a_dataset_copied_whole_keeps_the_source_checksums(demo, saved, tmp_path
     a, b = entries(src), entries(tmp_path / "B")
     big = [(r, k) for (r, k) in copies if "chunks" in b[r][k]]
     assert len(big) >= 4, copies  # chunked datasets copied whole: the case under test
-    for (r, k), (sr, sk) in copies.items():
-        for field in ("checksum", "chunks", "tiles"):
-            assert b[r].get(k, {}).get(field) == a[sr][sk].get(field), (r, k, field)
     # the writer hashed only the datasets that are no plain copies: the rest, and the vocabulary-padded
     # weights, whose padding rows the plan fills with zeros rather than copies
     padded = {(r, k) for (r, k) in copies if k.startswith("param/") and ("word_embeddings" in k or "output_layer" in k)}
+    for (r, k), (sr, sk) in copies.items():
+        for field in ("checksum", "chunks", "tiles"):
+            want = {a[sr][sk].get(field)}
+            if field == "tiles" and (r, k) in padded and not model.tensor(k).cuts_last_dim:
+                want.add(None)  # hashed here (if padding is filled), rows all it is read by: no tiles (test_reshard_tiles)
+            assert b[r].get(k, {}).get(field) in want, (r, k, field)
     assert len(padded) == 4  # on both tp ranks of the first and the last stage
     rebuilt = {tuple(e["shape"]) for r, es in enumerate(b) for k, e in es.items() if (r, k) not in copies}
     rebuilt |= {tuple(b[r][k]["shape"]) for r, k in padded}
