@@ -35,7 +35,7 @@ from .machine import check_workers, usable_cores
 from .bounded import BoundedSource
 from .workers import run_forked
 
-if TYPE_CHECKING:  # only a foreign source's reshard builds one: a ucl checkpoint's imports no format code
+if TYPE_CHECKING:  # annotations only: a reshard of a ucl checkpoint imports no format code
     from ..formats.base import UserSpec
     from ..layout.bind import Model
 
