@@ -9,7 +9,7 @@ the product of its dims' runs; a contiguous flat range of it is at most ``2*ndim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Mapping
 
 import numpy as np
@@ -72,16 +72,15 @@ class DimLayout:
     segs: np.ndarray
     fills: np.ndarray
 
-    @cached_property
-    def sig(self) -> tuple:
-        """Hashable identity of the geometry (plans of equal geometry are computed once)."""
-        return (self.local, self.segs.tobytes(), self.fills.tobytes())
-
-    @cached_property
-    def _runs(self) -> tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int], ...]]:
-        """``segs`` and ``fills`` as Python ints: a dim has a few runs, and restricting them in
-        Python is several times faster than a dozen numpy calls on tiny arrays."""
-        return tuple(map(tuple, self.segs.tolist())), tuple(map(tuple, self.fills.tolist()))
+    def __getattr__(self, name: str):
+        # ``sig`` and ``_runs`` are made on first use and kept as plain
+        # attributes: a cached_property takes a lock on every access in Python 3.11, and a
+        # 131,072-rank plan reads them some 10^5 times
+        make = _LAZY.get(name)
+        if make is None:
+            raise AttributeError(name)
+        value = self.__dict__[name] = make(self)
+        return value
 
     def restrict(self, lo: int, hi: int) -> "DimLayout":
         """Keep local positions [lo, hi) (coordinates stay those of the whole local dim)."""
@@ -95,6 +94,14 @@ class DimLayout:
 
 _EMPTY3 = np.zeros((0, 3), dtype=I64)
 _EMPTY2 = np.zeros((0, 2), dtype=I64)
+
+_LAZY = {
+    # hashable identity of the geometry (plans of equal geometry are computed once)
+    "sig": lambda d: (d.local, d.segs.tobytes(), d.fills.tobytes()),
+    # ``segs`` and ``fills`` as Python ints: a dim has a few runs, and restricting them in Python
+    # is several times faster than a dozen numpy calls on tiny arrays
+    "_runs": lambda d: (tuple(map(tuple, d.segs.tolist())), tuple(map(tuple, d.fills.tolist()))),
+}
 
 
 def split_range(n: int, parts: int, coord: int, mode: str) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from ..layout.boxes import Slot
 from ..layout.lower import ShardMap, gc_paused, lower, tensors_on
 from ..layout.mesh import Mesh, as_mesh
 from .ir import DATASET_COLUMNS, Plan
-from .geometry import Geometries, Uses, fill_boxes, piece_boxes, piece_keys, pieces_rows
+from .geometry import Geometries, PieceKeys, Uses, fill_boxes, held_keys, piece_boxes, pieces_rows
 from .proof import dedup_sources, piece_volume
 from .ranksets import RankSetBuilder, sorted_distinct
 
@@ -126,6 +126,8 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         return slot_ids.setdefault(slot, len(slot_ids))
 
     geometry: dict[tuple, int] = {}  # (target piece key, source boxes) -> geometry id; layers repeat geometry
+    geos_of_list: dict[tuple, list] = {}  # (id of a target piece list, source boxes) -> its geometries
+    piece_keys = PieceKeys()  # held_keys of this plan's piece lists (they recur across tensors)
     geos = Geometries(K)
     source_ids: dict[tuple, int] = {}
     source_of_list: dict[int, list] = {}  # id of a (cached, alive) proof -> [source key, ranks, holdings, proof, boxes]
@@ -183,8 +185,9 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         if wanted is not None and max(sets_of, default=-1) < 0:
             continue  # a part of the plan (one rank's load) proves only the tensors it moves
         st = t if src_model is model else _matching_source(src_model, t)
-        sources = dedup_sources(S, st)
-        proved = dedup_sources(T, t, "target") if not T.mesh.is_universal else None  # P1 for the target too
+        sources = dedup_sources(S, st, keys=piece_keys)
+        if not T.mesh.is_universal:
+            dedup_sources(T, t, "target", piece_keys)  # P1 for the target too
         found = source_of_list.get(id(sources))  # kinds of one flat statement share the list
         if found is None:
             boxes = piece_boxes(sources.pieces, len(t.shape))
@@ -198,25 +201,23 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         per_piece = shared_uses.get(key)
         if per_piece is None:
             hs, gs, ds, new = [], [], [], []
-            n_pieces = sum([len(h.pieces) for h in holdings])
-            if few is None and proved is not None and proved.raw is not None and len(proved.raw[1]) == n_pieces + 1:
-                raw, bounds = proved.raw[0], proved.raw[1].tolist()  # found by the proof (pieces are values)
-                keys = iter([raw[a:b] for a, b in zip(bounds, bounds[1:])])
-            else:
-                keys = iter(piece_keys([p for h, d in zip(holdings, sets_of) if d >= 0 for p in h.pieces],
-                                       len(t.shape)))
             for j, (h, dset) in enumerate(zip(holdings, sets_of)):
                 if dset < 0:
                     continue
-                for piece in h.pieces:
-                    gkey = (next(keys), src_key)
-                    geo = geometry.get(gkey)
-                    if geo is None:
-                        geo = geometry[gkey] = geos.reserve()
-                        new.append(piece)
-                    hs.append(j)
-                    gs.append(geo)
-                    ds.append(dset)
+                found_geos = geos_of_list.get((id(h.pieces), src_key))
+                if found_geos is None:  # each distinct piece list once (alive in its ShardMap)
+                    found_geos = []
+                    for piece, pkey in zip(h.pieces, held_keys(piece_keys, h.pieces).keys(len(h.pieces))):
+                        gkey = (pkey, src_key)
+                        geo = geometry.get(gkey)
+                        if geo is None:
+                            geo = geometry[gkey] = geos.reserve()
+                            new.append(piece)
+                        found_geos.append(geo)
+                    geos_of_list[(id(h.pieces), src_key)] = found_geos
+                hs.extend([j] * len(found_geos))
+                gs.extend(found_geos)
+                ds.extend([dset] * len(found_geos))
             if new:  # the new geometries of this tensor, found together
                 geos.add_batch(pieces_rows(t, new, [piece_volume(p) for p in new], found[4]), len(new),
                                [fill_boxes(p) for p in new])
@@ -262,6 +263,8 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             js = np.asarray(f.buffer.partitions, dtype=I64)
             ds_set.append(buffer_sets(f.buffer, js))
             ds_id.append(np.full(len(js), dataset_id(f.key, (f.buffer.cut.part,), f.dtype), dtype=I64))
+    for memo in (piece_keys.lists, piece_keys.dims, piece_keys.numbers, geos_of_list, geometry, shared_uses):
+        memo.clear()  # freed before the tables are built
     c, f = geos.rows(uses, flat_fills, np.concatenate(src_ranks or [np.zeros(0, dtype=I64)]),
                      np.concatenate(src_slots or [np.zeros(0, dtype=I64)]))
     return Plan(src, dst, K,

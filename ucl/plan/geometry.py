@@ -11,6 +11,9 @@ depends only on their values.
 """
 from __future__ import annotations
 
+from array import array
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,42 +56,55 @@ def piece_boxes(pieces: list, nd: int) -> tuple[np.ndarray, np.ndarray]:
     return owner, boxes
 
 
-def piece_bytes(pieces: list, nd: int) -> tuple[bytes, list[int], list[int]] | None:
-    """Each piece as bytes, for comparing pieces without per-dim Python work: per dim its number of
-    runs and local extent, then every run. Piece ``i`` is ``raw[bounds[i]:bounds[i + 1]]``; also
-    each piece's elements. None for scalars and where a piece holds padding (:func:`piece_key`)."""
-    dims = [d for p in pieces for d in p]
-    if not nd or not pieces or any(len(d.fills) for d in dims):
-        return None
-    P = len(pieces)
-    runs = np.array([len(d.segs) for d in dims], dtype=I64).reshape(P, nd)
-    segs = np.concatenate([d.segs for d in dims]).ravel()
-    per_piece = 3 * runs.sum(axis=1)
-    width = 2 * nd + per_piece
-    start = np.cumsum(width) - width
-    rows = np.empty(int(width.sum()), dtype=I64)
-    head = np.concatenate([runs, np.array([d.local for d in dims], dtype=I64).reshape(P, nd)], axis=1)
-    rows[(start[:, None] + np.arange(2 * nd, dtype=I64)).ravel()] = head.ravel()
-    within = np.arange(len(segs), dtype=I64) - np.repeat(np.cumsum(per_piece) - per_piece, per_piece)
-    rows[np.repeat(start + 2 * nd, per_piece) + within] = segs
-    per_dim = np.zeros(P * nd, dtype=I64)  # elements per (piece, dim): exact int64 sums
-    np.add.at(per_dim, np.repeat(np.arange(P * nd, dtype=I64), runs.ravel()), segs[2::3])
-    volumes = np.prod(per_dim.reshape(P, nd), axis=1, dtype=I64).tolist()
-    return rows.tobytes(), (np.append(start, len(rows)) * 8).tolist(), volumes
+class HeldKeys(NamedTuple):
+    """One holding's pieces as bytes, for comparing pieces without per-dim numpy work: each dim is
+    numbered by its geometry (:class:`PieceKeys`), a piece is its dims' numbers, so equal bytes
+    are equal pieces of a tensor (piece ``i`` is ``sig[i * 8 * ndim:(i + 1) * 8 * ndim]``)."""
+
+    sig: bytes  # every piece's dim numbers, as int64: equal for equal holdings (of one tensor)
+    volume: int  # elements of all pieces
+    volumes: tuple[int, ...] | None  # each piece's elements, where some piece has none (else None)
+    padded: bool  # some piece holds padding
+
+    def keys(self, n: int) -> list[bytes]:
+        """The keys of the holding's ``n`` pieces."""
+        w = len(self.sig) // n if n else 0
+        return [self.sig[i * w:(i + 1) * w] for i in range(n)]
 
 
-def piece_keys(pieces: list, nd: int) -> list:
-    """A hashable key per piece, equal for equal pieces (:func:`piece_bytes`, or :func:`piece_key`)."""
-    found = piece_bytes(pieces, nd)
+@dataclass(frozen=True, eq=False)
+class PieceKeys:
+    """:func:`held_keys`' memo for one plan: a flat buffer's cut recurs on every pipeline stage of
+    the same depth and for every kind of its statement (shared lists), so each list is turned into
+    bytes once; dims are numbered by geometry (equal runs, padding and extent: one number)."""
+
+    lists: dict[int, HeldKeys] = field(default_factory=dict)  # by id of a piece list (alive in its map)
+    dims: dict[int, tuple[int, int]] = field(default_factory=dict)  # id of a DimLayout -> (number, elements)
+    numbers: dict[bytes, int] = field(default_factory=dict)  # a dim's geometry as bytes -> number
+
+
+def held_keys(memo: PieceKeys, pieces: list) -> HeldKeys:
+    """:class:`HeldKeys` of ``pieces`` (a holding's piece list), found once per list in ``memo``."""
+    found = memo.lists.get(id(pieces))
     if found is None:
-        return [piece_key(p) for p in pieces]
-    raw, bounds, _ = found
-    return [raw[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
-def piece_key(piece) -> tuple:
-    """A piece as a hashable value: per dim its local extent, runs and padding."""
-    return tuple([(d.local, d.segs.tobytes(), d.fills.tobytes()) for d in piece])
+        dims, numbers, ids, volumes = memo.dims, memo.numbers, [], []
+        for p in pieces:
+            v = 1
+            for d in p:
+                dim = dims.get(id(d))
+                if dim is None:
+                    geometry = np.array([len(d.segs), len(d.fills), d.local], dtype=I64).tobytes() + \
+                        d.segs.astype(I64, copy=False).tobytes() + d.fills.astype(I64, copy=False).tobytes()
+                    dim = dims[id(d)] = (numbers.setdefault(geometry, len(numbers)), sum(d.segs[:, 2].tolist()))
+                ids.append(dim[0])
+                v *= dim[1]
+            volumes.append(v)
+        volumes = tuple(volumes)
+        # the lists (and their dims) are alive in the plan's ShardMaps while the memo is used
+        found = memo.lists[id(pieces)] = HeldKeys(array("q", ids).tobytes(), sum(volumes),
+                                                  volumes if 0 in volumes else None,
+                                                  any([len(d.fills) for p in pieces for d in p]))
+    return found
 
 
 def fill_boxes(piece) -> np.ndarray:

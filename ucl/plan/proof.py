@@ -14,7 +14,7 @@ from ..errors import PlanError
 from ..layout.algebra import I64, DimLayout
 from ..layout.lower import ShardMap
 from ..layout.mesh import Mesh
-from .geometry import piece_bytes
+from .geometry import PieceKeys, held_keys
 
 
 def piece_volume(piece) -> int:
@@ -38,9 +38,6 @@ class Proved(NamedTuple):
     pieces: list
     ranks: np.ndarray
     holdings: np.ndarray
-    # the target's: every holding's pieces, in order, as :func:`piece_bytes` found them (raw bytes,
-    # bounds), or None; a plan's geometries are keyed by them (compile reuses them, not finds them again)
-    raw: tuple | None = None
 
 
 class _ShareKey(NamedTuple):
@@ -63,11 +60,12 @@ class _Proofs:
     shared: dict[Mesh, dict[_ShareKey, tuple[list, Proved]]] = field(default_factory=dict)
 
 
-def dedup_sources(S: ShardMap, t, role: str = "source") -> Proved:
+def dedup_sources(S: ShardMap, t, role: str = "source", keys: PieceKeys | None = None) -> Proved:
     """:func:`_proved_pieces`, cached on the
     model per mesh and tensor: lowering and the proof are pure, so the next plan of the same
     model and mesh (another rank's load) skips them. The target's proof only counts elements:
-    it keeps no pieces (a 131,072-rank target has some 400,000)."""
+    it keeps no pieces (a 131,072-rank target has some 400,000). ``keys``: a memo for
+    :func:`held_keys`, shared by the proofs of one plan (piece lists recur across tensors)."""
     proofs = S.model.derived.of(_Proofs)
     full = proofs.sources.setdefault(S.mesh, {})
     if t.id in full:
@@ -75,11 +73,11 @@ def dedup_sources(S: ShardMap, t, role: str = "source") -> Proved:
     where = role != "target"
     memo = full if where else proofs.counted.setdefault(S.mesh, {})
     if t.id not in memo:
-        memo[t.id] = _shared_proof(S, t, role, where)
+        memo[t.id] = _shared_proof(S, t, role, where, PieceKeys() if keys is None else keys)
     return memo[t.id]
 
 
-def _shared_proof(S: ShardMap, t, role: str, where: bool) -> Proved:
+def _shared_proof(S: ShardMap, t, role: str, where: bool, keys: PieceKeys) -> Proved:
     """The kinds of one flat statement (fp32, exp_avg, exp_avg_sq) share their pieces and
     coordinates (the very same objects), so one proof serves them all; entries name the holding
     (its index), whose slot differs by kind."""
@@ -88,15 +86,15 @@ def _shared_proof(S: ShardMap, t, role: str, where: bool) -> Proved:
                     np.array([id(h.fixed) for h in holdings], dtype=np.uint64).tobytes())
     shared = S.model.derived.of(_Proofs).shared.setdefault(S.mesh, {})
     if key not in shared:  # the holdings are kept alive with the entry, so those ids stay theirs
-        shared[key] = (holdings, _proved_pieces(S, t, role, where))
+        shared[key] = (holdings, _proved_pieces(S, t, role, where, keys))
     return shared[key][1]
 
 
-def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> Proved:
+def _proved_pieces(S: ShardMap, t, role: str, where: bool, keys: PieceKeys) -> Proved:
     """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
     Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
     several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
-    out, volume, raw = _dedup_boxes(S, t, where)
+    out, volume = _dedup_boxes(S, t, where, keys)
     if out is None:
         out, volume = _dedup(S, t, False, where)
     if volume > t.numel:
@@ -106,37 +104,34 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool) -> Proved:
         raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the {role} layout holds {volume} elements of "
                         f"{t.numel}: {what}", code="UCL313" if volume > t.numel else "UCL314")
     return Proved([p for p, _, _ in out], np.array([r for _, r, _ in out], dtype=I64),
-                  np.array([j for _, _, j in out], dtype=I64), raw)
+                  np.array([j for _, _, j in out], dtype=I64))
 
 
-def _dedup_boxes(S: ShardMap, t, where: bool):
+def _dedup_boxes(S: ShardMap, t, where: bool, keys: PieceKeys):
     """:func:`_dedup` of equal holdings for the common case, no piece with padding: each holding
-    is compared by the bytes of its pieces' (runs per dim, local extents, runs) rows, what their
-    signatures hold then, built with numpy; also those bytes. (None, 0, None) for a scalar or a
-    piece with padding."""
+    is compared by its pieces' bytes (:func:`held_keys`, found once per piece list in ``keys``).
+    (None, 0) for a scalar or a piece with padding."""
     holdings = S.holdings[t.id]
-    nd = len(t.shape)
-    pieces = [p for h in holdings for p in h.pieces]
-    found = piece_bytes(pieces, nd)
-    if found is None:
-        return None, 0, None
-    raw, bounds, volumes = found
-    counts = [len(h.pieces) for h in holdings]
-    ends = list(itertools.accumulate(counts))
-    starts = [e - c for e, c in zip(ends, counts)]
-    sigs = [raw[bounds[a]:bounds[e]] for a, e in zip(starts, ends)]
+    if not t.shape:
+        return None, 0
+    found = [held_keys(keys, h.pieces) for h in holdings]
+    if any([k.padded for k in found]):
+        return None, 0
     # each distinct holding's first occurrence (a dict built backwards keeps the lowest index)
-    kept = sorted(dict(zip(reversed(sigs), range(len(sigs) - 1, -1, -1))).values())
-    volume = sum([sum(volumes[starts[j]:ends[j]]) for j in kept])
+    kept = sorted(dict(zip([k.sig for k in reversed(found)], range(len(found) - 1, -1, -1))).values())
+    volume = sum([found[j].volume for j in kept])
     out = []
     if where:
         strides = S.mesh.strides if not S.mesh.is_universal else None
         for j in kept:
             h = holdings[j]
             rank = sum(v * strides.get(a, 0) for a, v in h.fixed.items()) if strides is not None else 0
-            out.extend((p, rank, j) for p, vol in zip(h.pieces, volumes[starts[j]:ends[j]]) if vol)
-    # the target's piece keys serve its plans (compile); the source's are not kept
-    return out, volume, (None if where else (raw, np.array(bounds, dtype=I64)))
+            vols = found[j].volumes  # None: no piece is empty
+            if vols is None:
+                out.extend((p, rank, j) for p in h.pieces)
+            else:
+                out.extend((p, rank, j) for p, vol in zip(h.pieces, vols) if vol)
+    return out, volume
 
 
 def _dedup(S: ShardMap, t, by_box: bool, where: bool):
