@@ -163,3 +163,25 @@ def test_lowering_leaves_no_reference_cycles():
         gc.set_debug(was)
         gc.garbage.clear()
     assert garbage == []
+
+
+def test_paused_collector_promotes_what_lowering_made():
+    """What a paused lowering made is moved to the oldest generation on the way out (the next young
+    collection does not walk it all), without thawing what someone else froze."""
+    from ucl.layout.lower import gc_paused
+    gc.collect()
+    with gc_paused():
+        made = [[i] for i in range(200_000)]  # tracked objects, as a large lowering makes
+    assert gc.isenabled()
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert id(made) in oldest and id(made[0]) in oldest and id(made[-1]) in oldest
+    frozen = [[i] for i in range(10)]
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        with gc_paused():
+            more = [[i] for i in range(200_000)]
+        assert gc.get_freeze_count() == before  # left frozen: this time no promotion
+    finally:
+        gc.unfreeze()
+    del made, more, frozen

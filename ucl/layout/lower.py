@@ -243,7 +243,16 @@ def gc_paused():
         yield
     finally:
         if was:
+            if gc.get_count()[0] > _PROMOTE_AFTER and not gc.get_freeze_count():
+                # what was made is cached (it lives as long as the model): put it in the oldest
+                # generation at once (freeze + unfreeze moves lists, scans nothing) instead of
+                # having the next young collection walk every object (0.3 s at 131,072 ranks)
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
+
+
+_PROMOTE_AFTER = 100_000  # objects made while paused
 
 
 def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None = None,
