@@ -61,14 +61,15 @@ class HeldKeys(NamedTuple):
     numbered by its geometry (:class:`PieceKeys`), a piece is its dims' numbers, so equal bytes
     are equal pieces of a tensor (piece ``i`` is ``sig[i * 8 * ndim:(i + 1) * 8 * ndim]``)."""
 
-    sig: bytes  # every piece's dim numbers, as int64: equal for equal holdings (of one tensor)
+    sig: bytes  # every piece's dim numbers, as int64 (a scalar's: how many): equal for equal holdings
     volume: int  # elements of all pieces
     volumes: tuple[int, ...] | None  # each piece's elements, where some piece has none (else None)
     padded: bool  # some piece holds padding
+    width: int  # bytes of one piece's key (8 per dim)
 
     def keys(self, n: int) -> list[bytes]:
-        """The keys of the holding's ``n`` pieces."""
-        w = len(self.sig) // n if n else 0
+        """The keys of the holding's ``n`` pieces (b"" for a scalar's: all equal)."""
+        w = self.width
         return [self.sig[i * w:(i + 1) * w] for i in range(n)]
 
 
@@ -101,9 +102,10 @@ def held_keys(memo: PieceKeys, pieces: list) -> HeldKeys:
             volumes.append(v)
         volumes = tuple(volumes)
         # the lists (and their dims) are alive in the plan's ShardMaps while the memo is used
-        found = memo.lists[id(pieces)] = HeldKeys(array("q", ids).tobytes(), sum(volumes),
+        nd = len(pieces[0]) if pieces else 0
+        found = memo.lists[id(pieces)] = HeldKeys(array("q", ids if nd else [len(pieces)]).tobytes(), sum(volumes),
                                                   volumes if 0 in volumes else None,
-                                                  any([len(d.fills) for p in pieces for d in p]))
+                                                  any([len(d.fills) for p in pieces for d in p]), 8 * nd)
     return found
 
 

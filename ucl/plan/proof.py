@@ -110,11 +110,10 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool, keys: PieceKeys) -> P
 def _dedup_boxes(S: ShardMap, t, where: bool, keys: PieceKeys):
     """:func:`_dedup` of equal holdings for the common case, no piece with padding: each holding
     is compared by its pieces' bytes (:func:`held_keys`, found once per piece list in ``keys``).
-    (None, 0) for a scalar or a piece with padding."""
+    (None, 0) where a piece has padding."""
     holdings = S.holdings[t.id]
-    if not t.shape:
-        return None, 0
-    found = [held_keys(keys, h.pieces) for h in holdings]
+    known = keys.lists.get  # held_keys' memo, looked up here: most lists recur
+    found = [known(id(h.pieces)) or held_keys(keys, h.pieces) for h in holdings]
     if any([k.padded for k in found]):
         return None, 0
     # each distinct holding's first occurrence (a dict built backwards keeps the lowest index)
