@@ -93,10 +93,10 @@ def held_keys(memo: PieceKeys, pieces: list) -> HeldKeys:
             v = 1
             for d in p:
                 dim = dims.get(id(d))
-                if dim is None:
-                    geometry = np.array([len(d.segs), len(d.fills), d.local], dtype=I64).tobytes() + \
-                        d.segs.astype(I64, copy=False).tobytes() + d.fills.astype(I64, copy=False).tobytes()
-                    dim = dims[id(d)] = (numbers.setdefault(geometry, len(numbers)), sum(d.segs[:, 2].tolist()))
+                if dim is None:  # without numpy calls on these tiny arrays: some 10^5 dims
+                    segs, fills = d.segs.astype(I64, copy=False), d.fills.astype(I64, copy=False)
+                    geometry = array("q", (len(segs), len(fills), d.local)).tobytes() + segs.tobytes() + fills.tobytes()
+                    dim = dims[id(d)] = (numbers.setdefault(geometry, len(numbers)), sum([r[2] for r in segs.tolist()]))
                 ids.append(dim[0])
                 v *= dim[1]
             volumes.append(v)
