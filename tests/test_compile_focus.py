@@ -53,6 +53,14 @@ def test_a_rank_holding_only_padding_gets_its_partitions_and_fills():
     assert int(np.prod(one.fills["size"][gaps], axis=1).sum()) == sum(int(np.prod(d["shape"])) for d in flat)
 
 
+def _pieces(pieces) -> list:
+    return [tuple((d.local, d.segs.tolist(), d.fills.tolist()) for d in p) for p in pieces]
+
+
+def _holding(h) -> tuple:
+    return h.fixed, h.slot, _pieces(h.pieces)
+
+
 def test_the_focused_map_holds_only_the_flat_tensors_the_rank_holds():
     model, mesh = llama_model(SMALL), ucl.Mesh.parse(DST)
     whole = lower(llama_model(SMALL), mesh)
@@ -64,8 +72,17 @@ def test_the_focused_map_holds_only_the_flat_tensors_the_rank_holds():
         flat = {t.id for t in model.tensors if t.flat is not None}
         assert sm.focus & flat == held & flat and held & flat
         assert {t for t in range(len(model.tensors)) if sm.holdings[t]} <= sm.focus
-        for t in sm.focus:  # complete holdings: the proofs need every rank's, not only this one's
-            assert len(sm.holdings[t]) == len(whole.holdings[t])
+        for t in sm.focus:
+            if model.tensors[t].flat is None:  # complete holdings: the proofs need every rank's
+                assert len(sm.holdings[t]) == len(whole.holdings[t])
+                continue
+            # a flat tensor: the pieces of this rank's partitions only; its proof on the target is made
+            # on its layouts before flattening, which are complete
+            mine = [h for h in whole.holdings[t] if all(at[0].get(a, 0) == v for a, v in h.fixed.items())]
+            assert mine and [_holding(h) for h in sm.holdings[t]] == [_holding(h) for h in mine]
+            assert [(f, _pieces(ls)) for f, ls in sm.unflattened[t]] == \
+                [(f, _pieces(ls)) for f, ls in whole.unflattened[t]]
+            assert len({tuple(sorted(f.items())) for f, _ in sm.unflattened[t]}) == len(sm.unflattened[t]) > 0
         assert len(sm.datasets) < len(whole.datasets) / 8
 
 

@@ -185,3 +185,29 @@ def test_paused_collector_promotes_what_lowering_made():
     finally:
         gc.unfreeze()
     del made, more, frozen
+
+
+def _proof_outcome(prove):
+    try:
+        prove()
+        return "ok"
+    except ucl.UclError as e:
+        return getattr(e, "code", None)
+
+
+@settings(max_examples=examples(150), **SETTINGS)
+@given(layout=layouts(), mesh=meshes())
+def test_a_flat_tensor_proved_unflattened_as_its_pieces_are(layout, mesh):
+    """The target's proof of a tensor in flat buffers is made on its layouts before flattening
+    (docs/ir.md): it settles exactly what proving the flat pieces themselves settles."""
+    from ucl.plan.proof import dedup_sources
+    model = bind_or_reject(layout)
+    try:
+        sm = lower(model, mesh_of(mesh))
+    except ucl.UclError:
+        return
+    assume = [t for t in model.tensors if t.id in sm.unflattened]
+    for t in assume:
+        unflattened = _proof_outcome(lambda: dedup_sources(sm, t, "target"))
+        pieces = _proof_outcome(lambda: dedup_sources(sm, t, "source"))  # proves the pieces, where they lie
+        assert unflattened == pieces, (t.name, t.kind)

@@ -655,6 +655,17 @@ def test_regression_gqa_fused_qkv_shared_kv_heads():
     _roundtrip(L, [("dp", 2), ("tp", 2)])
 
 
+def test_flat_state_of_fused_qkv_with_shared_kv_heads():
+    """The same fused [Q; K; V] with its Adam state flattened over dp: on the target, its rank-local
+    tensors before flattening only partly coincide (same K/V, other Q), so their proof cuts them
+    into boxes (docs/ir.md: P1 on the target, for flat tensors)."""
+    L = O.Layout([("qkv", (6, 2))], [O.Rule("qkv", [
+        O.Concat((0,), (("q", 4), ("k", 1), ("v", 1))), O.View((0, "k"), (1, 1)), O.View((0, "v"), (1, 1)),
+        O.Split((0, "q"), ("tp",)), O.Split((0, "k", 0), ("tp",), "shared"), O.Split((0, "v", 0), ("tp",), "shared")])],
+                 [O.State(("exp_avg",), O.Flat(("dp",)))])
+    _roundtrip(L, [("dp", 2), ("tp", 2)])
+
+
 def test_regression_partially_split_concat():
     L = O.Layout([("w", (4,))], [O.Rule("w", [O.Concat((0,), (("a", 2), ("b", 2))), O.Split((0, "a"), ("tp",))])])
     _roundtrip(L, [("tp", 2)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -84,6 +84,9 @@ class FlatBuffer:
 class FlatGeometry:
     pieces: list[FlatPiece]
     buffers: list[FlatBuffer]
+    # each member (those with pieces) before it is flattened, per member coordinate: (name,
+    # coordinates, [its rank-local layouts]); the cut tiles it exactly (docs/ir.md, P1 on the target)
+    wholes: list[tuple[str, dict, list]] = field(default_factory=list)
 
 
 def _flat_options(ctx: LoweringContext, group) -> FlatOptions:
@@ -188,11 +191,13 @@ def members_at(ctx: LoweringContext, group, placed, at: list[dict]) -> set[int]:
     return out
 
 
-def flat_geometry(ctx: LoweringContext, group, placed, at: list[dict] | None = None) -> FlatGeometry:
+def flat_geometry(ctx: LoweringContext, group, placed, at: list[dict] | None = None,
+                  held: bool = False) -> FlatGeometry:
     """The pieces, gaps and partitions of one flat group's buffers; ``placed``: tensor id ->
     ``lower.Placed``. With ``ctx.focus``, only the pieces of those tensors (every one of them), and
     only the buffers holding one; with ``at`` (coordinates), the gaps and partitions that ranks with
-    those coordinates hold, and only those (else every buffer's)."""
+    those coordinates hold, and only those (else every buffer's); with ``held`` too, only the
+    pieces of those partitions (the members' ``wholes`` are every coordinate's all the same)."""
     flat, mesh, focus = group.flat, ctx.mesh, ctx.focus
     opts = _flat_options(ctx, group)
     geo = FlatGeometry([], [])
@@ -210,10 +215,12 @@ def flat_geometry(ctx: LoweringContext, group, placed, at: list[dict] | None = N
 
     for fixed, suffix, members in _buffers_where(ctx, group, placed, opts, want):
         keep = None if focus is None else frozenset(i for i, m in enumerate(members) if m[0].id in focus)
+        parts = None if at is None else _parts_at(fixed, at, opts, mesh)
+        only = frozenset(parts) if held and parts is not None else None  # the partitions whose pieces are cut
         if cuts is None:
-            cut = _cut_buffer(_cut_skeleton(ctx, flat, opts, members), members, None, keep)
+            cut = _cut_buffer(_cut_skeleton(ctx, flat, opts, members), members, None, keep, None, only)
         else:
-            key = (members[0][0].dtype, tuple([layouts for _, layouts, _ in members]), keep)
+            key = (members[0][0].dtype, tuple([layouts for _, layouts, _ in members]), keep, only)
             cut = cuts.get(key)
             if cut is None:
                 shapes = (members[0][0].dtype, tuple([tuple([x.local for x in layouts])
@@ -221,9 +228,10 @@ def flat_geometry(ctx: LoweringContext, group, placed, at: list[dict] | None = N
                 skeleton = skeletons.get(shapes)
                 if skeleton is None:
                     skeleton = skeletons[shapes] = _cut_skeleton(ctx, flat, opts, members)
-                cut = cuts[key] = _cut_buffer(skeleton, members, restricted, keep, skeleton_pieces)
-        parts = None if at is None else _parts_at(fixed, at, opts, mesh)
+                cut = cuts[key] = _cut_buffer(skeleton, members, restricted, keep, skeleton_pieces, only)
         _place_cut(cut, members, fixed, opts, mesh, suffix, geo, parts)
+        geo.wholes.extend((t.name, fixed, [layouts]) for k, (t, layouts, _) in enumerate(members)
+                          if keep is None or k in keep)
     return geo
 
 
@@ -314,10 +322,10 @@ def _skeleton_pieces(skeleton: BufferCut, i: int) -> list:
 
 
 def _cut_buffer(skeleton: BufferCut, members, restricted: dict | None, keep=None,
-                found: dict | None = None) -> BufferCut:
-    """``skeleton`` with each member's boxes as per-dim layouts (only of members ``keep``, if given);
-    ``found``: (id of a skeleton kept alive by the caller, member) -> its :func:`_skeleton_pieces`, for
-    the cuts of a skeleton's other tensor-parallel coordinates."""
+                found: dict | None = None, only: frozenset[int] | None = None) -> BufferCut:
+    """``skeleton`` with each member's boxes as per-dim layouts (only of members ``keep``, and only
+    in partitions ``only``, if given); ``found``: (id of a skeleton kept alive by the caller, member)
+    -> its :func:`_skeleton_pieces`, for the cuts of a skeleton's other tensor-parallel coordinates."""
     def pieces_of(k):
         if found is None:
             return _skeleton_pieces(skeleton, k)
@@ -328,7 +336,7 @@ def _cut_buffer(skeleton: BufferCut, members, restricted: dict | None, keep=None
 
     pieces = [(i, j, base, shape, [_box_dims(members[i][1], start, size, restricted) for start, size in boxes])
               for k in range(len(members)) if keep is None or k in keep
-              for i, j, base, shape, boxes in pieces_of(k)]
+              for i, j, base, shape, boxes in pieces_of(k) if only is None or j in only]
     return BufferCut(skeleton.part, pieces, skeleton.holes, skeleton.offsets, skeleton.shapes)
 
 

@@ -83,8 +83,12 @@ class ShardMap:
     holdings: list[list[Holding]]  # by tensor id
     whole_datasets: list[DatasetSlot] = field(default_factory=list)  # of tensors that are not flat
     flat_datasets: list[FlatDatasets] = field(default_factory=list)  # flat buffers, with their gaps
-    # None: every tensor; else the ids of the tensors whose holdings are complete (``lower(tensors=)``)
+    # None: every tensor; else the ids of the tensors whose holdings are complete (``lower(tensors=)``;
+    # with ``held``, a flat tensor's holdings are those of the partitions planned for only)
     focus: frozenset[int] | None = None
+    # by tensor id, of the tensors in flat buffers: per member coordinate, (coordinates, [its rank-local
+    # layouts]) before flattening, always complete (the target's proof of P1 is made on them: docs/ir.md)
+    unflattened: dict[int, list[tuple[dict, list]]] = field(default_factory=dict)
     derived: Derived = field(default_factory=Derived, repr=False)  # caches over this map (plan.compile's)
     _expanded: dict = field(default_factory=dict, repr=False)  # ``datasets`` and ``flat_fills``, once built
 
@@ -155,8 +159,9 @@ def lower(model: Model, mesh: Mesh, *, reuse: bool = True, tensors: frozenset[in
     the mesh. ``at`` (with ``tensors``): the coordinates of the ranks planned for; the flat buffers'
     datasets and fills are those of these ranks only. ``held`` (with ``at``): flat members of
     ``tensors`` that no rank at ``at`` holds are left out (``tensors`` may come from placement
-    alone, which cannot tell the partitions of a ZeRO buffer apart). The whole map is returned
-    when it is cached."""
+    alone, which cannot tell the partitions of a ZeRO buffer apart), and the flat members' holdings
+    are those of the partitions at ``at`` only (their ``unflattened`` layouts are complete: a
+    target's proof needs no more). The whole map is returned when it is cached."""
     if not reuse:
         with gc_paused():
             return _lower(model, mesh, False)
@@ -293,7 +298,7 @@ def _lower(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None =
         ctx = replace(ctx, focus=focus)
     geometry_cache: dict = {}
     for g in groups:
-        _lower_flat(ctx, g, placed, sm, geometry_cache, at)
+        _lower_flat(ctx, g, placed, sm, geometry_cache, at, held and focus is not None and at is not None)
     return sm
 
 
@@ -400,7 +405,8 @@ def _place_other_members(ctx: LoweringContext, ids: list[int], placed: dict) -> 
         placed[t.id] = Placed((), allowed, local, axes)
 
 
-def _lower_flat(ctx: LoweringContext, group, placed, sm: ShardMap, cache: dict, at: list[dict] | None):
+def _lower_flat(ctx: LoweringContext, group, placed, sm: ShardMap, cache: dict, at: list[dict] | None,
+                held: bool = False):
     """Place one flat group's tensors. The geometry is shared by every kind of the same statement
     with the same members (fp32, exp_avg, exp_avg_sq), so it is computed once. ``ctx.focus``: only
     the buffers holding one of those tensors, and only their pieces; ``at``: only the datasets and
@@ -411,13 +417,19 @@ def _lower_flat(ctx: LoweringContext, group, placed, sm: ShardMap, cache: dict, 
     key = (group.number, tuple(t.name for t in group.members),
            None if focus is None else frozenset(t.name for t in group.members if t.id in focus))
     if key not in cache:
-        geo = flat_geometry(ctx, group, placed, at)
+        geo = flat_geometry(ctx, group, placed, at, held)
         # equal slots recur on every coordinate: each piece's (distinct slot, its holder), found once
         # for every kind sharing the geometry
         distinct: dict[tuple, int] = {}
         slot_of = [distinct.setdefault((p.suffix, p.base, p.shape, p.part), len(distinct)) for p in geo.pieces]
-        cache[key] = geo, list(distinct), slot_of, [p.name for p in geo.pieces]
-    geo, distinct, slot_of, names = cache[key]
+        wholes: dict[str, list] = {}  # shared by the kinds, as their pieces are
+        for name, fixed, layouts in geo.wholes:
+            wholes.setdefault(name, []).append((fixed, layouts))
+        cache[key] = geo, list(distinct), slot_of, [p.name for p in geo.pieces], wholes
+    geo, distinct, slot_of, names, wholes = cache[key]
+    for t in group.members:
+        if t.name in wholes:
+            sm.unflattened[t.id] = wholes[t.name]
     prefix = f"{group.kind}/"
     slots = [Slot(prefix + suffix, base, shape, (part,)) for suffix, base, shape, part in distinct]
     held = {t.name: sm.holdings[t.id] for t in group.members}

@@ -73,8 +73,38 @@ def dedup_sources(S: ShardMap, t, role: str = "source", keys: PieceKeys | None =
     where = role != "target"
     memo = full if where else proofs.counted.setdefault(S.mesh, {})
     if t.id not in memo:
-        memo[t.id] = _shared_proof(S, t, role, where, PieceKeys() if keys is None else keys)
+        keys = PieceKeys() if keys is None else keys
+        memo[t.id] = _shared_proof(S, t, role, where, keys) if where or t.id not in S.unflattened else \
+            _unflattened_proof(S, t, role, keys)
     return memo[t.id]
+
+
+class _Whole(NamedTuple):
+    """A flat member's rank-local tensor before flattening, as a holding of one piece."""
+
+    fixed: dict
+    pieces: list
+
+
+_COUNTED = Proved([], np.zeros(0, dtype=I64), np.zeros(0, dtype=I64))  # a target's proof keeps no pieces
+
+
+def _unflattened_proof(S: ShardMap, t, role: str, keys: PieceKeys) -> Proved:
+    """P1 for a target tensor in flat buffers, proved on its rank-local tensors before flattening
+    (one per member coordinate, not one per partition): cutting a buffer into partitions tiles
+    each member exactly (docs/ir.md), so the pieces tile the tensor exactly when these do."""
+    wholes = [_Whole(fixed, layouts) for fixed, layouts in S.unflattened[t.id]]
+    found = [held_keys(keys, w.pieces) for w in wholes]
+    if any([k.padded for k in found]):
+        volume = -1
+    else:
+        volume = sum([k.volume for k in {k.sig: k for k in found}.values()])
+    if volume != t.numel:  # padding, or replicas that only partly coincide: as for other tensors
+        _, volume = _dedup(S, t, False, False, wholes)
+        if volume > t.numel:
+            _, volume = _dedup(S, t, True, False, wholes)
+        _check_volume(S, t, role, volume)
+    return _COUNTED
 
 
 def _shared_proof(S: ShardMap, t, role: str, where: bool, keys: PieceKeys) -> Proved:
@@ -99,12 +129,16 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool, keys: PieceKeys) -> P
         out, volume = _dedup(S, t, False, where)
     if volume > t.numel:
         out, volume = _dedup(S, t, True, where)
+    _check_volume(S, t, role, volume)
+    return Proved([p for p, _, _ in out], np.array([r for _, r, _ in out], dtype=I64),
+                  np.array([j for _, _, j in out], dtype=I64))
+
+
+def _check_volume(S: ShardMap, t, role: str, volume: int) -> None:
     if volume != t.numel:
         what = "overlapping, non-identical replicas" if volume > t.numel else "elements no rank holds"
         raise PlanError(f"{t.name} ({t.kind}) on {S.mesh}: the {role} layout holds {volume} elements of "
                         f"{t.numel}: {what}", code="UCL313" if volume > t.numel else "UCL314")
-    return Proved([p for p, _, _ in out], np.array([r for _, r, _ in out], dtype=I64),
-                  np.array([j for _, _, j in out], dtype=I64))
 
 
 def _dedup_boxes(S: ShardMap, t, where: bool, keys: PieceKeys):
@@ -133,11 +167,11 @@ def _dedup_boxes(S: ShardMap, t, where: bool, keys: PieceKeys):
     return out, volume
 
 
-def _dedup(S: ShardMap, t, by_box: bool, where: bool):
+def _dedup(S: ShardMap, t, by_box: bool, where: bool, holdings: list | None = None):
     seen, out, volume = set(), [], 0
     kept: list[list[tuple[int, int, int]]] = []  # by_box: boxes accepted so far, as (g, l, n) per dim
     strides = S.mesh.strides if where and not S.mesh.is_universal else None
-    for j, h in enumerate(S.holdings[t.id]):
+    for j, h in enumerate(S.holdings[t.id] if holdings is None else holdings):
         rank = sum(v * strides.get(a, 0) for a, v in h.fixed.items()) if strides is not None else 0
         if not by_box:
             sig = tuple([piece_sig(p) for p in h.pieces])
