@@ -64,7 +64,6 @@ class HeldKeys(NamedTuple):
     sig: bytes  # every piece's dim numbers, as int64 (a scalar's: how many): equal for equal holdings
     volume: int  # elements of all pieces
     volumes: tuple[int, ...] | None  # each piece's elements, where some piece has none (else None)
-    padded: bool  # some piece holds padding
     width: int  # bytes of one piece's key (8 per dim)
 
     def keys(self, n: int) -> list[bytes]:
@@ -104,8 +103,7 @@ def held_keys(memo: PieceKeys, pieces: list) -> HeldKeys:
         # the lists (and their dims) are alive in the plan's ShardMaps while the memo is used
         nd = len(pieces[0]) if pieces else 0
         found = memo.lists[id(pieces)] = HeldKeys(array("q", ids if nd else [len(pieces)]).tobytes(), sum(volumes),
-                                                  volumes if 0 in volumes else None,
-                                                  any([len(d.fills) for p in pieces for d in p]), 8 * nd)
+                                                  volumes if 0 in volumes else None, 8 * nd)
     return found
 
 

@@ -26,11 +26,6 @@ def piece_volume(piece) -> int:
     return v
 
 
-def piece_sig(piece) -> tuple:
-    """A piece as a hashable value (its per-dim layouts' signatures)."""
-    return tuple([d.sig for d in piece])
-
-
 class Proved(NamedTuple):
     """A tensor's pieces with replicas removed, which tile it exactly once, as columns: each
     piece, the rank that holds it and the index of its holding (whose slot differs by kind)."""
@@ -95,15 +90,10 @@ def _unflattened_proof(S: ShardMap, t, role: str, keys: PieceKeys) -> Proved:
     each member exactly (docs/ir.md), so the pieces tile the tensor exactly when these do."""
     wholes = [_Whole(fixed, layouts) for fixed, layouts in S.unflattened[t.id]]
     found = [held_keys(keys, w.pieces) for w in wholes]
-    if any([k.padded for k in found]):
-        volume = -1
-    else:
-        volume = sum([k.volume for k in {k.sig: k for k in found}.values()])
-    if volume != t.numel:  # padding, or replicas that only partly coincide: as for other tensors
-        _, volume = _dedup(S, t, False, False, wholes)
-        if volume > t.numel:
-            _, volume = _dedup(S, t, True, False, wholes)
-        _check_volume(S, t, role, volume)
+    volume = sum([k.volume for k in {k.sig: k for k in found}.values()])  # equal ones once
+    if volume > t.numel:  # replicas that only partly coincide: as for other tensors
+        _, volume = _dedup_by_box(S, t, False, wholes)
+    _check_volume(S, t, role, volume)
     return _COUNTED
 
 
@@ -124,11 +114,9 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool, keys: PieceKeys) -> P
     """Source pieces of tensor ``t`` with replicas removed; proves they tile the tensor exactly once.
     Replicas are found per holding first; where holdings only partly coincide (a KV head shared by
     several TP ranks next to their own Q heads) the pieces are cut into boxes and equal boxes dropped."""
-    out, volume = _dedup_boxes(S, t, where, keys)
-    if out is None:
-        out, volume = _dedup(S, t, False, where)
+    out, volume = _dedup_holdings(S, t, where, keys)
     if volume > t.numel:
-        out, volume = _dedup(S, t, True, where)
+        out, volume = _dedup_by_box(S, t, where)
     _check_volume(S, t, role, volume)
     return Proved([p for p, _, _ in out], np.array([r for _, r, _ in out], dtype=I64),
                   np.array([j for _, _, j in out], dtype=I64))
@@ -141,15 +129,13 @@ def _check_volume(S: ShardMap, t, role: str, volume: int) -> None:
                         f"{t.numel}: {what}", code="UCL313" if volume > t.numel else "UCL314")
 
 
-def _dedup_boxes(S: ShardMap, t, where: bool, keys: PieceKeys):
-    """:func:`_dedup` of equal holdings for the common case, no piece with padding: each holding
-    is compared by its pieces' bytes (:func:`held_keys`, found once per piece list in ``keys``).
-    (None, 0) where a piece has padding."""
+def _dedup_holdings(S: ShardMap, t, where: bool, keys: PieceKeys):
+    """(pieces kept, as (piece, rank, holding index) where asked, volume): equal holdings once,
+    each compared by its pieces' bytes (:func:`held_keys`, found once per piece list in ``keys``:
+    runs, padding and extent of every dim)."""
     holdings = S.holdings[t.id]
     known = keys.lists.get  # held_keys' memo, looked up here: most lists recur
     found = [known(id(h.pieces)) or held_keys(keys, h.pieces) for h in holdings]
-    if any([k.padded for k in found]):
-        return None, 0
     # each distinct holding's first occurrence (a dict built backwards keeps the lowest index)
     kept = sorted(dict(zip([k.sig for k in reversed(found)], range(len(found) - 1, -1, -1))).values())
     volume = sum([found[j].volume for j in kept])
@@ -167,28 +153,23 @@ def _dedup_boxes(S: ShardMap, t, where: bool, keys: PieceKeys):
     return out, volume
 
 
-def _dedup(S: ShardMap, t, by_box: bool, where: bool, holdings: list | None = None):
-    seen, out, volume = set(), [], 0
-    kept: list[list[tuple[int, int, int]]] = []  # by_box: boxes accepted so far, as (g, l, n) per dim
+def _dedup_by_box(S: ShardMap, t, where: bool, holdings: list | None = None):
+    """:func:`_dedup_holdings` where holdings only partly coincide: each holding keeps only the
+    boxes earlier ones do not hold."""
+    out, volume = [], 0
+    kept: list[list[tuple[int, int, int]]] = []  # boxes accepted so far, as (g, l, n) per dim
     strides = S.mesh.strides if where and not S.mesh.is_universal else None
     for j, h in enumerate(S.holdings[t.id] if holdings is None else holdings):
         rank = sum(v * strides.get(a, 0) for a, v in h.fixed.items()) if strides is not None else 0
-        if not by_box:
-            sig = tuple([piece_sig(p) for p in h.pieces])
-            if sig in seen:
-                continue
-            seen.add(sig)
-            pieces = h.pieces
-        else:  # keep only what earlier ranks do not already hold
-            pieces = []
-            for p in h.pieces:
-                for box in _boxes(p):
-                    rest = [box]
-                    for k in kept:
-                        rest = [r for b in rest for r in _subtract(b, k)]
-                    kept.extend(rest)
-                    pieces += [tuple(DimLayout(d.local, np.array([seg], dtype=I64), d.fills[:0])
-                                     for d, seg in zip(p, r)) for r in rest]
+        pieces = []
+        for p in h.pieces:
+            for box in _boxes(p):
+                rest = [box]
+                for k in kept:
+                    rest = [r for b in rest for r in _subtract(b, k)]
+                kept.extend(rest)
+                pieces += [tuple(DimLayout(d.local, np.array([seg], dtype=I64), d.fills[:0])
+                                 for d, seg in zip(p, r)) for r in rest]
         for p in pieces:
             vol = piece_volume(p)
             if vol == 0:
