@@ -19,7 +19,7 @@ from . import h5
 from .atomic import TempDir, final_name_of, fsync_path, is_tmp_name, publish_dir, write_atomic
 from .checksum import (Digests, IncrementalChecksum, checksum_fields, checksums, chunk_count, chunk_size, is_checksum,
                        raw_bytes, tile_grid)
-from .codec import check_codec, encode, frame_table_digest
+from .codec import Encoded, check_codec, encode, frame_table_digest
 from .direct import MIN_DIRECT_BYTES, DirectWriter
 from .template import RankTemplate, allocate
 from .manifest import COMPRESSED_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLES_NAME, Manifest, check_entry, file_name, split_key
@@ -209,16 +209,21 @@ class CheckpointWriter:
         return kind, name
 
     def write(self, rank: int, key: str, data: Any, *, dtype: str | None = None,
-              digests: Digests | None = None, tiles: bool = True) -> None:
+              digests: Digests | None = None, tiles: bool = True, coded: Encoded | None = None) -> None:
         """Write a whole dataset from an array or tensor; ``dtype`` declares raw-bit numpy input.
         ``digests``: its checksums, known already, so it is not hashed again: computed as it was filled
         (``store.checksum.copy_checksummed``; the caller vouches that it has not changed since), or
         carried over from a verified source (``known_digests``). ``tiles=False``: a plain dataset hashed
-        here gets no tile table (a writer may leave it out, docs/format.md)."""
+        here gets no tile table (a writer may leave it out, docs/format.md). ``coded``: ``codec.encode``
+        of these storage bytes with this writer's codec, done already (``store.ahead``), so not done here."""
         with self._lock:
             kind, name = self._new_key(rank, key)
             arr, logical = _dt.to_numpy(data, dtype)
-            enc = encode(arr, logical, self.compress, self._coders) if self.compress and arr.nbytes else None
+            if coded is not None and not self.compress:
+                raise StoreError(f"dataset {key!r} was handed over coded to a writer that does not compress",
+                                 code="UCL411")
+            enc = coded if coded is not None else (
+                encode(arr, logical, self.compress, self._coders) if self.compress and arr.nbytes else None)
             if enc is not None and enc.stored.size < arr.nbytes:  # else plain: coding did not shrink it
                 return self._write_packed(rank, key, kind, name, arr, logical, enc, digests)
             with self._io():

@@ -11,6 +11,7 @@ from ..dtypes import logical_of_torch_dtype
 from ..errors import StoreError, UclError
 from ..ops.collective import commit_collectively
 from ..ops.dist import allgather_json
+from ..store.ahead import CodedAhead
 from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 from .layouts import SPEC_NAME, Layouts
@@ -151,10 +152,14 @@ class Flusher(Stage):
             datasets[e.key] = (tuple(e.tensor.shape), logical_of_torch_dtype(e.tensor.dtype))
         rank = snap.layout.rank
         if writer.compress:  # coded sizes differ at every checkpoint: no template, each dataset written
-            if snap.stream is not None:  # coded whole: assembled from the ring one at a time
+            if snap.stream is not None:  # coded whole: assembled from the ring
                 arrays = whole_datasets(snap.stream.pieces(), datasets)
-            for key, arr in (arrays if snap.stream is not None else arrays.items()):
-                writer.write(rank, key, arr, dtype=datasets[key][1], digests=snap.digests.get(key))  # hashed by the copier
+            items = ((key, arr, datasets[key][1])
+                     for key, arr in (arrays if snap.stream is not None else arrays.items()))
+            # the next datasets are coded (on compress_threads threads) while this one is written
+            with CodedAhead(items, writer.compress, self.compress_threads) as ahead:
+                for key, arr, dtype, enc in ahead:  # digests: hashed by the copier
+                    writer.write(rank, key, arr, dtype=dtype, digests=snap.digests.get(key), coded=enc)
             return
         signature = (rank, tuple(datasets.items()))
         template = self._templates.pop(signature, None) or writer.template(rank, datasets, tiles=self.tiles)
