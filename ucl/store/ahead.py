@@ -2,9 +2,9 @@
 are coded on a pool of threads (a model of many small tensors codes on every thread, not one), and
 they come out in their given order, so the file is the same bytes whatever the thread count.
 
-Memory: the logical bytes of the datasets handed over but not yet taken (the source arrays, and
-their coded bytes once coded) stay under ``AHEAD_BYTES`` per thread, plus the one dataset that
-crosses that line; nothing else is copied."""
+Memory: the logical bytes of the datasets handed over but not yet taken back (the source arrays,
+and their coded bytes once coded) stay within ``AHEAD_BYTES`` per thread, or one larger dataset
+alone (and one more array is held, taken from the source and waiting for room); nothing is copied."""
 from __future__ import annotations
 
 from collections import deque
@@ -21,11 +21,11 @@ AHEAD_BYTES = 16 << 20  # per coding thread: logical bytes coded ahead of the wr
 
 
 class CodedAhead:
-    """``items``, (key, array or tensor, logical dtype) in write order, each yielded back as
-    (key, storage array, logical dtype, ``Encoded``; None for an empty array), coded ahead on ``threads`` threads (never the calling
-    one). Use it in a ``with`` block: on leaving, nothing is being coded any more (a failed write
-    does not leave threads reading memory the caller gives back). A coding error is raised when its
-    dataset is taken: a StoreError (UCL410) naming the dataset."""
+    """``items``, (key, array or tensor, logical dtype) in write order, each yielded back as (key,
+    storage array, logical dtype, ``Encoded``, None for an empty array), coded ahead on ``threads``
+    threads (never the calling one). Use it in a ``with`` block: on leaving, nothing is being coded
+    any more (a failed write does not leave threads reading memory the caller gives back). A coding
+    error is raised when its dataset is taken: a StoreError (UCL410) naming the dataset."""
 
     def __init__(self, items: Iterable[tuple[str, Any, str | None]], codec: str, threads: int = 1):
         self._items, self._codec = iter(items), codec
@@ -36,9 +36,10 @@ class CodedAhead:
         # workers: splitting on a worker could wait for blocks queued behind itself
         self._splitter = ThreadPoolExecutor(1, "ucl-compress-split")
         self._queue: deque[tuple[str, np.ndarray, str, Future | None]] = deque()
+        self._next: tuple[str, np.ndarray, str] | None = None  # taken from items, not yet handed over
         self.held = 0  # logical bytes handed over and not yet taken back
-        self.high_water = 0  # the most ever held (tests and the trace count it)
-        self.coded = 0  # datasets coded
+        self.high_water = 0  # the most bytes ever held
+        self.most_queued = 0  # the most datasets ever handed over at once
 
     def __enter__(self) -> "CodedAhead":
         return self
@@ -56,13 +57,19 @@ class CodedAhead:
         self._workers.shutdown(wait=True, cancel_futures=True)
 
     def _fill(self) -> None:
-        """Hand datasets over while under the budget (always one when none is queued)."""
-        while not self._queue or self.held < self._budget:
-            item = next(self._items, None)
-            if item is None:
+        """Hand datasets over while they fit the budget; one larger than it goes alone, once the
+        queue is empty (so the bytes held never exceed the budget or that one dataset)."""
+        while True:
+            if self._next is None:
+                item = next(self._items, None)
+                if item is None:
+                    return
+                key, data, dtype = item
+                self._next = (key, *to_numpy(data, dtype))
+            key, arr, dtype = self._next
+            if self._queue and self.held + arr.nbytes > self._budget:
                 return
-            key, data, dtype = item
-            arr, dtype = to_numpy(data, dtype)
+            self._next = None
             fut = None
             if arr.nbytes:
                 if arr.nbytes > BLOCK_BYTES:  # several blocks: spread over the workers
@@ -72,6 +79,7 @@ class CodedAhead:
             self._queue.append((key, arr, dtype, fut))
             self.held += arr.nbytes
             self.high_water = max(self.high_water, self.held)
+            self.most_queued = max(self.most_queued, len(self._queue))
 
     def __iter__(self) -> Iterator[tuple[str, np.ndarray, str, Encoded | None]]:
         while True:
@@ -88,6 +96,5 @@ class CodedAhead:
                 except Exception as e:
                     raise StoreError(f"coding dataset {key!r} failed: {type(e).__name__}: {e}",
                                      code="UCL410") from e
-                self.coded += 1
             self.held -= arr.nbytes
             yield key, arr, dtype, enc
