@@ -36,12 +36,13 @@ def rank_files(path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(Path(path).glob("*.h5"))}
 
 
-def save_once(root, model, opt, threads: int, pool_bytes) -> str:
+def save_once(root, model, opt, threads: int, pool_bytes) -> tuple[str, dict]:
+    """The checkpoint saved, and its flush event."""
     with ucl.Checkpointer(str(root), model, opt, compress="zstd", compress_threads=threads,
                           pool_bytes=pool_bytes) as ck:
         ck.save(1)
         ck.wait()
-        return ck.root.latest()
+        return ck.root.latest(), next(e for e in ck.trace.events() if e["phase"] == "flush")
 
 
 @pytest.mark.parametrize("pool_bytes", [None, 64 << 10])  # the snapshot whole in the pool; streamed through a ring
@@ -59,12 +60,14 @@ def test_small_datasets_code_on_every_thread_into_the_same_bytes(tmp_path, monke
             both.wait()  # broken (a coding error) if one thread codes one dataset after the other
         return real(*a)
     monkeypatch.setattr(codec, "_encode_block", counted)
-    two = save_once(tmp_path / "two", model, opt, 2, pool_bytes)
+    two, flush = save_once(tmp_path / "two", model, opt, 2, pool_bytes)
     monkeypatch.setattr(codec, "_encode_block", real)
     assert all(model_tensor.numel() * 4 <= codec.BLOCK_BYTES for model_tensor in model.parameters())
     assert len(threads) == 2 and threading.current_thread().name not in threads
     assert calls[0] >= 4 * 4  # each layer's weight, bias, and their two moments at least
-    one = save_once(tmp_path / "one", model, opt, 1, pool_bytes)
+    state = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # weights, exp_avg, exp_avg_sq
+    assert state <= flush["coded_ahead"] < state + 1024  # all of it (and the step counters): under the budget
+    one, _ = save_once(tmp_path / "one", model, opt, 1, pool_bytes)
     assert rank_files(two) == rank_files(one)
     with ucl.open(two) as c:
         assert c.verify() == [] and any(c.info(0, k).encoding == "zstd" for k in c.keys(0))

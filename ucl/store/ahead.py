@@ -8,7 +8,9 @@ alone (and one more array is held, taken from the source and waiting for room); 
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+import time
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -31,10 +33,11 @@ class CodedAhead:
         self._items, self._codec = iter(items), codec
         self._threads = max(1, int(threads))
         self._budget = AHEAD_BYTES * self._threads
-        self._workers = ThreadPoolExecutor(self._threads, "ucl-compress")
+        self._pool = ThreadPoolExecutor(self._threads, "ucl-compress")
+        self._workers = _Timed(self._pool)
         # a dataset of several blocks is split into them (codec.encode) here, its blocks coded by the
         # workers: splitting on a worker could wait for blocks queued behind itself
-        self._splitter = ThreadPoolExecutor(1, "ucl-compress-split")
+        self._splitter = _Timed(ThreadPoolExecutor(1, "ucl-compress-split"))
         self._queue: deque[tuple[str, np.ndarray, str, Future | None]] = deque()
         self._next: tuple[str, np.ndarray, str] | None = None  # taken from items, not yet handed over
         self.held = 0  # logical bytes handed over and not yet taken back
@@ -53,8 +56,13 @@ class CodedAhead:
             if fut is not None:
                 fut.cancel()
         self._queue.clear()
-        self._splitter.shutdown(wait=True, cancel_futures=True)
-        self._workers.shutdown(wait=True, cancel_futures=True)
+        self._splitter.pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time the coding threads spent so far (read it after ``close``)."""
+        return self._workers.cpu_seconds + self._splitter.cpu_seconds
 
     def _fill(self) -> None:
         """Hand datasets over while they fit the budget; one larger than it goes alone, once the
@@ -98,3 +106,22 @@ class CodedAhead:
                                      code="UCL410") from e
             self.held -= arr.nbytes
             yield key, arr, dtype, enc
+
+
+class _Timed(Executor):
+    """An executor's tasks, their thread CPU time added up (``codec.encode`` maps a dataset's blocks
+    through it)."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self.pool, self.cpu_seconds, self._lock = pool, 0.0, threading.Lock()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:  # type: ignore[override]
+        return self.pool.submit(self._run, fn, args, kwargs)
+
+    def _run(self, fn, args, kwargs):
+        t0 = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.cpu_seconds += time.thread_time() - t0

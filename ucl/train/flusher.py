@@ -38,6 +38,7 @@ class Flusher(Stage):
         self.local = local  # the node-local tier: every snapshot goes there, those with snap.shared on to root
         self.rank = dist.get_rank() if dist else 0
         self.world = dist.get_world_size() if dist else 1
+        self._coding = (0.0, 0)
         self._templates: dict = {}  # (rank, datasets) -> RankTemplate, most recently used last
         super().__init__("ucl-flush")  # unbounded: bounded by the pool, save() waits for a region first
 
@@ -91,6 +92,7 @@ class Flusher(Stage):
 
     def _persist(self, snap: Snapshot) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        self._coding = (0.0, 0)  # the coding threads' CPU seconds, the most bytes coded ahead (_write)
         writers: list[CheckpointWriter] = []  # whose write-behind CPU the trace adds to this thread's
         layout = snap.layout
         model = self.layouts.model_of(layout)
@@ -114,9 +116,10 @@ class Flusher(Stage):
             self.root.set_latest(snap.step)
             self.root.discard_after(snap.step)  # after load(step=k), later steps belong to an abandoned run
             self.root.prune(self.keep)
-        cpu = time.thread_time() - cpu0 + sum(w.write_cpu_seconds for w in writers)
+        cpu = time.thread_time() - cpu0 + sum(w.write_cpu_seconds for w in writers) + self._coding[0]
+        coded = dict(coded_ahead=self._coding[1]) if self.compress else {}
         self.trace.add("flush", t0, time.perf_counter(), step=snap.step, bytes=snap.nbytes,
-                       pool_high_water=self.snapshots.pool.high_water, cpu=round(cpu, 6))
+                       pool_high_water=self.snapshots.pool.high_water, cpu=round(cpu, 6), **coded)
         if self.rank == 0 and self.promoter is not None:
             self.promoter.submit(path, snap.step)  # waits while the promoter's queue is full
         if self.world > 1:
@@ -160,6 +163,7 @@ class Flusher(Stage):
             with CodedAhead(items, writer.compress, self.compress_threads) as ahead:
                 for key, arr, dtype, enc in ahead:  # digests: hashed by the copier
                     writer.write(rank, key, arr, dtype=dtype, digests=snap.digests.get(key), coded=enc)
+            self._coding = (self._coding[0] + ahead.cpu_seconds, max(self._coding[1], ahead.high_water))
             return
         signature = (rank, tuple(datasets.items()))
         template = self._templates.pop(signature, None) or writer.template(rank, datasets, tiles=self.tiles)
