@@ -17,7 +17,7 @@ import ucl.store.codec as codec  # noqa: E402
 from ucl.store.root import CheckpointRoot  # noqa: E402
 
 
-def trained(layers: int = 4, width: int = 96):
+def trained(layers: int = 4, width: int = 192):
     """A model of several small tensors (weights, biases, LayerNorm) and its AdamW state."""
     torch.manual_seed(0)
     mods = []
@@ -112,9 +112,14 @@ def test_coded_ahead_keeps_the_order_and_the_bound(monkeypatch):
     sizes = [1000, 70_000, 0, 5, 600_000, 40_000, 40_000, 3 << 20, 12, 90_000] * 3
     arrays = [(f"param/t{i}", (rng.standard_normal(n) * 0.01).astype(np.float32), "float32")
               for i, n in enumerate(sizes)]
-    with ahead.CodedAhead(iter(arrays), "zstd", threads=2) as coded:
+    threads = ahead.CodingThreads(2)
+    with ahead.CodedAhead(iter(arrays), "zstd", threads) as coded:
         got = list(coded)
         high = coded.high_water
+    assert coded.cpu_seconds > 0
+    with ahead.CodedAhead(iter(arrays[:3]), "zstd", threads) as again:  # the same threads, kept
+        assert [k for k, *_ in again] == [k for k, *_ in arrays[:3]]
+    threads.close()
     assert [k for k, *_ in got] == [k for k, *_ in arrays]
     for (key, arr, dtype), (_, same, _, enc) in zip(arrays, got):
         assert same is arr or np.shares_memory(same, arr)  # never copied

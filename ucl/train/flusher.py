@@ -11,7 +11,7 @@ from ..dtypes import logical_of_torch_dtype
 from ..errors import StoreError, UclError
 from ..ops.collective import commit_collectively
 from ..ops.dist import allgather_json
-from ..store.ahead import CodedAhead
+from ..store.ahead import CodedAhead, CodingThreads
 from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 from .layouts import SPEC_NAME, Layouts
@@ -33,6 +33,7 @@ class Flusher(Stage):
                  tiles: bool = True, compress: str | None = None, compress_threads: int = 1,
                  local: LocalTier | None = None):
         self.compress, self.compress_threads = compress, compress_threads  # coded here, never in training
+        self._coders = CodingThreads(compress_threads)  # kept from save to save (started at the first)
         self.root, self.layouts, self.snapshots, self.progress, self.trace = root, layouts, snapshots, progress, trace
         self.keep, self.dist, self.group, self.promoter, self.tiles = keep, dist, group, promoter, tiles
         self.local = local  # the node-local tier: every snapshot goes there, those with snap.shared on to root
@@ -41,6 +42,11 @@ class Flusher(Stage):
         self._coding = (0.0, 0)
         self._templates: dict = {}  # (rank, datasets) -> RankTemplate, most recently used last
         super().__init__("ucl-flush")  # unbounded: bounded by the pool, save() waits for a region first
+
+    def stop(self, timeout: float = 60) -> None:
+        super().stop(timeout)
+        if not self._thread.is_alive():  # else still flushing (past the timeout): its threads go with the process
+            self._coders.close()
 
     def submit(self, snap: Snapshot) -> None:
         """Persist ``snap`` (its ``progress.begin()`` was called by ``save``)."""
@@ -160,7 +166,7 @@ class Flusher(Stage):
             items = ((key, arr, datasets[key][1])
                      for key, arr in (arrays if snap.stream is not None else arrays.items()))
             # the next datasets are coded (on compress_threads threads) while this one is written
-            with CodedAhead(items, writer.compress, self.compress_threads) as ahead:
+            with CodedAhead(items, writer.compress, self._coders) as ahead:
                 for key, arr, dtype, enc in ahead:  # digests: hashed by the copier
                     writer.write(rank, key, arr, dtype=dtype, digests=snap.digests.get(key), coded=enc)
             self._coding = (self._coding[0] + ahead.cpu_seconds, max(self._coding[1], ahead.high_water))
