@@ -3,8 +3,8 @@ are coded on a pool of threads (a model of many small tensors codes on every thr
 they come out in their given order, so the file is the same bytes whatever the thread count.
 
 Memory: the logical bytes of the datasets handed over but not yet taken back (the source arrays,
-and their coded bytes once coded) stay within ``AHEAD_BYTES`` per thread, or one larger dataset
-alone; beside them one more source array is held, taken from the source and waiting for room.
+and their coded bytes once coded) stay within a budget (``AHEAD_BYTES`` per thread at most), or
+one larger dataset alone; beside them one more source array is held, taken from the source and waiting for room.
 Nothing is copied."""
 from __future__ import annotations
 
@@ -21,8 +21,15 @@ from ..errors import StoreError, UclError
 from .codec import BLOCK_BYTES, Encoded, encode
 
 AHEAD_BYTES = 16 << 20  # per coding thread: logical bytes coded ahead of the writer at most (and one dataset)
+AHEAD_SHARE = 4  # ... and at most this share of what is written (1/4), where that leaves each thread
+# two groups: a small snapshot is not copied whole into coded bytes ahead
 GROUP_BYTES = 256 << 10  # small datasets are coded a group of about this many bytes per task: handing a
 # task to a thread costs about as much CPU as coding some tens of KiB
+
+
+def ahead_budget(total: int, threads: int) -> int:
+    """The bytes ``CodedAhead`` may code ahead when ``total`` bytes are written in all."""
+    return min(AHEAD_BYTES * threads, max(total // AHEAD_SHARE, 2 * GROUP_BYTES * threads))
 
 
 class CodingThreads:
@@ -63,14 +70,16 @@ class CodingThreads:
 class CodedAhead:
     """``items``, (key, array or tensor, logical dtype) in write order, each yielded back as (key,
     storage array, logical dtype, ``Encoded``, None for an empty array), coded ahead on the threads
-    of ``threads`` (never the calling one). Use it in a ``with`` block: left before the last item
+    of ``threads`` (never the calling one), at most ``budget`` logical bytes ahead (default
+    ``AHEAD_BYTES`` per thread; one larger dataset goes alone). Use it in a ``with`` block: left before the last item
     (an error, here or in the caller), it ends ``threads`` (``CodingThreads.close``), so nothing is
     being coded any more when it returns. A coding error is raised when its dataset is taken: a
     StoreError (UCL410) naming the dataset."""
 
-    def __init__(self, items: Iterable[tuple[str, Any, str | None]], codec: str, threads: CodingThreads):
+    def __init__(self, items: Iterable[tuple[str, Any, str | None]], codec: str, threads: CodingThreads,
+                 budget: int | None = None):
         self._items, self._codec, self._threads = iter(items), codec, threads
-        self._budget = AHEAD_BYTES * threads.threads
+        self._budget = AHEAD_BYTES * threads.threads if budget is None else int(budget)
         self._workers, self._splitter = threads.pools()
         self._cpu0 = threads.cpu_seconds
         self._queue: deque[tuple[str, np.ndarray, str, _Batch | None, int]] = deque()

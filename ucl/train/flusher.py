@@ -11,7 +11,7 @@ from ..dtypes import logical_of_torch_dtype
 from ..errors import StoreError, UclError
 from ..ops.collective import commit_collectively
 from ..ops.dist import allgather_json
-from ..store.ahead import CodedAhead, CodingThreads
+from ..store.ahead import CodedAhead, CodingThreads, ahead_budget
 from ..store.root import CheckpointRoot
 from ..store.writer import CheckpointWriter
 from .layouts import SPEC_NAME, Layouts
@@ -166,7 +166,8 @@ class Flusher(Stage):
             items = ((key, arr, datasets[key][1])
                      for key, arr in (arrays if snap.stream is not None else arrays.items()))
             # the next datasets are coded (on compress_threads threads) while this one is written
-            with CodedAhead(items, writer.compress, self._coders) as ahead:
+            budget = ahead_budget(snap.nbytes, self._coders.threads)
+            with CodedAhead(items, writer.compress, self._coders, budget) as ahead:
                 for key, arr, dtype, enc in ahead:  # digests: hashed by the copier
                     writer.write(rank, key, arr, dtype=dtype, digests=snap.digests.get(key), coded=enc)
             self._coding = (self._coding[0] + ahead.cpu_seconds, max(self._coding[1], ahead.high_water))
