@@ -15,16 +15,19 @@ SCRIPT = textwrap.dedent("""
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 1024)).sum().backward()
     opt.step()
-    ck = ucl.Checkpointer(sys.argv[1], model, opt)
+    codec = sys.argv[2] if sys.argv[2] != "none" else None  # compressed: coded on threads kept between saves
+    ck = ucl.Checkpointer(sys.argv[1], model, opt, compress=codec, compress_threads=2)
     ck.save(7)
     print("saved", flush=True)  # and exit at once: no wait(), no close()
 """)
 
 
 @pytest.mark.slow
-def test_a_checkpointer_left_open_at_exit_finishes_its_save(tmp_path):
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_a_checkpointer_left_open_at_exit_finishes_its_save(tmp_path, codec):
     root = tmp_path / "ck"
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(root)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(root), codec], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     assert "saved" in done.stdout
     from ucl.store import Checkpoint, CheckpointRoot
