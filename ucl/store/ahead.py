@@ -34,8 +34,8 @@ def ahead_budget(total: int, threads: int) -> int:
 
 class CodingThreads:
     """The threads datasets are coded on, kept from one ``CodedAhead`` to the next (and with them
-    each thread's codec contexts and scratch buffers: made afresh at every save, those cost about a
-    fifth of the coding); started at first use, ended by ``close``."""
+    each thread's codec contexts and scratch buffers: made afresh at every save, on the bench's model
+    those cost about a quarter of the coding's CPU); started at first use, ended by ``close``."""
 
     def __init__(self, threads: int = 1):
         self.threads = max(1, int(threads))
@@ -71,10 +71,10 @@ class CodedAhead:
     """``items``, (key, array or tensor, logical dtype) in write order, each yielded back as (key,
     storage array, logical dtype, ``Encoded``, None for an empty array), coded ahead on the threads
     of ``threads`` (never the calling one), at most ``budget`` logical bytes ahead (default
-    ``AHEAD_BYTES`` per thread; one larger dataset goes alone). Use it in a ``with`` block: left before the last item
-    (an error, here or in the caller), it ends ``threads`` (``CodingThreads.close``), so nothing is
-    being coded any more when it returns. A coding error is raised when its dataset is taken: a
-    StoreError (UCL410) naming the dataset."""
+    ``AHEAD_BYTES`` per thread; one larger dataset goes alone). Use it in a ``with`` block: left
+    before the last item (an error, here or in the caller), it ends ``threads``
+    (``CodingThreads.close``), so nothing is being coded any more when it returns. A coding error is
+    raised when its dataset is taken: a StoreError (UCL410) naming the dataset."""
 
     def __init__(self, items: Iterable[tuple[str, Any, str | None]], codec: str, threads: CodingThreads,
                  budget: int | None = None):
