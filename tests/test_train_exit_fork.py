@@ -1,0 +1,54 @@
+"""REVIEW (fails on main at b7d45ee): the interpreter-exit hook that closes open Checkpointers
+(`_close_at_exit`, registered with threading's exit hooks) also runs in every *forked* child that
+leaves through multiprocessing (which calls ``threading._shutdown()`` on its way out: PyTorch
+DataLoader workers, ``multiprocessing.Pool`` workers on Linux). The child holds a copy of the
+parent's Checkpointer without its background threads, so ``close()`` -> ``wait()`` waits forever for
+work only the parent's threads can do: the child never exits (a DataLoader forking its workers while
+a save is in flight stalls ~5 s per worker at the end of the epoch, then SIGTERMs them; a Pool's
+``join()`` hangs). The child should leave the parent's Checkpointers alone (e.g. skip those made by
+another pid, or clear the set with ``os.register_at_fork(after_in_child=...)``)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ucl  # noqa: E402
+from ucl.train.flusher import Flusher  # noqa: E402
+
+
+def _leave() -> None:
+    return  # a worker that is done: multiprocessing runs the threading exit hooks on the way out
+
+
+def test_a_forked_child_exits_while_the_parent_has_a_save_in_flight(tmp_path, monkeypatch):
+    release = threading.Event()
+    handle = Flusher._handle
+
+    def held(self, snap):  # the parent's flush waits until the child has been watched
+        release.wait(60)
+        handle(self, snap)
+
+    monkeypatch.setattr(Flusher, "_handle", held)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    ck = ucl.Checkpointer(tmp_path / "ck", model, opt)
+    try:
+        ck.save(1)
+        child = mp.get_context("fork").Process(target=_leave)
+        child.start()
+        child.join(timeout=20)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+            child.join()
+    finally:
+        release.set()
+        ck.close()
+    assert not hung, "a forked child of a process with an open Checkpointer did not exit"
+    assert child.exitcode == 0
