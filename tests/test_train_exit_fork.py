@@ -1,4 +1,4 @@
-"""REVIEW (fails on main at b7d45ee): the interpreter-exit hook that closes open Checkpointers
+"""REVIEW tests (fail on main at ab636e8, pass on 6f4afa2). 1. The interpreter-exit hook that closes open Checkpointers
 (`_close_at_exit`, registered with threading's exit hooks) also runs in every *forked* child that
 leaves through multiprocessing (which calls ``threading._shutdown()`` on its way out: PyTorch
 DataLoader workers, ``multiprocessing.Pool`` workers on Linux). The child holds a copy of the
@@ -6,7 +6,8 @@ parent's Checkpointer without its background threads, so ``close()`` -> ``wait()
 work only the parent's threads can do: the child never exits (a DataLoader forking its workers while
 a save is in flight stalls ~5 s per worker at the end of the epoch, then SIGTERMs them; a Pool's
 ``join()`` hangs). The child should leave the parent's Checkpointers alone (e.g. skip those made by
-another pid, or clear the set with ``os.register_at_fork(after_in_child=...)``)."""
+another pid, or clear the set with ``os.register_at_fork(after_in_child=...)``). 2. The same hook
+closes a Checkpointer still used by a non-daemon thread that outlives the main thread."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -52,3 +53,40 @@ def test_a_forked_child_exits_while_the_parent_has_a_save_in_flight(tmp_path, mo
         ck.close()
     assert not hung, "a forked child of a process with an open Checkpointer did not exit"
     assert child.exitcode == 0
+
+
+THREAD_SCRIPT = """
+import sys, threading, torch, ucl
+
+def train(root, ready):
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = ucl.Checkpointer(root, model, opt)
+    ready.set()
+    while threading.main_thread().is_alive():  # stopped after the interpreter's thread exit hooks ran
+        threading.Event().wait(0.01)
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    ck.save(1)
+    ck.close()
+
+ready = threading.Event()
+threading.Thread(target=train, args=(sys.argv[1], ready)).start()  # not a daemon: Python waits for it
+ready.wait()
+"""
+
+
+@pytest.mark.slow
+def test_a_checkpointer_of_a_thread_that_outlives_the_main_thread_is_not_closed_under_it(tmp_path):
+    """REVIEW (fails on main at ab636e8, passes on 6f4afa2): threading's exit hooks run *before*
+    Python joins the non-daemon threads, so `_close_at_exit` closes a Checkpointer that a
+    still-running thread goes on using: its next save() raises UCL "save() after close()" and
+    nothing is saved."""
+    import subprocess
+    import sys
+    from ucl.store import CheckpointRoot
+    root = tmp_path / "ck"
+    done = subprocess.run([sys.executable, "-c", THREAD_SCRIPT, str(root)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "Error" not in done.stderr, done.stderr[-2000:]
+    assert CheckpointRoot(root).steps() == [1]
