@@ -1,13 +1,7 @@
-"""REVIEW tests (fail on main at ab636e8, pass on 6f4afa2). 1. The interpreter-exit hook that closes open Checkpointers
-(`_close_at_exit`, registered with threading's exit hooks) also runs in every *forked* child that
-leaves through multiprocessing (which calls ``threading._shutdown()`` on its way out: PyTorch
-DataLoader workers, ``multiprocessing.Pool`` workers on Linux). The child holds a copy of the
-parent's Checkpointer without its background threads, so ``close()`` -> ``wait()`` waits forever for
-work only the parent's threads can do: the child never exits (a DataLoader forking its workers while
-a save is in flight stalls ~5 s per worker at the end of the epoch, then SIGTERMs them; a Pool's
-``join()`` hangs). The child should leave the parent's Checkpointers alone (e.g. skip those made by
-another pid, or clear the set with ``os.register_at_fork(after_in_child=...)``). 2. The same hook
-closes a Checkpointer still used by a non-daemon thread that outlives the main thread."""
+"""The exit hook that closes open Checkpointers leaves alone what is not its own: a forked child
+(DataLoader and Pool workers run threading's exit hooks as they leave) holds copies of the parent's
+Checkpointers without their threads, and waiting for them would hang it; a Checkpointer made by a
+thread that outlives the main thread is that thread's to use and close."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -78,10 +72,8 @@ ready.wait()
 
 @pytest.mark.slow
 def test_a_checkpointer_of_a_thread_that_outlives_the_main_thread_is_not_closed_under_it(tmp_path):
-    """REVIEW (fails on main at ab636e8, passes on 6f4afa2): threading's exit hooks run *before*
-    Python joins the non-daemon threads, so `_close_at_exit` closes a Checkpointer that a
-    still-running thread goes on using: its next save() raises UCL "save() after close()" and
-    nothing is saved."""
+    """threading's exit hooks run before Python joins the non-daemon threads: closing every open
+    Checkpointer there made this thread's next save() fail ("save() after close()"), nothing saved."""
     import subprocess
     import sys
     from ucl.store import CheckpointRoot

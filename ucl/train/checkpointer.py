@@ -48,23 +48,34 @@ from .tiers import latest_of, open_tier
 from .trace import Trace
 
 
-# Checkpointers not closed yet: closed at interpreter exit, before Python stops their daemon threads
-# and tears down their process group under them (a gloo group destroyed mid-collective aborts the
-# process), and so that a save still in flight is finished rather than dropped. The hook is the
-# one concurrent.futures itself uses (run before the executors refuse work, which happens before
-# atexit's hooks run); plain atexit where Python lacks it.
-_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+# Checkpointers not closed yet, with the thread that made each: closed at interpreter exit, before
+# Python stops their daemon threads and tears down their process group under them (a gloo group
+# destroyed mid-collective aborts the process), so that a save still in flight is finished rather
+# than dropped. First pass: threading's exit hook (the one concurrent.futures uses; it runs before
+# executors refuse work, and before Python joins the non-daemon threads), for Checkpointers whose
+# maker is the main thread or has ended: one made by a thread still running is that thread's to
+# use and close. Second pass, atexit (after those threads are joined): whatever is left, best effort.
+# A forked child (DataLoader, Pool workers) holds copies without their threads: it forgets them.
+_OPEN: "weakref.WeakKeyDictionary[Checkpointer, threading.Thread]" = weakref.WeakKeyDictionary()
 
 
-def _close_at_exit() -> None:
-    for ck in list(_OPEN):
+def _close_open(only_orphans: bool) -> None:
+    main = threading.main_thread()
+    for ck, maker in list(_OPEN.items()):
+        if only_orphans and maker is not main and maker.is_alive():
+            continue
         try:
             ck.close()
         except Exception as e:  # noqa: BLE001 - at exit nobody can catch it: say it, let the others close
             warnings.warn(f"closing a Checkpointer of {ck.root.root} at exit failed: {e}", stacklevel=1)
 
 
-getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
+try:
+    getattr(threading, "_register_atexit", atexit.register)(lambda: _close_open(only_orphans=True))
+except RuntimeError:  # first imported by a thread after shutdown began: the atexit pass still runs
+    pass
+atexit.register(_close_open, only_orphans=False)
+os.register_at_fork(after_in_child=_OPEN.clear)
 
 
 class Checkpointer:
@@ -156,7 +167,7 @@ class Checkpointer:
         self._copier = Copier(self._snapshots, self._progress, self.trace, rank, device=self._device,
                               then=self._flusher.submit, stored=self._layouts.stored, tiles=tile_checksums)
         self._hook = optimizer.register_step_pre_hook(lambda *a: self._fence()) if optimizer is not None else None
-        _OPEN.add(self)
+        _OPEN[self] = threading.current_thread()
 
     def _check_same_root(self) -> None:
         """UCL430 on every process when they were given different roots (a per-process temp dir):
@@ -381,7 +392,7 @@ class Checkpointer:
         """Wait for pending work, stop the background threads, remove the hook. Idempotent."""
         if self._closed:
             return
-        _OPEN.discard(self)
+        _OPEN.pop(self, None)
         try:
             self.wait()
         finally:
