@@ -326,9 +326,10 @@ def _min_time(f, repeat: int = 5) -> float:
     return best
 
 
-def test_a_spec_beyond_the_token_cap_is_refused_before_parsing_for_less_than_parsing_llama_5_times():
+def test_a_spec_beyond_the_token_cap_is_refused_before_parsing_for_less_than_parsing_llama_10_times():
     """A 200,000-term expression (a manifest embeds its spec) parsed for > 12 s; now it is refused
-    (UCL004, naming where the cap is crossed) in less time than parsing stdlib:llama five times."""
+    (UCL004, naming where the cap is crossed) in less time than parsing stdlib:llama ten times (about
+    2.4 times here when quiet; a loaded CI machine once measured 5.3: the 600 KB text suffers more)."""
     from ucl.lang.parse import MAX_SPEC_TOKENS
     hostile = "dims a\nlet x = " + " + ".join(["a"] * 200_000) + "\n"
 
@@ -343,8 +344,8 @@ def test_a_spec_beyond_the_token_cap_is_refused_before_parsing_for_less_than_par
     k = MAX_SPEC_TOKENS - 5
     assert str(err).startswith(f"hostile.ucl:2:{9 + 2 * k}: error[UCL004]"), str(err)[:200]
     assert len(str(err)) < 400  # the 600 KB line is not echoed
-    llama = _min_time(lambda: ucl.Spec.from_file(ucl.lang.stdlib.stdlib_path("stdlib:llama")))
-    assert _min_time(refuse) < 5 * llama
+    llama = _min_time(lambda: ucl.Spec.from_file(ucl.lang.stdlib.stdlib_path("stdlib:llama")), repeat=9)
+    assert _min_time(refuse, repeat=9) < 10 * llama
 
 
 def test_every_standard_spec_is_far_below_the_token_cap():
