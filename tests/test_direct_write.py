@@ -62,7 +62,7 @@ def test_direct_writes_read_back_exactly(tmp_path_factory, sizes, shifts, seed):
     for a, on, off in zip(arrays, read_back(d / "on", len(arrays)), read_back(d / "off", len(arrays))):
         assert np.array_equal(a, on) and np.array_equal(a, off)
     big = sum(a.size // BLOCK * BLOCK for a in arrays if a.size >= MIN_DIRECT_BYTES)
-    assert w._direct.direct_bytes in (0, big)  # 0: this file system refuses O_DIRECT
+    assert w._out.disk.direct_bytes in (0, big)  # 0: this file system refuses O_DIRECT
     with Checkpoint.open(d / "on") as on, Checkpoint.open(d / "off") as off:
         assert on.verify() == []  # the checksums were taken from memory, the bytes read from disk
         assert on.manifest.datasets == off.manifest.datasets
@@ -77,8 +77,8 @@ def test_large_datasets_bypass_the_page_cache_where_the_file_system_allows(tmp_p
         pytest.skip("this file system refuses O_DIRECT")
     arrays = raw_arrays(np.random.default_rng(0), [4 * MIN_DIRECT_BYTES + 5], [0])
     w = write(tmp_path / "ck", arrays)  # durable: direct by default
-    assert w._direct.direct_bytes == 4 * MIN_DIRECT_BYTES
-    assert write(tmp_path / "lazy", arrays, durable=False)._direct.direct_bytes == 0
+    assert w._out.disk.direct_bytes == 4 * MIN_DIRECT_BYTES
+    assert write(tmp_path / "lazy", arrays, durable=False)._out.disk.direct_bytes == 0
     with h5py.File(tmp_path / "ck" / "rank_00000.h5", "r") as f:
         assert f["param/t0"].id.get_offset() % BLOCK == 0
 
@@ -94,7 +94,7 @@ def test_a_file_system_refusing_o_direct_gets_buffered_writes(tmp_path, monkeypa
     monkeypatch.setattr(direct_mod.os, "open", refuse)
     arrays = raw_arrays(np.random.default_rng(1), [2 * MIN_DIRECT_BYTES + 3, MIN_DIRECT_BYTES], [0, 16])
     w = write(tmp_path / "ck", arrays, direct=True)
-    assert w._direct.direct_bytes == 0
+    assert w._out.disk.direct_bytes == 0
     assert all(np.array_equal(a, b) for a, b in zip(arrays, read_back(tmp_path / "ck", 2)))
 
 
@@ -120,7 +120,7 @@ def test_unaligned_memory_is_written_exactly_through_the_bounce_pipeline(tmp_pat
     w = write(tmp_path / "ck", arrays, direct=True)
     for a, back in zip(arrays, read_back(tmp_path / "ck", len(arrays))):
         assert np.array_equal(a, back)
-    assert w._direct.direct_bytes in (0, sum(a.size // BLOCK * BLOCK for a in arrays))
+    assert w._out.disk.direct_bytes in (0, sum(a.size // BLOCK * BLOCK for a in arrays))
     assert {t.name for t in threading.enumerate()} <= threads  # the pipeline's helper is gone
 
 
@@ -135,7 +135,7 @@ def test_memory_the_device_takes_unaligned_is_written_without_a_copy(tmp_path, m
     w = write(tmp_path / "ck", arrays, direct=True)
     for a, back in zip(arrays, read_back(tmp_path / "ck", 3)):
         assert np.array_equal(a, back)
-    d = w._direct
+    d = w._out.disk
     if not d.direct_bytes:
         pytest.skip("this file system refuses O_DIRECT")
     dev = os.stat(tmp_path).st_dev
@@ -160,9 +160,9 @@ def test_a_device_refusing_unaligned_memory_keeps_o_direct_for_the_rest(tmp_path
     w = write(tmp_path / "ck", arrays, direct=True)
     for a, back in zip(arrays, read_back(tmp_path / "ck", 3)):
         assert np.array_equal(a, back)
-    if w._direct.direct_bytes:
+    if w._out.disk.direct_bytes:
         assert len(refused) == 1  # tried once, then remembered
-        assert w._direct.direct_bytes == sum(a.size // BLOCK * BLOCK for a in arrays)  # every aligned byte direct
+        assert w._out.disk.direct_bytes == sum(a.size // BLOCK * BLOCK for a in arrays)  # every aligned byte direct
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 5])
@@ -403,4 +403,4 @@ def test_arena_arrays_go_to_the_disk_without_a_bounce_copy(tmp_path, monkeypatch
     a[...] = np.random.default_rng(8).integers(0, 256, a.size, dtype=np.uint8)
     w = write(tmp_path / "ck", [a], direct=True)
     assert np.array_equal(read_back(tmp_path / "ck", 1)[0], a)
-    assert w._direct.direct_bytes in (0, a.size)  # 0: this file system refuses O_DIRECT
+    assert w._out.disk.direct_bytes in (0, a.size)  # 0: this file system refuses O_DIRECT

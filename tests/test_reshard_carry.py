@@ -17,7 +17,7 @@ from tests.corrupt import flip_byte
 from tests.test_checkpoint import M, _copy, assert_intact, assert_nothing_left, demo, saved  # noqa: F401
 from ucl.errors import StoreError
 from ucl.store.checksum import Digests, checksums
-from ucl.store.writer import known_digests
+from ucl.store.ledger import known_digests
 import ucl.store.writer as store_writer
 
 streamed_module = importlib.import_module("ucl.ops.streamed")

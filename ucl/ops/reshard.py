@@ -24,7 +24,8 @@ from ..plan.ir import Plan
 from ..store.codec import check_codec
 from ..store.reader import Checkpoint
 from ..store.source import StoreSource
-from ..store.writer import CheckpointWriter, Filled
+from ..store.ledger import Filled
+from ..store.writer import CheckpointWriter
 from .collective import commit_collectively
 from .dist import allgather_json, gloo_group, initialized_dist
 from .prepare import check_stored, manifest_fields, mesh_of, model_of, open_checkpoint, plan_for, resolve_root

@@ -16,7 +16,8 @@ from ..plan.stream import StridedCopy, fill_block, fill_parts, parts_in, strided
 from ..store.checksum import Digests
 from ..store.like import CheckpointLike
 from ..store.reader import Checkpoint
-from ..store.writer import STREAM_DEPTH, CheckpointWriter
+from ..store.behind import STREAM_DEPTH
+from ..store.writer import CheckpointWriter
 
 STREAM_BLOCK_BYTES = 2 << 20  # a streamed dataset passes in blocks of this size: hashed and written from cache
 MIN_STREAM_BYTES = 1 << 20  # smaller datasets are assembled whole (a block or less either way)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -138,6 +138,28 @@ class RankTemplate:
                 arr = arrays[key]
                 self.put(path, key, 0, arr.reshape(-1).view(np.uint8), write_large)
                 found[key] = known.get(key) or checksums(arr, tiles=self.tiles)
+            return self.finish(fd, path, found, write_large)
+        finally:
+            os.close(fd)
+
+    def stream(self, path: str, pieces: Iterable[tuple[str, int, np.ndarray]],
+               digests: Callable[[], Mapping[str, Digests]], write_large) -> dict[str, Placed]:
+        """Create rank file ``path`` as ``write`` does, from ``pieces``: (key, byte offset in the
+        dataset, flat uint8 bytes), each ``put`` before the next is drawn. ``digests()``, called after
+        the last piece, gives every dataset's checksums; each dataset must have got all its bytes
+        (UCL409 otherwise)."""
+        fd = self.begin(path)
+        try:
+            got = dict.fromkeys(self.datasets, 0)
+            for key, start, raw in pieces:
+                self.put(path, key, start, raw, write_large)
+                got[key] += raw.size
+            found = digests()
+            short = [k for k, t in self.datasets.items() if got[k] != t.nbytes or k not in found]
+            if short:
+                raise StoreError(f"rank {self.rank}: {len(short)} datasets were not streamed whole (e.g. "
+                                 f"{short[0]!r}: {got[short[0]]} of {self.datasets[short[0]].nbytes} bytes)",
+                                 code="UCL409")
             return self.finish(fd, path, found, write_large)
         finally:
             os.close(fd)

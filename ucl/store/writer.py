@@ -6,8 +6,7 @@ import contextlib
 import math
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -17,57 +16,13 @@ from ..errors import StoreError
 from ..layout.boxes import flat_boxes
 from . import h5
 from .atomic import TempDir, final_name_of, fsync_path, is_tmp_name, publish_dir, write_atomic
-from .checksum import (Digests, IncrementalChecksum, checksum_fields, checksums, chunk_count, chunk_size, is_checksum,
-                       raw_bytes, tile_grid)
+from .behind import WriteBehind
+from .checksum import Digests, IncrementalChecksum, checksums, raw_bytes
 from .codec import Encoded, check_codec, encode, frame_table_digest
-from .direct import MIN_DIRECT_BYTES, DirectWriter
+from .direct import MIN_DIRECT_BYTES
+from .ledger import Filled, Ledger, entry_fields, known_digests
 from .template import RankTemplate, allocate
-from .manifest import COMPRESSED_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLES_NAME, Manifest, check_entry, file_name, split_key
-
-
-@dataclass(frozen=True)
-class Filled:
-    """A dataset another process filled in a laid-out rank file (``CheckpointWriter.fill``): what the
-    writer that laid the file out needs to finish it (``adopt_filled``)."""
-
-    rank: int
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    digests: Digests
-
-
-def entry_fields(dtype: str, shape: Sequence[int], digests: Digests, offset: int | None,
-                 tables: int | None = None) -> dict[str, Any]:
-    """A dataset's manifest entry (docs/format.md): dtype, shape, checksums, and where its bytes and
-    digest tables are in the rank file, where known."""
-    e = {"dtype": dtype, "shape": list(shape), **checksum_fields(digests)}
-    if offset is not None:
-        e["offset"] = offset
-    if tables is not None:
-        e["tables"] = tables
-    return e
-
-
-def known_digests(digests: Digests, shape: Sequence[int], sdtype: Any, key: str) -> Digests:
-    """``digests`` handed to a writer for data it does not hash again (``write``, ``fill``,
-    ``write_stream``): those of a source dataset of the same shape and storage type whose every byte
-    the caller read and verified against them (a dataset copied whole; docs/format.md, "Digests
-    carried over"). Their tables must be what the format's rules give for that shape (UCL409)."""
-    shape, sdtype = tuple(int(x) for x in shape), np.dtype(sdtype)
-    size = chunk_size(math.prod(shape) * sdtype.itemsize)
-    grid = tile_grid(shape, sdtype.itemsize)
-    chunks_ok = (digests.chunks is None) if size is None else (
-        digests.chunks is not None and digests.chunks[0] == size and digests.chunks[1].shape == (chunk_count(
-            math.prod(shape) * sdtype.itemsize),))
-    tiles_ok = digests.tiles is None or (digests.tiles[0] == grid and digests.tiles[1].shape == (grid.count,))
-    if not (is_checksum(digests.whole) and chunks_ok and tiles_ok):
-        raise StoreError(f"checksums handed over for {key!r} do not fit a {sdtype} dataset of shape {list(shape)}",
-                         code="UCL409")
-    return digests
-
-
-STREAM_DEPTH = 2  # write_stream pieces queued for the write-behind thread at most
+from .manifest import COMPRESSED_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLES_NAME, Manifest, check_entry, file_name
 
 
 class CheckpointWriter:
@@ -141,20 +96,11 @@ class CheckpointWriter:
         # dataset at most is in flight.
         self.direct = durable if direct is None else bool(direct)
         self.write_behind = bool(write_behind)
-        self._direct = DirectWriter()
-        self._behind: ThreadPoolExecutor | None = ThreadPoolExecutor(1, "ucl-write") if write_behind else None
-        self._inflight: Future | None = None
-        self._queued: list[Future] = []  # write_stream's pieces being written, oldest first
+        self._out = WriteBehind(self.direct, self.write_behind)
         self._lock = threading.RLock()
-        self._entries: list[dict[str, dict[str, Any]]] = [{} for _ in range(nranks)]
-        self._tables: list[list[np.ndarray]] = [[] for _ in range(nranks)]  # digest tables, per rank file
-        self._table_at: list[dict[str, int]] = [{} for _ in range(nranks)]  # key -> its first value's index there
-        self._table_len = [0] * nranks
+        self._ledger = Ledger(nranks)  # entries, digest tables, laid-out datasets, files made or adopted
         self._pending: dict[tuple[int, str], IncrementalChecksum] = {}
-        self._laid: dict[int, dict[str, tuple[tuple[int, ...], str, int | None]]] = {}  # rank -> unfilled datasets
         self.filled: list[Filled] = []  # datasets this writer filled in files other writers laid out
-        self._created: set[int] = set()
-        self._adopted: set[int] = set()
         self._handles = h5.Handles(self._open_rank, max_open)
 
     def __enter__(self) -> "CheckpointWriter":
@@ -170,10 +116,10 @@ class CheckpointWriter:
 
     def _open_rank(self, rank: int) -> Any:
         p = os.path.join(self.tmp_path, file_name(rank))
-        if rank in self._created:
+        if rank in self._ledger.created:
             return h5.open_h5(p, "r+")
         f = h5.open_h5(p, "w-")
-        self._created.add(rank)
+        self._ledger.created.add(rank)
         f.attrs["ucl_format"], f.attrs["ucl_version"], f.attrs["ucl_rank"] = FORMAT_NAME, FORMAT_VERSION, rank
         return f
 
@@ -197,14 +143,8 @@ class CheckpointWriter:
 
     def _new_key(self, rank: int, key: str) -> tuple[str, str]:
         self._check_open()
-        kind, name = split_key(key)
-        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.nranks:
-            raise StoreError(f"no rank {rank} ({self.nranks} ranks)", code="UCL408")
-        if rank in self._adopted:
-            raise StoreError(f"rank {rank} was adopted from another writer", code="UCL411")
-        if key in self._entries[rank] or key in self._laid.get(rank, ()):
-            raise StoreError(f"rank {rank} dataset {key!r} written twice", code="UCL411")
-        if rank not in self._created and os.path.exists(os.path.join(self.tmp_path, file_name(rank))):
+        kind, name = self._ledger.claim(rank, key)
+        if rank not in self._ledger.created and os.path.exists(os.path.join(self.tmp_path, file_name(rank))):
             raise StoreError(f"rank {rank}'s file was written by another writer", code="UCL411")
         return kind, name
 
@@ -227,11 +167,11 @@ class CheckpointWriter:
             if enc is not None and enc.stored.size < arr.nbytes:  # else plain: coding did not shrink it
                 return self._write_packed(rank, key, kind, name, arr, logical, enc, digests)
             with self._io():
-                self._settle()  # whatever path this dataset takes, the caller may reuse the last one's array
+                self._out.settle()  # whatever path this dataset takes, the caller may reuse the last one's array
                 f, _ = self._handles.get(rank)
                 if (self.direct or self.write_behind) and arr.nbytes >= MIN_DIRECT_BYTES:  # written by us
                     d, offset = h5.create_allocated(f.require_group(kind), name, arr.shape, arr.dtype)
-                    self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
+                    self._out.put(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
                 else:
                     d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
                     offset = h5.data_offset(d)
@@ -239,7 +179,7 @@ class CheckpointWriter:
                 digests = checksums(arr, tiles=tiles) if digests is None else \
                     known_digests(digests, arr.shape, arr.dtype, key)
                 h5.set_checksum_tables(d, digests)
-            self._entries[rank][key] = self._entry(rank, key, logical, arr.shape, digests, offset)
+            self._ledger.record(rank, key, logical, arr.shape, digests, offset)
 
     def _write_packed(self, rank: int, key: str, kind: str, name: str, arr: np.ndarray, logical: str,
                       enc: Any, digests: Digests | None) -> None:
@@ -247,20 +187,19 @@ class CheckpointWriter:
         dataset of the stored bytes, with its frame table, and the checksums of the logical bytes."""
         digests = checksums(arr) if digests is None else known_digests(digests, arr.shape, arr.dtype, key)
         with self._io():
-            self._settle()
+            self._out.settle()
             f, _ = self._handles.get(rank)
             n = enc.stored.size
             # always written by us (a fresh buffer: nobody reuses it): h5py's create_dataset with data
             # cost more than coding a small dataset
             d, offset = h5.create_allocated(f.require_group(kind), name, (n,), np.dtype(np.uint8))
-            self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, enc.stored)
+            self._out.put(os.path.join(self.tmp_path, file_name(rank)), offset, enc.stored)
             # the digest tables are in ucl_tables only (their attributes would tell HDF5 tools nothing:
             # these bytes are coded), as the training checkpointer's plain datasets have them
             h5.set_text_attrs(d, ucl_dtype=logical, ucl_encoding=self.compress)
-        e = self._entry(rank, key, logical, arr.shape, digests, offset, enc.table())
+        e = self._ledger.record(rank, key, logical, arr.shape, digests, offset, enc.table())
         e.update(encoding=self.compress, stored=n, group=enc.group,
                  frames=frame_table_digest(digests.whole, self.compress, n, enc.ends, enc.digests, enc.group))
-        self._entries[rank][key] = e
 
     def write_stream(self, targets: Mapping[int, int | None], key: str, shape: Sequence[int], dtype: str,
                      pieces: Iterable[np.ndarray], *, digests: Digests | None = None, tiles: bool = True) -> None:
@@ -281,7 +220,7 @@ class CheckpointWriter:
             at: dict[int, tuple[str, int]] = {}
             made = {}
             with self._io():
-                self._settle(pieces=False)  # the pieces of earlier streams may still be in flight
+                self._out.settle(pieces=False)  # the pieces of earlier streams may still be in flight
                 for rank, offset in sorted(targets.items()):
                     path = os.path.join(self.tmp_path, file_name(rank))
                     if offset is None:
@@ -303,7 +242,7 @@ class CheckpointWriter:
                         h.advance(pos, piece)
                     raw = raw_bytes(piece)
                     spots = [(p, o + pos * sdtype.itemsize) for p, o in at.values()]
-                    self._write_pieces(spots, raw)
+                    self._out.put_piece(spots, raw)
                     pos += piece.size
                 digests = (known if pos == total else None) if h is None else h.result(total)
                 if digests is None:
@@ -311,23 +250,10 @@ class CheckpointWriter:
                                      code="UCL409")
                 for rank, (d, offset) in made.items():
                     h5.set_checksum_tables(d, digests)
-                    self._entries[rank][key] = self._entry(rank, key, dtype, shape, digests, offset)
+                    self._ledger.record(rank, key, dtype, shape, digests, offset)
             for rank in targets:
                 if rank not in made:
                     self.filled.append(Filled(int(rank), key, dtype, shape, digests))
-
-    def _write_pieces(self, spots: Sequence[tuple[str, int]], raw: np.ndarray) -> None:
-        """``raw`` at each (path, byte offset) of ``spots``: in the write-behind thread, one piece
-        in flight, or here."""
-        def write() -> None:
-            for path, offset in spots:
-                self._direct.write(path, offset, raw, self.direct)
-        if self._behind is None:
-            write()
-        else:
-            self._queued.append(self._behind.submit(write))
-            while len(self._queued) > STREAM_DEPTH:
-                self._queued.pop(0).result()
 
     def lay_out(self, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]]) -> dict[str, int | None]:
         """Create rank ``rank``'s file with every dataset of ``datasets`` (key -> (shape, dtype))
@@ -337,18 +263,11 @@ class CheckpointWriter:
         with self._lock:
             for key in datasets:
                 self._new_key(rank, key)
-            laid = self._laid.setdefault(rank, {})
             specs = {key: (tuple(int(x) for x in shape), dtype) for key, (shape, dtype) in sorted(datasets.items())}
-            for key, (shape, _) in specs.items():
-                if key in laid or any(x < 0 for x in shape):
-                    raise StoreError(f"cannot lay out rank {rank} dataset {key!r} of shape {list(shape)}",
-                                     code="UCL411")
             with self._io():
-                f, _ = self._handles.get(rank)
-                for key, offset in allocate(f, specs).items():
-                    laid[key] = (*specs[key], offset)
+                offsets = self._ledger.lay(rank, specs, lambda: allocate(self._handles.get(rank)[0], specs))
                 self._handles.release(rank)  # others write into it from now on
-            return {key: offset for key, (_, _, offset) in laid.items()}
+            return offsets
 
     def fill(self, rank: int, key: str, offset: int | None, data: Any, *, dtype: str | None = None,
              digests: Digests | None = None, tiles: bool = True) -> None:
@@ -359,9 +278,9 @@ class CheckpointWriter:
             self._check_open()
             arr, logical = _dt.to_numpy(data, dtype)
             with self._io():
-                self._settle()
+                self._out.settle()
                 if offset is not None and arr.nbytes:
-                    self._write_bytes(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
+                    self._out.put(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
                 digests = checksums(arr, tiles=tiles) if digests is None else \
                     known_digests(digests, arr.shape, arr.dtype, key)
             self.filled.append(Filled(int(rank), key, logical, tuple(arr.shape), digests))
@@ -373,18 +292,10 @@ class CheckpointWriter:
             self._check_open()
             with self._io():
                 for p in filled:
-                    laid = self._laid.get(p.rank, {}).get(p.key)
-                    if laid is None:
-                        raise StoreError(f"rank {p.rank} dataset {p.key!r} was not laid out by this writer, or was "
-                                         "filled twice", code="UCL411")
-                    shape, dtype, offset = laid
-                    if (p.shape, p.dtype) != (shape, dtype):
-                        raise StoreError(f"rank {p.rank} dataset {p.key!r} was laid out as {dtype} {list(shape)}, "
-                                         f"filled with {p.dtype} {list(p.shape)}", code="UCL409")
-                    del self._laid[p.rank][p.key]
+                    shape, dtype, offset = self._ledger.take_filled(p)
                     f, _ = self._handles.get(p.rank)
                     h5.set_checksum_tables(f[p.key], p.digests)
-                    self._entries[p.rank][p.key] = self._entry(p.rank, p.key, dtype, shape, p.digests, offset)
+                    self._ledger.record(p.rank, p.key, dtype, shape, p.digests, offset)
 
     def template(self, rank: int, datasets: Mapping[str, tuple[Sequence[int], str]], *,
                  tiles: bool = True) -> RankTemplate:
@@ -411,16 +322,16 @@ class CheckpointWriter:
             path = os.path.join(self.tmp_path, file_name(rank))
 
             def write_large(p: str, offset: int, raw: np.ndarray) -> None:
-                self._settle()  # one dataset in flight, as in write()
-                self._write_bytes(p, offset, raw)
+                self._out.settle()  # one dataset in flight, as in write()
+                self._out.put(p, offset, raw)
             with self._io():
-                self._settle()
+                self._out.settle()
                 placed = template.write(path, arrays, write_large, digests)
-                self._settle()
-            self._created.add(rank)
+                self._out.settle()
+            self._ledger.created.add(rank)
             for key, t in template.datasets.items():
                 p = placed[key]
-                self._entries[rank][key] = entry_fields(t.dtype, t.shape, p.digests, t.offset, p.tables)
+                self._ledger.entries[rank][key] = entry_fields(t.dtype, t.shape, p.digests, t.offset, p.tables)
 
     def write_pieces(self, rank: int, template: RankTemplate, pieces: Iterable[tuple[str, int, np.ndarray]],
                      digests: Callable[[], Mapping[str, Digests]]) -> None:
@@ -436,79 +347,23 @@ class CheckpointWriter:
             path = os.path.join(self.tmp_path, file_name(rank))
 
             def write_large(p: str, offset: int, raw: np.ndarray) -> None:
-                self._direct.write(p, offset, raw, self.direct)  # here: the piece is released after
+                self._out.now(p, offset, raw)  # here: the piece is released after
             with self._io():
-                self._settle()
-                fd = template.begin(path)
-                try:
-                    got = dict.fromkeys(template.datasets, 0)
-                    for key, start, raw in pieces:
-                        template.put(path, key, start, raw, write_large)
-                        got[key] += raw.size
-                    found = digests()
-                    short = [k for k, t in template.datasets.items() if got[k] != t.nbytes or k not in found]
-                    if short:
-                        raise StoreError(f"rank {rank}: {len(short)} datasets were not streamed whole (e.g. "
-                                         f"{short[0]!r}: {got[short[0]]} of {template.datasets[short[0]].nbytes} "
-                                         "bytes)", code="UCL409")
-                    placed = template.finish(fd, path, found, write_large)
-                finally:
-                    os.close(fd)
-            self._created.add(rank)
+                self._out.settle()
+                placed = template.stream(path, pieces, digests, write_large)
+            self._ledger.created.add(rank)
             for key, t in template.datasets.items():
                 p = placed[key]
-                self._entries[rank][key] = entry_fields(t.dtype, t.shape, p.digests, t.offset, p.tables)
-
-    def _entry(self, rank: int, key: str, dtype: str, shape: Sequence[int], digests: Any,
-               offset: int | None, frames: np.ndarray | None = None) -> dict[str, Any]:
-        """A manifest entry; its digest tables (and a compressed dataset's ``frames`` table after
-        them) are queued for the rank file's ``ucl_tables``."""
-        e = entry_fields(dtype, shape, digests, offset)
-        values = digests.table()
-        if frames is not None:
-            values = frames if values is None else np.concatenate([values, frames])
-        if values is not None:
-            self._table_at[rank][key] = self._table_len[rank]
-            self._tables[rank].append(values)
-            self._table_len[rank] += values.size
-        return e
-
-    def _write_tables(self, rank: int) -> None:
-        """The rank file's ``ucl_tables`` (every queued digest table, docs/format.md); each entry's
-        ``tables`` becomes the byte offset of its own."""
-        queued = self._tables[rank]
-        if not queued:
-            return
-        f, _ = self._handles.get(rank)
-        base = h5.create_table(f, TABLES_NAME, np.concatenate(queued))
-        for key, at in self._table_at[rank].items():
-            self._entries[rank][key]["tables"] = base + 8 * at
-        queued.clear()
+                self._ledger.entries[rank][key] = entry_fields(t.dtype, t.shape, p.digests, t.offset, p.tables)
 
     @property
     def write_cpu_seconds(self) -> float:
         """CPU time spent writing large datasets' bytes so far, in whichever thread wrote them
         (write-behind included; read it after ``commit``, when no write is in flight)."""
-        return self._direct.cpu_seconds
-
-    def _write_bytes(self, path: str, offset: int, raw: np.ndarray) -> None:
-        if self._behind is None:
-            self._direct.write(path, offset, raw, self.direct)
-        else:
-            self._inflight = self._behind.submit(self._direct.write, path, offset, raw, self.direct)
-
-    def _settle(self, pieces: bool = True) -> None:
-        """Wait for the dataset in flight (and the streamed pieces); its I/O error is raised here."""
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            inflight.result()
-        while pieces and self._queued:
-            self._queued.pop(0).result()
+        return self._out.disk.cpu_seconds
 
     def _stop_behind(self) -> None:
-        if self._behind is not None:
-            self._behind.shutdown(wait=True)
-            self._behind = None
+        self._out.close()
         if getattr(self, "_coders", None) is not None:
             self._coders.shutdown(wait=True)
             self._coders = None
@@ -525,7 +380,7 @@ class CheckpointWriter:
                 d = h5.create_dataset(f.require_group(kind), name, shape, _dt.storage_dtype(dtype))
                 d.attrs["ucl_dtype"] = dtype
                 cache[key] = d
-            self._entries[rank][key] = {"dtype": dtype, "shape": list(shape), "checksum": None}
+            self._ledger.entries[rank][key] = {"dtype": dtype, "shape": list(shape), "checksum": None}
             self._pending[(rank, key)] = IncrementalChecksum(shape, _dt.storage_dtype(dtype))
 
     def _prealloc(self, rank: int, key: str, data: Any) -> tuple[Any, tuple[int, ...], IncrementalChecksum, np.ndarray]:
@@ -533,7 +388,7 @@ class CheckpointWriter:
         p = self._pending.get((rank, key))
         if p is None:
             raise StoreError(f"rank {rank} dataset {key!r} was not made by create()", code="UCL411")
-        e = self._entries[rank][key]
+        e = self._ledger.entries[rank][key]
         want = _dt.storage_dtype(e["dtype"])
         if isinstance(data, np.ndarray) and data.dtype == want:
             arr = _dt.contiguous(data)  # raw storage bits
@@ -542,7 +397,7 @@ class CheckpointWriter:
             if got != e["dtype"]:
                 raise StoreError(f"rank {rank} dataset {key!r} is {e['dtype']}, data is {got}", code="UCL409")
         with self._io():
-            self._settle()
+            self._out.settle()
             f, cache = self._handles.get(rank)
             d = cache.get(key)
             if d is None:
@@ -590,24 +445,25 @@ class CheckpointWriter:
     def _flush(self, ranks: Sequence[int]) -> None:
         """Finish checksums, close files, create empty files for ``ranks`` lacking one, fsync them."""
         with self._io():
-            self._settle()
+            self._out.settle()
             self._stop_behind()
             for (rank, key), p in sorted(self._pending.items()):
-                e = self._entries[rank][key]
-                shape = tuple(e["shape"])
+                e = self._ledger.entries[rank][key]  # create()'s entry, checksums to come
+                dtype, shape = e["dtype"], tuple(e["shape"])
                 d = self._handles.get(rank)[0][key]
-                digests = p.result(math.prod(shape)) or h5.checksum_dataset(d, shape, _dt.storage_dtype(e["dtype"]))
-                e.update(self._entry(rank, key, e["dtype"], shape, digests, h5.data_offset(d)))
+                digests = p.result(math.prod(shape)) or h5.checksum_dataset(d, shape, _dt.storage_dtype(dtype))
+                self._ledger.record(rank, key, dtype, shape, digests, h5.data_offset(d))
                 h5.set_checksum_tables(d, digests)
             self._pending.clear()
-            unfilled = {r: sorted(laid) for r, laid in self._laid.items() if laid}
+            unfilled = self._ledger.unfilled()
             if unfilled:
                 raise StoreError(f"datasets laid out but never filled: {unfilled}", code="UCL411")
             for rank in ranks:
-                if rank not in self._created:
+                if rank not in self._ledger.created:
                     self._handles.get(rank)
-            for rank in sorted(self._created):
-                self._write_tables(rank)
+            for rank in sorted(self._ledger.created):  # each file's digest tables, in its ucl_tables
+                self._ledger.place_tables(rank, lambda values: h5.create_table(self._handles.get(rank)[0], TABLES_NAME,
+                                                                               values))
             self._handles.close(strict=True)  # HDF5 writes metadata here: a full disk must fail the commit
             for rank in ranks if self.durable else ():
                 fsync_path(os.path.join(self.tmp_path, file_name(rank)))
@@ -617,23 +473,23 @@ class CheckpointWriter:
         ``ranks`` (default: those written) get a file even if empty."""
         with self._lock:
             self._check_open()
-            ranks = sorted(self._created | set(ranks or ()))
+            ranks = sorted(self._ledger.created | set(ranks or ()))
             self._flush(ranks)
             self._state = "finished"
-            return {r: self._entries[r] for r in ranks}
+            return {r: self._ledger.entries[r] for r in ranks}
 
     def adopt(self, rank: int, entries: dict[str, dict[str, Any]]) -> None:
         """Owner side: take over rank ``rank``, whose file another process wrote into ``tmp_path``."""
         with self._lock:
             self._check_open()
-            if not self._owner or not 0 <= rank < self.nranks or rank in self._created:
+            if not self._owner or not 0 <= rank < self.nranks or rank in self._ledger.created:
                 raise StoreError(f"cannot adopt rank {rank}", code="UCL411")
             if not os.path.isfile(os.path.join(self.tmp_path, file_name(rank))):
                 raise StoreError(f"cannot adopt rank {rank}: {file_name(rank)} not in {self.tmp_path}", code="UCL411")
             for key, e in entries.items():
                 check_entry(rank, key, e)
-            self._entries[rank] = {k: dict(e) for k, e in entries.items()}
-            self._adopted.add(rank)
+            self._ledger.entries[rank] = {k: dict(e) for k, e in entries.items()}
+            self._ledger.adopted.add(rank)
 
     def commit(self) -> str:
         """Flush, fsync, write manifest.json, then rename the temp dir to ``path``. Returns ``path``.
@@ -643,9 +499,9 @@ class CheckpointWriter:
             if not self._owner:
                 raise StoreError("a joined writer cannot commit; call finish()", code="UCL411")
             try:
-                self._flush([r for r in range(self.nranks) if r not in self._adopted])
-                self.manifest.datasets, self.manifest.created = self._entries, None
-                if any("encoding" in e for entries in self._entries for e in entries.values()):
+                self._flush([r for r in range(self.nranks) if r not in self._ledger.adopted])
+                self.manifest.datasets, self.manifest.created = self._ledger.entries, None
+                if any("encoding" in e for entries in self._ledger.entries for e in entries.values()):
                     self.manifest.version = COMPRESSED_VERSION  # older readers refuse it (UCL402)
                 text = self.manifest.to_json().encode()
                 with self._io():
@@ -665,12 +521,12 @@ class CheckpointWriter:
                 return
             self._state = "aborted"
             with contextlib.suppress(BaseException):  # nothing may still be writing into what is discarded
-                self._settle()
+                self._out.settle()
             self._stop_behind()
             self._handles.discard()
             if self._owner:
                 self._tmp.discard()
             else:
-                for rank in self._created:
+                for rank in self._ledger.created:
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(self.tmp_path, file_name(rank)))
