@@ -101,17 +101,17 @@ class Ledger:
         self.entries[rank][key] = e
         return e
 
-    def place_tables(self, rank: int, store: Callable[[np.ndarray], int]) -> None:
-        """Hand rank ``rank``'s queued digest tables, concatenated, to ``store`` (which writes the file's
-        ``ucl_tables`` and returns its byte offset), if any are queued; each entry's ``tables`` becomes
-        the byte offset of its own."""
+    def queued_tables(self, rank: int) -> np.ndarray | None:
+        """Rank ``rank``'s digest tables queued for its ``ucl_tables``, concatenated (None: none)."""
         queued = self._tables[rank]
-        if not queued:
-            return
-        base = store(np.concatenate(queued))
+        return np.concatenate(queued) if queued else None
+
+    def place_tables(self, rank: int, base: int) -> None:
+        """Rank ``rank``'s ``ucl_tables`` was written at byte ``base`` of its file: each entry's
+        ``tables`` becomes the byte offset of its own; the queue is emptied."""
         for key, at in self._table_at[rank].items():
             self.entries[rank][key]["tables"] = base + 8 * at
-        queued.clear()
+        self._tables[rank].clear()
 
     def lay(self, rank: int, specs: Mapping[str, tuple[tuple[int, ...], str]],
             allocate: Callable[[], Mapping[str, int | None]]) -> dict[str, int | None]:

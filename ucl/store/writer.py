@@ -13,8 +13,7 @@ import numpy as np
 
 from .. import dtypes as _dt
 from ..errors import StoreError
-from ..layout.boxes import flat_boxes
-from . import h5
+from . import h5, piecewise
 from .atomic import TempDir, final_name_of, fsync_path, is_tmp_name, publish_dir, write_atomic
 from .behind import WriteBehind
 from .checksum import Digests, IncrementalChecksum, checksums, raw_bytes
@@ -99,7 +98,7 @@ class CheckpointWriter:
         self._out = WriteBehind(self.direct, self.write_behind)
         self._lock = threading.RLock()
         self._ledger = Ledger(nranks)  # entries, digest tables, laid-out datasets, files made or adopted
-        self._pending: dict[tuple[int, str], IncrementalChecksum] = {}
+        self._piecewise = piecewise.Piecewise()  # datasets made by create(), written by write_flat/write_box
         self.filled: list[Filled] = []  # datasets this writer filled in files other writers laid out
         self._handles = h5.Handles(self._open_rank, max_open)
 
@@ -371,31 +370,22 @@ class CheckpointWriter:
     def create(self, rank: int, key: str, shape: Sequence[int], dtype: str) -> None:
         """Preallocate a dataset to fill with ``write_flat``/``write_box``; unwritten elements read as 0."""
         with self._lock:
-            kind, name = self._new_key(rank, key)
+            self._new_key(rank, key)
             shape = tuple(int(x) for x in shape)
             if any(x < 0 for x in shape):
                 raise StoreError(f"negative shape {list(shape)} for {key!r}", code="UCL409")
             with self._io():
                 f, cache = self._handles.get(rank)
-                d = h5.create_dataset(f.require_group(kind), name, shape, _dt.storage_dtype(dtype))
-                d.attrs["ucl_dtype"] = dtype
-                cache[key] = d
+                cache[key] = self._piecewise.create(f, rank, key, shape, dtype)
             self._ledger.entries[rank][key] = {"dtype": dtype, "shape": list(shape), "checksum": None}
-            self._pending[(rank, key)] = IncrementalChecksum(shape, _dt.storage_dtype(dtype))
 
     def _prealloc(self, rank: int, key: str, data: Any) -> tuple[Any, tuple[int, ...], IncrementalChecksum, np.ndarray]:
+        """A preallocated dataset ``data`` goes into (once the write in flight is done): its HDF5
+        dataset, shape, running checksums, and ``data`` as storage."""
         self._check_open()
-        p = self._pending.get((rank, key))
-        if p is None:
-            raise StoreError(f"rank {rank} dataset {key!r} was not made by create()", code="UCL411")
+        p = self._piecewise.checksum(rank, key)
         e = self._ledger.entries[rank][key]
-        want = _dt.storage_dtype(e["dtype"])
-        if isinstance(data, np.ndarray) and data.dtype == want:
-            arr = _dt.contiguous(data)  # raw storage bits
-        else:
-            arr, got = _dt.to_numpy(data)
-            if got != e["dtype"]:
-                raise StoreError(f"rank {rank} dataset {key!r} is {e['dtype']}, data is {got}", code="UCL409")
+        arr = piecewise.storage(data, e["dtype"], f"rank {rank} dataset {key!r}")
         with self._io():
             self._out.settle()
             f, cache = self._handles.get(rank)
@@ -408,28 +398,15 @@ class CheckpointWriter:
         """Write ``data`` (flattened) at row-major flat offset ``start`` of a preallocated dataset."""
         with self._lock:
             d, shape, p, arr = self._prealloc(rank, key, data)
-            flat, start = arr.reshape(-1), int(start)
-            if start < 0 or start + flat.size > math.prod(shape):
-                raise StoreError(f"flat range [{start}, {start + flat.size}) out of bounds for rank {rank} "
-                                 f"dataset {key!r} of {math.prod(shape)} elements", code="UCL409")
             with self._io():
-                for off, starts, sizes in flat_boxes(shape, start, start + flat.size):
-                    n = math.prod(sizes)
-                    h5.write_box(d, starts, sizes, flat[off - start: off - start + n].reshape(sizes))
-            p.advance(start, flat)
+                piecewise.write_flat(d, shape, p, int(start), arr, f"rank {rank} dataset {key!r}")
 
     def write_box(self, rank: int, key: str, starts: Sequence[int], data: Any) -> None:
         """Write ``data`` into the box at ``starts`` (sizes = ``data.shape``) of a preallocated dataset."""
         with self._lock:
             d, shape, p, arr = self._prealloc(rank, key, data)
-            starts = tuple(int(s) for s in starts)
-            h5.check_box(starts, arr.shape, shape, f"rank {rank} dataset {key!r}")
             with self._io():
-                h5.write_box(d, starts, arr.shape, arr)
-            if arr.shape == shape:
-                p.advance(0, arr.reshape(-1))
-            elif arr.size:
-                p.in_order = False
+                piecewise.write_box(d, shape, p, tuple(int(s) for s in starts), arr, f"rank {rank} dataset {key!r}")
 
     def write_slice(self, rank: int, key: str, where: Any, data: Any) -> None:
         """``where`` is a flat offset (int), box starts (ints) or a tuple of unit-step slices."""
@@ -447,14 +424,14 @@ class CheckpointWriter:
         with self._io():
             self._out.settle()
             self._stop_behind()
-            for (rank, key), p in sorted(self._pending.items()):
+            for (rank, key), p in self._piecewise.pending():
                 e = self._ledger.entries[rank][key]  # create()'s entry, checksums to come
                 dtype, shape = e["dtype"], tuple(e["shape"])
                 d = self._handles.get(rank)[0][key]
                 digests = p.result(math.prod(shape)) or h5.checksum_dataset(d, shape, _dt.storage_dtype(dtype))
                 self._ledger.record(rank, key, dtype, shape, digests, h5.data_offset(d))
                 h5.set_checksum_tables(d, digests)
-            self._pending.clear()
+            self._piecewise.clear()
             unfilled = self._ledger.unfilled()
             if unfilled:
                 raise StoreError(f"datasets laid out but never filled: {unfilled}", code="UCL411")
@@ -462,8 +439,9 @@ class CheckpointWriter:
                 if rank not in self._ledger.created:
                     self._handles.get(rank)
             for rank in sorted(self._ledger.created):  # each file's digest tables, in its ucl_tables
-                self._ledger.place_tables(rank, lambda values: h5.create_table(self._handles.get(rank)[0], TABLES_NAME,
-                                                                               values))
+                values = self._ledger.queued_tables(rank)
+                if values is not None:
+                    self._ledger.place_tables(rank, h5.create_table(self._handles.get(rank)[0], TABLES_NAME, values))
             self._handles.close(strict=True)  # HDF5 writes metadata here: a full disk must fail the commit
             for rank in ranks if self.durable else ():
                 fsync_path(os.path.join(self.tmp_path, file_name(rank)))
