@@ -19,14 +19,14 @@ from ..plan.buffers import Arena
 from . import h5
 from .atomic import is_tmp_name
 from . import raw
-from .checksum import (Digests, TileGrid, TilePlan, band_digests, checksum_of, checksums, chunk_count, chunk_digests,
-                       chunk_size, chunk_table_digest, raw_bytes, tile_grid, tile_plan, tile_table_digest)
+from .checksum import (Digests, TileGrid, checksum_of, checksums, chunk_count, chunk_size, chunk_table_digest,
+                       tile_grid, tile_table_digest)
 from .codec import units_of
 from .like import ManifestBacked
 from .manifest import MANIFEST_NAME, TABLES_NAME, DatasetInfo, Manifest
 from .packed import PackedDataset, ReadCount, open_packed
 from .raw import RawFile
-from .runs import chunks_touched, columns_wanted, one_range
+from .verified import Verifiable, VerifiedRuns
 
 MAX_MANIFEST_BYTES = 1 << 30  # ~16k ranks of a large model's datasets; a bigger manifest is hostile
 _MANIFESTS: OrderedDict[tuple, Manifest] = OrderedDict()  # parsed manifests by file identity
@@ -63,7 +63,7 @@ class Checkpoint(ManifestBacked):
         self._handles = h5.Handles(self._open_rank, max_open_files)
         self._verified = h5.ChunkCache(64 << 20)  # chunks already checked, for verified partial reads
         self.bytes_last_read = 0  # bytes the last read_runs took from disk
-        self._scratch = Arena()  # warm memory for verified partial reads
+        self._runs = VerifiedRuns(self._verified, Arena())  # warm memory for verified partial reads
         self._tables: dict[tuple[int, str, str], Any] = {}  # chunk/tile tables already bound to the manifest
         self._raw_files: dict[int, RawFile] = {}  # rank files opened for reads at manifest offsets
         self._decoded = h5.ChunkCache(32 << 20)  # decoded units of compressed datasets
@@ -266,111 +266,14 @@ class Checkpoint(ManifestBacked):
                     raise StoreError(f"run ({start}, {count}, {stride}, {block}) out of bounds for "
                                      f"{self._where(rank, key)} of {size} elements", code="UCL409")
             if verify:
-                self.bytes_last_read = self._read_runs_verified(rank, key, src, info, runs, out)
+                ds = Verifiable(src, info, self._where(rank, key), (rank, key),
+                                lambda: self._bound_chunk_table(rank, key, info),
+                                lambda: self._bound_tile_table(rank, key, info))
+                self.bytes_last_read = self._runs.read(ds, runs, out)
                 return out
             self.bytes_last_read = out.nbytes
             src.read_runs_into(runs, out)
             return out
-
-    def _read_runs_verified(self, rank, key, src, info: DatasetInfo, runs, out: np.ndarray) -> int:
-        """``read_runs`` with every byte verified. Runs forming one flat range (a tensor inside a flat
-        buffer, a block of whole rows) have the checksum chunks wholly inside it read straight into
-        ``out`` and verified there (no bounce copy); the rest goes through :meth:`_read_chunks_verified`.
-        On a mismatch the error is raised and ``out`` may hold the bad bytes."""
-        table = self._bound_chunk_table(rank, key, info)
-        span = one_range(runs)
-        if table is None or span is None:
-            return self._read_chunks_verified(rank, key, src, info, runs, out)
-        a, b = span
-        per = table[0] // info.storage_dtype.itemsize
-        x0, x1 = -(-a // per) * per, (b if b == info.size else b // per * per)  # the chunks inside [a, b)
-        if x1 - x0 < per:
-            return self._read_chunks_verified(rank, key, src, info, runs, out)
-        inside = out[x0 - a:x1 - a]
-        src.read_flat_into(x0, x1, inside)
-        self._check_chunks(rank, key, info, inside, x0 // per, per, table[1])
-        read = inside.nbytes
-        if x0 > a:
-            read += self._read_chunks_verified(rank, key, src, info, [(a, 1, x0 - a, x0 - a)], out[:x0 - a])
-        if b > x1:
-            read += self._read_chunks_verified(rank, key, src, info, [(x1, 1, b - x1, b - x1)], out[x1 - a:])
-        return read
-
-    def _read_chunks_verified(self, rank, key, src, info: DatasetInfo, runs, out: np.ndarray) -> int:
-        """``read_runs`` reading the whole checksum chunks around the runs, or the tiles around them
-        when those hold fewer bytes (column blocks), each verified before use (a small dataset is
-        one chunk). Verified chunks are kept in a small LRU, so boxes of the same dataset do not
-        read them again. Returns the bytes read from disk."""
-        item = info.storage_dtype.itemsize
-        size = info.size
-        table = self._bound_chunk_table(rank, key, info)  # checked even when tiles are used
-        tiles = self._bound_tile_table(rank, key, info)
-        per = table[0] // item if table is not None else max(size, 1)
-        n = -(-size // per) if size else 0
-        need = chunks_touched(runs, per, n)
-        cache = self._verified
-        if tiles is not None:  # by tiles when the tiles around the runs hold fewer bytes than the chunks
-            plan = tile_plan(tiles[0], runs, lambda b, j: cache.get((rank, key, "tile", b, j)) is not None)
-            if plan.bytes(item, cached=False) < int((np.minimum((need + 1) * per, size) - need * per).sum()) * item:
-                return self._read_tiles_verified(rank, key, src, info, tiles, plan, runs, out)
-        have = {int(c): cache.get((rank, key, int(c))) for c in need}
-        missing = [c for c, v in have.items() if v is None]
-        digests = table[1] if table is not None else None
-        # one read per run of consecutive missing chunks; every chunk verified before use
-        groups = np.split(np.array(missing, dtype=np.int64), np.flatnonzero(np.diff(missing) != 1) + 1) if missing else []
-        if len(need) and need[-1] - need[0] + 1 == len(need):
-            # the usual case: one contiguous stretch of chunks, assembled in one span of warm scratch
-            # memory (missing chunks read into their place, cached ones copied into theirs: no
-            # buffer per group, no second copy of the stretch), the runs cut out with strided views
-            c0 = int(need[0])
-            base = c0 * per
-            span = self._scratch.array((min((int(need[-1]) + 1) * per, size) - base,), info.storage_dtype)
-            read = sum(self._read_group(rank, key, src, info, g, per, digests, span[int(g[0]) * per - base:])
-                       for g in groups)
-            for c, v in have.items():
-                if v is not None:
-                    span[c * per - base:c * per - base + v.size] = v
-            pos = 0
-            for start, count, stride, block in runs:
-                n = count * block
-                view = np.lib.stride_tricks.as_strided(span[start - base:], (count, block),
-                                                       (stride * item, item), writeable=False)
-                out[pos:pos + n].reshape(count, block)[...] = view
-                pos += n
-            return read
-        read = 0
-        for g in groups:
-            buf = np.empty(min((int(g[-1]) + 1) * per, size) - int(g[0]) * per, info.storage_dtype)
-            read += self._read_group(rank, key, src, info, g, per, digests, buf)
-            for c in (int(x) for x in g):
-                have[c] = buf[(c - int(g[0])) * per:(c - int(g[0]) + 1) * per]
-        pos = 0
-        for start, count, stride, block in runs:
-            for i in range(count):
-                b, left = start + i * stride, block
-                while left:
-                    c = b // per
-                    take = min(left, (c + 1) * per - b)
-                    out[pos:pos + take] = have[c][b - c * per:b - c * per + take]
-                    pos, b, left = pos + take, b + take, left - take
-        return read
-
-    def _read_group(self, rank, key, src, info: DatasetInfo, g, per: int, digests, buf: np.ndarray) -> int:
-        """Read the consecutive chunks ``g`` into the front of ``buf``, verify them (against the whole
-        checksum where ``digests`` is None: a dataset verified whole), and keep the edge chunks,
-        the ones neighbouring boxes share, in the LRU. Returns the bytes read."""
-        first, size = int(g[0]), info.size
-        lo, hi = first * per, min((int(g[-1]) + 1) * per, size)
-        buf = buf[:hi - lo]
-        src.read_flat_into(lo, hi, buf)
-        if digests is None:
-            if checksum_of(buf) != info.checksum:
-                raise StoreError(f"checksum mismatch in {self._where(rank, key)} (elements 0..{size})", code="UCL407")
-        else:
-            self._check_chunks(rank, key, info, buf, first, per, digests)
-        for c in {first, int(g[-1])}:
-            self._verified.put((rank, key, c), buf[(c - first) * per:(c - first + 1) * per].copy())
-        return buf.nbytes
 
     def digests(self, rank: int, key: str) -> Digests | None:
         """The dataset's checksums as its manifest entry binds them (the whole checksum, the chunk
@@ -385,17 +288,6 @@ class Checkpoint(ManifestBacked):
             tiles = self._bound_tile_table(rank, key, info)
             return Digests(info.checksum, None if chunks is None else (int(chunks[0]), np.asarray(chunks[1], np.uint64)),
                            None if tiles is None else (tiles[0], np.asarray(tiles[1], np.uint64)))
-
-    def _check_chunks(self, rank: int, key: str, info: DatasetInfo, buf: np.ndarray, first: int, per: int,
-                      digests) -> None:
-        """UCL407 unless ``buf`` (elements from chunk ``first`` on, whole chunks of ``per`` elements but
-        the dataset's last) hashes chunk by chunk to ``digests[first:]``."""
-        got = chunk_digests(raw_bytes(buf), per * info.storage_dtype.itemsize)
-        bad = np.flatnonzero(got != np.asarray(digests[first:first + got.size], dtype=np.uint64))
-        if bad.size:
-            c = first + int(bad[0])
-            raise StoreError(f"checksum mismatch in {self._where(rank, key)} (elements "
-                             f"{c * per}..{min((c + 1) * per, info.size)})", code="UCL407")
 
     def _stored_tables(self, rank: int, key: str, info: DatasetInfo) -> tuple[Any, Any]:
         """(chunk table, tile table) as the rank file stores them, validated against the writer's rules
@@ -469,51 +361,6 @@ class Checkpoint(ManifestBacked):
                                  "to another rank or checkpoint, or was altered)", code="UCL407")
         self._tables[(rank, key, "tiles")] = table
         return table
-
-    def _read_tiles_verified(self, rank, key, src, info: DatasetInfo, tiles, plan: TilePlan, runs,
-                             out: np.ndarray) -> int:
-        """``read_runs`` by tiles: one hyperslab per group of tile bands (the tiles a box touches in
-        them), every tile verified before use; edge tiles kept in the LRU for neighbouring boxes."""
-        grid, digests = tiles
-        (r0, r1), (c0, c1) = plan.rows, plan.cols
-        buf = self._scratch.array((r1 - r0, c1 - c0), info.storage_dtype)
-        cache, read = self._verified, 0
-        # the cached tiles the plan counts on, held before this read's own puts can evict them
-        held = {(b, j): cache.get((rank, key, "tile", b, j)) for t in plan.reads for b in t.bands for j in t.cached}
-        want = columns_wanted(runs, grid.cols)
-        for t in plan.reads:
-            bands, j0, j1 = t.bands, t.first, t.last
-            ra, rb = grid.row_span(bands[0])[0], grid.row_span(bands[-1])[1]
-            ca, cb = grid.col_span(j0, j1) if j1 >= j0 else (0, 0)
-            src.read_rows_into((ra, rb), (ca, cb), buf, (ra - r0, ca - c0))
-            read += (rb - ra) * max(cb - ca, 0) * buf.itemsize
-            for b in bands:
-                br0, br1 = grid.row_span(b)
-                if j1 >= j0:
-                    got = band_digests(buf[br0 - r0:br1 - r0, ca - c0:cb - c0], grid.tile_cols)
-                    for j, g in zip(range(j0, j1 + 1), got):
-                        if g != int(digests[b * grid.nc + j]):
-                            tc0, tc1 = grid.col_span(j, j)
-                            raise StoreError(f"checksum mismatch in {self._where(rank, key)} (tile {b},{j}: rows "
-                                             f"{br0}..{br1}, columns {tc0}..{tc1})", code="UCL407")
-                    for j in {j0, j1}:  # edge tiles the read takes part of are the ones neighbouring boxes share
-                        tc0, tc1 = grid.col_span(j, j)
-                        if not want[0] <= tc0 < tc1 <= want[1]:
-                            cache.put((rank, key, "tile", b, j), buf[br0 - r0:br1 - r0, tc0 - c0:tc1 - c0].copy())
-                for j in t.cached:
-                    tc0, tc1 = grid.col_span(j, j)
-                    buf[br0 - r0:br1 - r0, tc0 - c0:tc1 - c0] = held[(b, j)]
-        flat, item, width, pos = buf.reshape(-1), buf.itemsize, c1 - c0, 0
-        for start, count, stride, block in runs:
-            r, c = divmod(start, grid.cols)
-            if width == grid.cols:  # full rows: flat offsets
-                off, step = start - r0 * grid.cols, stride
-            else:  # a column block: every run stays in its columns (tile_plan)
-                off, step = (r - r0) * width + c - c0, (stride // grid.cols) * width
-            view = np.lib.stride_tricks.as_strided(flat[off:], (count, block), (step * item, item), writeable=False)
-            out[pos:pos + count * block].reshape(count, block)[...] = view
-            pos += count * block
-        return read
 
     def _misplaced(self, rank: int, key: str, d: Any, info: DatasetInfo, chunks, tiles) -> str | None:
         """What is wrong with the entry's ``offset`` and ``tables`` (readers go by them, not by HDF5):
