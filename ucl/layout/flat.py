@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..dtypes import itemsize
+from ..errors import PlanError
 from ..lang.expr import LIMIT
 from .algebra import DimLayout, LayoutError
 from .boxes import flat_boxes
@@ -313,11 +314,22 @@ def _skeleton_pieces(skeleton: BufferCut, i: int) -> list:
     sizes) in its local tensor."""
     part, off, shape = skeleton.part, skeleton.offsets[i], skeleton.shapes[i]
     n = math.prod(shape)
-    out = []
+    out, at = [], 0  # post-condition, checked as it goes: the boxes tile the member once, in order
     for j in skeleton.partitions_of(i):
-        lo, hi = max(off, j * part), min(off + n, (j + 1) * part)
-        boxes = [(start, size) for _, start, size in flat_boxes(shape, lo - off, hi - off)]
+        lo, hi = max(off, j * part) - off, min(off + n, (j + 1) * part) - off
+        boxes = []
+        for flat, start, size in flat_boxes(shape, lo, hi):
+            if flat != at:
+                break
+            boxes.append((start, size))
+            at += math.prod(size)
+        if at != hi:
+            break
         out.append((i, j, off - j * part, shape, boxes))
+    if at != n:  # the plan's target proof counts members before the cut, so this is the cut's own check
+        raise PlanError(f"flat buffer member {i} of shape {shape}: its pieces over partitions of {part} elements "
+                        f"cover {at:,} of its {n:,} elements in order (a bug in the flat cut; please report it)",
+                        code="UCL314")
     return out
 
 
