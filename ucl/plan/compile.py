@@ -280,14 +280,21 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             js = np.asarray(f.buffer.partitions, dtype=I64)
             ds_set.append(buffer_sets(f.buffer, js))
             ds_id.append(np.full(len(js), dataset_id(f.key, (f.buffer.cut.part,), f.dtype), dtype=I64))
-    for memo in (piece_keys.lists, piece_keys.dims, piece_keys.numbers, geos_of_list, geometry, shared_uses):
-        memo.clear()  # freed before the tables are built
-    c, f = geos.rows(uses, flat_fills, np.concatenate(src_ranks or [np.zeros(0, dtype=I64)]),
-                     np.concatenate(src_slots or [np.zeros(0, dtype=I64)]))
+    for memo in (piece_keys.lists, piece_keys.dims, piece_keys.numbers, geos_of_list, geometry, shared_uses,
+                 set_of_obj, set_of_fixed, sets_by_holdings, source_of_list, source_ids):
+        memo.clear()  # freed before the tables are built (their peak is the plan's)
+    c, f = geos.rows(uses, flat_fills, _joined(src_ranks), _joined(src_slots))  # (no other reference: freed in rows)
     return Plan(src, dst, K,
                 [{"name": t.name, "kind": t.kind, "shape": t.shape, "dtype": t.dtype} for t in model.tensors],
                 list(slot_ids), sets.build(), c, f, datasets,
                 dict(zip(DATASET_COLUMNS, (_column(ds_set), _column(ds_id)))))
+
+
+def _joined(parts: list) -> np.ndarray:
+    """The int64 arrays ``parts`` as one; the list is emptied (its arrays freed)."""
+    out = np.concatenate([np.zeros(0, dtype=I64)] + parts)
+    parts.clear()
+    return out
 
 
 def _column(parts: list) -> np.ndarray:

@@ -227,7 +227,9 @@ class Uses:
 
     def __init__(self):
         self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base = [], [], [], [], []
-        self.chunks: list[tuple] = []  # uses added by :meth:`add_many`, as arrays
+        # uses added by :meth:`add_many`: (geo, tensor, dst_set, dst_slot, src_base), the tensor
+        # and source base as ints (one per call: not repeated until :meth:`take`)
+        self.chunks: list[tuple] = []
 
     def add(self, geo: int, tensor: int, dst_set: int, dst_slot: int, src_base: int) -> None:
         self.geo.append(geo)
@@ -237,13 +239,25 @@ class Uses:
         self.src_base.append(src_base)
 
     def add_many(self, geo: np.ndarray, tensor: int, dst_set: np.ndarray, dst_slot: np.ndarray, src_base: int) -> None:
-        n = len(geo)
-        self.chunks.append((geo, np.full(n, tensor, dtype=I64), dst_set, dst_slot, np.full(n, src_base, dtype=I64)))
+        self.chunks.append((geo, tensor, dst_set, dst_slot, src_base))
 
-    def columns(self) -> tuple[np.ndarray, ...]:
-        """(geo, tensor, dst_set, dst_slot, src_base): every use, those of :meth:`add` first."""
-        cols = [np.asarray(c, dtype=I64) for c in (self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base)]
-        return tuple(np.concatenate([c] + [ch[k] for ch in self.chunks]) for k, c in enumerate(cols))
+    def take(self) -> tuple[np.ndarray, ...]:
+        """(geo, tensor, dst_set, dst_slot, src_base): every use, those of :meth:`add` first. Empties
+        this object, each column's chunks freed as soon as it is joined (they are a full plan's
+        largest inputs, alive until its tables are built)."""
+        chunks, self.chunks = [list(ch) for ch in self.chunks], []
+        lengths = np.array([len(ch[0]) for ch in chunks], dtype=I64)
+        cols = []
+        for k, head in enumerate((self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base)):
+            parts = [ch[k] for ch in chunks]
+            for ch in chunks:
+                ch[k] = None
+            if k in (1, 4):  # one int per chunk
+                parts = [np.repeat(np.array(parts, dtype=I64), lengths)]
+            cols.append(np.concatenate([np.asarray(head, dtype=I64)] + parts))
+            del parts
+        self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base = [], [], [], [], []
+        return tuple(cols)
 
 
 class Geometries:
@@ -289,39 +303,63 @@ class Geometries:
         return geo
 
     def rows(self, uses: Uses, flat_fills: Uses, src_rank: np.ndarray, src_slot: np.ndarray):
-        """(copies, fills): every use's rows; copies sorted by source rank, slot and start."""
+        """(copies, fills): every use's rows; copies sorted by source rank, slot and start. Consumes
+        this object and both :class:`Uses`: the copy table of a full plan is its largest part
+        (some 10^6 rows), so each input is freed once read (they would otherwise add to its peak)."""
         K = self.K
-        uses, flat_fills = uses.columns(), flat_fills.columns()
+        geo, tensor, dst_set, dst_slot, src_base = uses.take()
+        fills = self._fills((geo, tensor, dst_set, dst_slot), flat_fills.take()[:4])
         empty = np.zeros((0, K), dtype=I64)
-        cols = list(zip(*self.copy_chunks)) or [[empty]] * 4 + [[np.zeros(0, dtype=I64)]]
+        chunks, self.copy_chunks = self.copy_chunks, []
+        cols = list(zip(*chunks)) or [[empty]] * 4 + [[np.zeros(0, dtype=I64)]]
+        del chunks
         g, dl, sl, n = (np.concatenate(x) for x in cols[:4])
         idx = np.concatenate(cols[4])
+        del cols
         counts = np.concatenate(self.copy_counts) if self.copy_counts else np.zeros(0, dtype=I64)
-        geo, tensor, dst_set, dst_slot, src_base = uses
+        self.copy_counts = []
         row, use = gather(counts, geo)
-        source = src_base[use] + idx[row]
+        del geo, counts
+        source = src_base[use]
+        del src_base
+        source += idx[row]
+        del idx
         # Sequential reads: rows by source rank (file), then dataset, then position; sorted before
         # the other columns are gathered, so the table is built once, in its final order.
         order = np.lexsort(tuple(sl[row, k] for k in range(K - 1, -1, -1)) + (src_slot[source], src_rank[source]))
         row, use, source = row[order], use[order], source[order]
         del order
-        copies = {"tensor": tensor[use], "src_rank": src_rank[source], "src_slot": src_slot[source],
-                  "dst_set": dst_set[use], "dst_slot": dst_slot[use],
-                  "src_start": sl[row], "dst_start": dl[row], "global_start": g[row], "size": n[row]}
-        del row, use, source
+        # each column gathered in turn, every input freed after its last use (same key order)
+        copies = {"tensor": tensor[use]}
+        del tensor
+        copies["src_rank"] = src_rank[source]
+        del src_rank
+        copies["src_slot"] = src_slot[source]
+        del src_slot, source
+        copies["dst_set"] = dst_set[use]
+        del dst_set
+        copies["dst_slot"] = dst_slot[use]
+        del dst_slot, use
+        for k, table in (("src_start", sl), ("dst_start", dl), ("global_start", g), ("size", n)):
+            copies[k] = table[row]
+        return copies, fills
+
+    def _fills(self, *uses) -> dict[str, np.ndarray]:
+        """The fill rows of every use in ``uses`` ((geo, tensor, dst_set, dst_slot) columns each), in order."""
+        empty = np.zeros((0, self.K), dtype=I64)
         with_fills = sorted(self.fills)
         fcounts = np.zeros(self.count, dtype=I64)
         fcounts[with_fills] = [len(self.fills[i][0]) for i in with_fills]
         fstart = np.concatenate([empty] + [self.fills[i][0] for i in with_fills])
         fsize = np.concatenate([empty] + [self.fills[i][1] for i in with_fills])
         fills = {k: [] for k in ("tensor", "dst_set", "dst_slot", "dst_start", "size")}
-        for u_geo, u_tensor, u_set, u_slot, _ in (uses, flat_fills):
+        for u_geo, u_tensor, u_set, u_slot in uses:
             row, use = gather(fcounts, u_geo)
             for k, v in (("tensor", u_tensor), ("dst_set", u_set), ("dst_slot", u_slot)):
                 fills[k].append(v[use])
             fills["dst_start"].append(fstart[row])
             fills["size"].append(fsize[row])
-        return copies, {k: np.concatenate(v) for k, v in fills.items()}
+        return {k: np.concatenate(v) for k, v in fills.items()}
 
 
 def gather(counts: np.ndarray, geo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
