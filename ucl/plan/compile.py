@@ -4,6 +4,7 @@ every target dataset has exactly one source element or is a declared fill (paddi
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -195,7 +196,8 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
     sets_by_holdings: dict[tuple, list] = {}  # the kinds of one flat statement: found once
 
     for t, holdings in todo:
-        target_key = (tuple([id(h.pieces) for h in holdings]), tuple([id(h.fixed) for h in holdings]))
+        # as bytes (8 per holding and id, not a tuple of int objects: some 10^5 holdings a stage)
+        target_key = array("Q", [id(h.pieces) for h in holdings] + [id(h.fixed) for h in holdings]).tobytes()
         sets_of = sets_by_holdings.get(target_key)
         if sets_of is None:
             sets_of = sets_by_holdings[target_key] = sets_of_holdings(holdings)
@@ -223,7 +225,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                     continue
                 found_geos = geos_of_list.get((id(h.pieces), src_key))
                 if found_geos is None:  # each distinct piece list once (alive in its ShardMap)
-                    found_geos = []
+                    found_geos = array("q")  # (not a list of int objects: some 10^5 pieces)
                     for piece, pkey in zip(h.pieces, held_keys(piece_keys, h.pieces).keys(len(h.pieces))):
                         gkey = (pkey, src_key)
                         geo = geometry.get(gkey)
@@ -280,8 +282,8 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             js = np.asarray(f.buffer.partitions, dtype=I64)
             ds_set.append(buffer_sets(f.buffer, js))
             ds_id.append(np.full(len(js), dataset_id(f.key, (f.buffer.cut.part,), f.dtype), dtype=I64))
-    for memo in (piece_keys.lists, piece_keys.dims, piece_keys.numbers, geos_of_list, geometry, shared_uses,
-                 set_of_obj, set_of_fixed, sets_by_holdings, source_of_list, source_ids):
+    for memo in (piece_keys.lists, piece_keys.dims, piece_keys.numbers, piece_keys.elements, geos_of_list, geometry,
+                 shared_uses, set_of_obj, set_of_fixed, sets_by_holdings, source_of_list, source_ids):
         memo.clear()  # freed before the tables are built (their peak is the plan's)
     c, f = geos.rows(uses, flat_fills, _joined(src_ranks), _joined(src_slots))  # (no other reference: freed in rows)
     return Plan(src, dst, K,

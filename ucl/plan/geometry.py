@@ -80,15 +80,16 @@ class PieceKeys:
     bytes once; dims are numbered by geometry (equal runs, padding and extent: one number)."""
 
     lists: dict[int, HeldKeys] = field(default_factory=dict)  # by id of a piece list (alive in its map)
-    dims: dict[int, tuple[int, int]] = field(default_factory=dict)  # id of a DimLayout -> (number, elements)
+    dims: dict[int, int] = field(default_factory=dict)  # id of a DimLayout -> its number
     numbers: dict[bytes, int] = field(default_factory=dict)  # a dim's geometry as bytes -> number
+    elements: list[int] = field(default_factory=list)  # by number: a dim's elements (its geometry's)
 
 
 def held_keys(memo: PieceKeys, pieces: list) -> HeldKeys:
     """:class:`HeldKeys` of ``pieces`` (a holding's piece list), found once per list in ``memo``."""
     found = memo.lists.get(id(pieces))
     if found is None:
-        dims, numbers, ids, volumes = memo.dims, memo.numbers, [], []
+        dims, numbers, elements, ids, volumes = memo.dims, memo.numbers, memo.elements, [], []
         for p in pieces:
             v = 1
             for d in p:
@@ -96,9 +97,11 @@ def held_keys(memo: PieceKeys, pieces: list) -> HeldKeys:
                 if dim is None:  # without numpy calls on these tiny arrays: some 10^5 dims
                     segs, fills = d.segs.astype(I64, copy=False), d.fills.astype(I64, copy=False)
                     geometry = array("q", (len(segs), len(fills), d.local)).tobytes() + segs.tobytes() + fills.tobytes()
-                    dim = dims[id(d)] = (numbers.setdefault(geometry, len(numbers)), sum([r[2] for r in segs.tolist()]))
-                ids.append(dim[0])
-                v *= dim[1]
+                    dim = dims[id(d)] = numbers.setdefault(geometry, len(numbers))
+                    if dim == len(elements):
+                        elements.append(sum([r[2] for r in segs.tolist()]))
+                ids.append(dim)
+                v *= elements[dim]
             volumes.append(v)
         volumes = tuple(volumes)
         # the lists (and their dims) are alive in the plan's ShardMaps while the memo is used
