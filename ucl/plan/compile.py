@@ -126,12 +126,12 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
     def sid(slot: Slot) -> int:
         return slot_ids.setdefault(slot, len(slot_ids))
 
-    geometry: dict[tuple, int] = {}  # (target piece key, source boxes) -> geometry id; layers repeat geometry
+    geometry: dict[bytes, int] = {}  # target piece key + source boxes' id -> geometry id; layers repeat geometry
     geos_of_list: dict[tuple, list] = {}  # (id of a target piece list, source boxes) -> its geometries
     piece_keys = PieceKeys()  # held_keys of this plan's piece lists (they recur across tensors)
     geos = Geometries(K)
     source_ids: dict[tuple, int] = {}
-    source_of_list: dict[int, list] = {}  # id of a (cached, alive) proof -> [source key, ranks, holdings, proof, boxes]
+    source_of_list: dict[int, list] = {}  # id of a (cached, alive) proof -> [source key, ranks, holdings, proof]
     src_ranks, src_slots, src_base = [], [], 0  # every tensor's deduplicated sources, one after another
     uses = Uses()  # (geometry, tensor, rank set, target slot, sources) per target piece
     if few is None:
@@ -193,14 +193,14 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             set_of_obj[id(f)] = d
         return [get(id(h.fixed)) for h in holdings]
 
-    sets_by_holdings: dict[tuple, list] = {}  # the kinds of one flat statement: found once
+    sets_by_holdings: dict[bytes, array] = {}  # the kinds of one flat statement: found once
 
     for t, holdings in todo:
         # as bytes (8 per holding and id, not a tuple of int objects: some 10^5 holdings a stage)
         target_key = array("Q", [id(h.pieces) for h in holdings] + [id(h.fixed) for h in holdings]).tobytes()
         sets_of = sets_by_holdings.get(target_key)
         if sets_of is None:
-            sets_of = sets_by_holdings[target_key] = sets_of_holdings(holdings)
+            sets_of = sets_by_holdings[target_key] = array("q", sets_of_holdings(holdings))
         if wanted is not None and max(sets_of, default=-1) < 0:
             continue  # a part of the plan (one rank's load) proves only the tensors it moves
         st = t if src_model is model else _matching_source(src_model, t)
@@ -208,12 +208,14 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         if not T.mesh.is_universal:
             dedup_sources(T, t, "target", piece_keys)  # P1 for the target too
         found = source_of_list.get(id(sources))  # kinds of one flat statement share the list
+        boxes = None  # the sources as boxes: made again where needed, not kept (some 10^4 pieces a list)
         if found is None:
             boxes = piece_boxes(sources.pieces, len(t.shape))
             found = source_of_list[id(sources)] = [
                 source_ids.setdefault((boxes[1].shape, boxes[0].tobytes(), boxes[1].tobytes()), len(source_ids)),
-                sources.ranks, sources.holdings, sources, boxes]
+                sources.ranks, sources.holdings, sources]
         src_key, ranks_of_sources, holding_of_sources = found[:3]
+        src_suffix = src_key.to_bytes(8, "little")  # a geometry key: a piece's key (8 bytes a dim), then this
         src_ranks.append(ranks_of_sources)
         src_slots.append(slots_of(S.holdings[st.id], holding_of_sources))
         key = (id(sources), target_key)
@@ -227,7 +229,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                 if found_geos is None:  # each distinct piece list once (alive in its ShardMap)
                     found_geos = array("q")  # (not a list of int objects: some 10^5 pieces)
                     for piece, pkey in zip(h.pieces, held_keys(piece_keys, h.pieces).keys(len(h.pieces))):
-                        gkey = (pkey, src_key)
+                        gkey = pkey + src_suffix
                         geo = geometry.get(gkey)
                         if geo is None:
                             geo = geometry[gkey] = geos.reserve()
@@ -238,7 +240,9 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                 gs.extend(found_geos)
                 ds.extend([dset] * len(found_geos))
             if new:  # the new geometries of this tensor, found together
-                geos.add_batch(pieces_rows(t, new, [piece_volume(p) for p in new], found[4]), len(new),
+                if boxes is None:
+                    boxes = piece_boxes(sources.pieces, len(t.shape))
+                geos.add_batch(pieces_rows(t, new, [piece_volume(p) for p in new], boxes), len(new),
                                [fill_boxes(p) for p in new])
             # the key's holdings are kept alive with the entry, so the ids in it stay theirs
             per_piece = shared_uses[key] = (np.flatnonzero(np.array(sets_of, dtype=I64) >= 0), np.array(hs, dtype=I64),
