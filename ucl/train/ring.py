@@ -122,7 +122,8 @@ def copy_streamed(snap, stream: PieceStream, keys: frozenset[str], *, tiles: boo
 def whole_datasets(pieces: Iterator[tuple[str, int, np.ndarray]], datasets) -> Iterator[tuple[str, np.ndarray]]:
     """Each dataset of ``datasets`` (key -> (shape, logical dtype), in the copier's order) as a
     whole storage array assembled from its pieces: for a writer that needs whole arrays (compressed
-    datasets are coded whole), holding one dataset at a time beside the pool."""
+    datasets are coded whole), each assembled when the consumer asks for it: the flusher's
+    ``store.ahead`` holds as many as its coded-ahead budget allows (docs/training.md)."""
     pieces = iter(pieces)
     for key, (shape, dtype) in datasets.items():
         arr = np.empty(shape, storage_dtype(dtype))
