@@ -27,3 +27,14 @@ def test_a_cut_that_loses_a_box_is_refused(monkeypatch, ranks):
     with pytest.raises(ucl.PlanError) as info:
         ucl.compile(llama_model(SMALL), ucl.UNIVERSAL, "pp=2,dp=3,tp=2", ranks=ranks)
     assert info.value.code == "UCL314" and "flat buffer member" in str(info.value)
+
+
+def test_partition_coordinates_share_their_numbers():
+    # a 131,072-rank map has one coordinate dict per partition: their numbers above 256 (not cached
+    # by Python) are shared objects, not one each (memory: #35)
+    from ucl.layout.lower import lower
+
+    sm = lower(llama_model(SMALL), ucl.Mesh.parse("pp=2,dp=512,tp=1"))
+    dps = [h.fixed["dp"] for hs in sm.holdings for h in hs if "dp" in h.fixed]
+    assert max(dps) > 256 and len(dps) > len(set(dps))  # numbers recur across holdings
+    assert len({id(v) for v in dps}) == len(set(dps))

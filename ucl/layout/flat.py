@@ -5,6 +5,7 @@ members' local shapes (a skeleton) and only its boxes mapped per tensor-parallel
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -67,7 +68,7 @@ class FlatBuffer:
         """Partition ``j``'s coordinates (the member coordinates and the flat axes')."""
         out = dict(self.fixed)
         for a, s in zip(reversed(self.axes), reversed(self.sizes)):
-            out[a] = j % s
+            out[a] = _numbers(s)[j % s]
             j //= s
         return out
 
@@ -88,6 +89,13 @@ class FlatGeometry:
     # each member (those with pieces) before it is flattened, per member coordinate: (name,
     # coordinates, [its rank-local layouts]); the cut tiles it exactly (docs/ir.md, P1 on the target)
     wholes: list[tuple[str, dict, list]] = field(default_factory=list)
+
+
+@functools.cache
+def _numbers(n: int) -> tuple[int, ...]:
+    """0..n-1 as shared int objects: a 2,048-way axis's partitions would otherwise each make their
+    own (ints above 256 are not cached), some 130,000 per 131,072-rank map."""
+    return tuple(range(n))
 
 
 def _flat_options(ctx: LoweringContext, group) -> FlatOptions:
