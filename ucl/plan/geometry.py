@@ -80,7 +80,8 @@ class PieceKeys:
     bytes once; dims are numbered by geometry (equal runs, padding and extent: one number)."""
 
     lists: dict[int, HeldKeys] = field(default_factory=dict)  # by id of a piece list (alive in its map)
-    dims: dict[int, int] = field(default_factory=dict)  # id of a DimLayout -> its number
+    # a DimLayout (compared by identity, alive in its map; the object, not its id: no int per key) -> its number
+    dims: dict = field(default_factory=dict)
     numbers: dict[bytes, int] = field(default_factory=dict)  # a dim's geometry as bytes -> number
     elements: list[int] = field(default_factory=list)  # by number: a dim's elements (its geometry's)
 
@@ -93,11 +94,11 @@ def held_keys(memo: PieceKeys, pieces: list) -> HeldKeys:
         for p in pieces:
             v = 1
             for d in p:
-                dim = dims.get(id(d))
+                dim = dims.get(d)
                 if dim is None:  # without numpy calls on these tiny arrays: some 10^5 dims
                     segs, fills = d.segs.astype(I64, copy=False), d.fills.astype(I64, copy=False)
                     geometry = array("q", (len(segs), len(fills), d.local)).tobytes() + segs.tobytes() + fills.tobytes()
-                    dim = dims[id(d)] = numbers.setdefault(geometry, len(numbers))
+                    dim = dims[d] = numbers.setdefault(geometry, len(numbers))
                     if dim == len(elements):
                         elements.append(sum([r[2] for r in segs.tolist()]))
                 ids.append(dim)
