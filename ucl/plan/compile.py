@@ -177,21 +177,15 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         return d
 
     def sets_of_holdings(holdings) -> list[int]:
-        """:func:`set_of` of each holding's coordinates. Where every new one names every axis (a
-        ZeRO partition's: one rank each, 131,072 on a 131,072-rank mesh) their sets are made in one
-        call, numbered as one call each would (in order of first appearance)."""
-        get = set_of_obj.get
-        out = [get(id(h.fixed), -2) for h in holdings]
-        if -2 not in out:
-            return out
-        new = [h.fixed for h, d in zip(holdings, out) if d == -2]
+        """:func:`set_of` of each holding's coordinates. Where every one names every axis (a ZeRO
+        partition's: one rank each, 131,072 on a 131,072-rank mesh) their sets are made in one call,
+        numbered as one call each would (in order of first appearance), and not memoised: each
+        coordinate dict is met about once, and a memo entry would outlive it to the table's peak."""
         axes = list(strides.items())
-        if not axes or not all([len(f) >= len(axes) and all([a in f for a, _ in axes]) for f in new]):
-            return [set_of(h.fixed) if d == -2 else d for h, d in zip(holdings, out)]
-        ids = sets.singles(np.array([sum([f[a] * s for a, s in axes]) for f in new], dtype=I64)).tolist()
-        for f, d in zip(new, ids):
-            set_of_obj[id(f)] = d
-        return [get(id(h.fixed)) for h in holdings]
+        fixed = [h.fixed for h in holdings]
+        if axes and all([len(f) >= len(axes) and all([a in f for a, _ in axes]) for f in fixed]):
+            return sets.singles(np.array([sum([f[a] * s for a, s in axes]) for f in fixed], dtype=I64)).tolist()
+        return [set_of(f) for f in fixed]
 
     sets_by_holdings: dict[bytes, array] = {}  # the kinds of one flat statement: found once
 
