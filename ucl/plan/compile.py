@@ -127,7 +127,8 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         return slot_ids.setdefault(slot, len(slot_ids))
 
     geometry: dict[bytes, int] = {}  # target piece key + source boxes' id -> geometry id; layers repeat geometry
-    geos_of_list: dict[tuple, list] = {}  # (id of a target piece list, source boxes) -> its geometries
+    # (id of a target piece list, source boxes) -> its geometries, as int64 bytes
+    geos_of_list: dict[tuple, bytes] = {}
     piece_keys = PieceKeys()  # held_keys of this plan's piece lists (they recur across tensors)
     geos = Geometries(K)
     source_ids: dict[tuple, int] = {}
@@ -215,7 +216,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         key = (id(sources), target_key)
         per_piece = shared_uses.get(key)
         if per_piece is None:
-            hs, gs, ds, new = [], [], [], []
+            hs, gs, ds, new = [], array("q"), [], []
             for j, (h, dset) in enumerate(zip(holdings, sets_of)):
                 if dset < 0:
                     continue
@@ -229,10 +230,11 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                             geo = geometry[gkey] = geos.reserve()
                             new.append(piece)
                         found_geos.append(geo)
-                    geos_of_list[(id(h.pieces), src_key)] = found_geos
-                hs.extend([j] * len(found_geos))
-                gs.extend(found_geos)
-                ds.extend([dset] * len(found_geos))
+                    found_geos = geos_of_list[(id(h.pieces), src_key)] = found_geos.tobytes()
+                n = len(found_geos) // 8
+                hs.extend([j] * n)
+                gs.frombytes(found_geos)
+                ds.extend([dset] * n)
             if new:  # the new geometries of this tensor, found together
                 if boxes is None:
                     boxes = piece_boxes(sources.pieces, len(t.shape))
