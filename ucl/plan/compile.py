@@ -127,8 +127,9 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         return slot_ids.setdefault(slot, len(slot_ids))
 
     geometry: dict[bytes, int] = {}  # target piece key + source boxes' id -> geometry id; layers repeat geometry
-    # (id of a target piece list, source boxes) -> its geometries, as int64 bytes
-    geos_of_list: dict[tuple, bytes] = {}
+    # (id of a target piece list) << 32 | source boxes (one int, not a tuple: some 56,000 keys outlive
+    # the loop) -> its geometries, as int64 bytes
+    geos_of_list: dict[int, bytes] = {}
     piece_keys = PieceKeys()  # held_keys of this plan's piece lists (they recur across tensors)
     geos = Geometries(K)
     source_ids: dict[tuple, int] = {}
@@ -220,7 +221,8 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             for j, (h, dset) in enumerate(zip(holdings, sets_of)):
                 if dset < 0:
                     continue
-                found_geos = geos_of_list.get((id(h.pieces), src_key))
+                list_key = id(h.pieces) << 32 | src_key
+                found_geos = geos_of_list.get(list_key)
                 if found_geos is None:  # each distinct piece list once (alive in its ShardMap)
                     found_geos = array("q")  # (not a list of int objects: some 10^5 pieces)
                     for piece, pkey in zip(h.pieces, held_keys(piece_keys, h.pieces).keys(len(h.pieces))):
@@ -230,7 +232,7 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                             geo = geometry[gkey] = geos.reserve()
                             new.append(piece)
                         found_geos.append(geo)
-                    found_geos = geos_of_list[(id(h.pieces), src_key)] = found_geos.tobytes()
+                    found_geos = geos_of_list[list_key] = found_geos.tobytes()
                 n = len(found_geos) // 8
                 hs.extend([j] * n)
                 gs.frombytes(found_geos)
