@@ -284,8 +284,9 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
             js = np.asarray(f.buffer.partitions, dtype=I64)
             ds_set.append(buffer_sets(f.buffer, js))
             ds_id.append(np.full(len(js), dataset_id(f.key, (f.buffer.cut.part,), f.dtype), dtype=I64))
-    for memo in (piece_keys.lists, piece_keys.dims, piece_keys.numbers, piece_keys.elements, geos_of_list, geometry,
-                 shared_uses, set_of_obj, set_of_fixed, sets_by_holdings, source_of_list, source_ids):
+    for memo in (piece_keys.lists, piece_keys.dims, piece_keys.numbers, piece_keys.elements, piece_keys.shared,
+                 geos_of_list, geometry, shared_uses, set_of_obj, set_of_fixed, sets_by_holdings, source_of_list,
+                 source_ids):
         memo.clear()  # freed before the tables are built (their peak is the plan's)
     c, f = geos.rows(uses, flat_fills, _joined(src_ranks), _joined(src_slots))  # (no other reference: freed in rows)
     return Plan(src, dst, K,

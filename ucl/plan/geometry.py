@@ -84,6 +84,9 @@ class PieceKeys:
     dims: dict = field(default_factory=dict)
     numbers: dict[bytes, int] = field(default_factory=dict)  # a dim's geometry as bytes -> number
     elements: list[int] = field(default_factory=list)  # by number: a dim's elements (its geometry's)
+    # equal keys as one object: half the lists of a 131,072-rank plan repeat another's (some
+    # 50,000 keys, volumes and tuples that would otherwise outlive the loop to the table's peak)
+    shared: dict[bytes, HeldKeys] = field(default_factory=dict)
 
 
 def held_keys(memo: PieceKeys, pieces: list) -> HeldKeys:
@@ -107,8 +110,12 @@ def held_keys(memo: PieceKeys, pieces: list) -> HeldKeys:
         volumes = tuple(volumes)
         # the lists (and their dims) are alive in the plan's ShardMaps while the memo is used
         nd = len(pieces[0]) if pieces else 0
-        found = memo.lists[id(pieces)] = HeldKeys(array("q", ids if nd else [len(pieces)]).tobytes(), sum(volumes),
-                                                  volumes if 0 in volumes else None, 8 * nd)
+        found = HeldKeys(array("q", ids if nd else [len(pieces)]).tobytes(), sum(volumes),
+                         volumes if 0 in volumes else None, 8 * nd)
+        same = memo.shared.setdefault(found.sig, found)  # equal bytes and width: equal pieces, equal volumes
+        if same.width == found.width:
+            found = same
+        memo.lists[id(pieces)] = found
     return found
 
 
