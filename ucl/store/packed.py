@@ -97,10 +97,17 @@ class PackedDataset:
         buf = np.empty((rb - ra, cb - ca), self.dtype)
         for b in range(b0, b1 + 1):
             tr0, tr1 = g.row_span(b)
-            for j, t in zip(range(j0, j1 + 1), self.decoded(b * g.nc + j0, b * g.nc + j1)):
-                tc0, tc1 = g.col_span(j, j)
-                buf[tr0 - ra:tr1 - ra, tc0 - ca:tc1 - ca] = t.view(self.dtype).reshape(tr1 - tr0, tc1 - tc0)
+            self._band_into(b, j0, j1, buf[tr0 - ra:tr1 - ra], ca)
         return buf[r0 - ra:r1 - ra, c0 - ca:c1 - ca]
+
+    def _band_into(self, b: int, j0: int, j1: int, dst: np.ndarray, ca: int) -> None:
+        """Tiles ``j0..j1`` of tile band ``b`` into ``dst`` (the band's rows; its column 0 is the
+        dataset's column ``ca``)."""
+        g = self.units.grid
+        rows = dst.shape[0]
+        for j, t in zip(range(j0, j1 + 1), self.decoded(b * g.nc + j0, b * g.nc + j1)):
+            tc0, tc1 = g.col_span(j, j)
+            dst[:, tc0 - ca:tc1 - ca] = t.view(self.dtype).reshape(rows, tc1 - tc0)
 
     def read_flat_into(self, start: int, stop: int, out: np.ndarray) -> None:
         """Elements ``[start, stop)`` of the row-major flattening into the 1-D ``out``, a band of
@@ -112,6 +119,10 @@ class PackedDataset:
             for b in range(start // g.cols // g.tile_rows, (stop - 1) // g.cols // g.tile_rows + 1):
                 r0, r1 = g.row_span(b)
                 lo, hi = max(start, r0 * g.cols), min(stop, r1 * g.cols)
+                if (lo, hi) == (r0 * g.cols, r1 * g.cols) and out.strides[0] == out.itemsize:
+                    # a whole band: its tiles straight into ``out`` (no band buffer, one copy less)
+                    self._band_into(b, 0, g.nc - 1, out[lo - start:hi - start].reshape(r1 - r0, g.cols), 0)
+                    continue
                 band = self._block(r0, r1, 0, g.cols).reshape(-1)
                 out[lo - start:hi - start] = band[lo - r0 * g.cols:hi - r0 * g.cols]
             return

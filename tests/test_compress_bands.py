@@ -1,0 +1,33 @@
+"""Flat reads of a tiled compressed dataset: the tile bands a read covers whole are decoded
+straight into the caller's array (no band buffer), the partial ones through one; either way every
+flat range reads the dataset's bytes, whatever bands it starts and stops in."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tests.passes import examples
+from tests.test_compress import _storage, _write
+from ucl.store.codec import group_for, units_of
+
+CASES = [("float32", (1024, 384)), ("bfloat16", (2048, 320)), ("int64", (640, 200))]
+
+
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(CASES), a=st.integers(0, 10**9), b=st.integers(0, 10**9), snap=st.booleans(),
+       codec=st.sampled_from(["zstd", "lz4"]))
+def test_a_flat_range_reads_its_bytes(tmp_path_factory, case, a, b, snap, codec):
+    dtype, shape = case
+    arr = np.ascontiguousarray(_storage(dtype, shape, np.random.default_rng(a % 97)))
+    grid = units_of(shape, arr.itemsize, group_for(shape, arr.itemsize)).grid
+    assert grid is not None and grid.nr > 2, "a dataset of several tile bands"
+    band = grid.tile_rows * grid.cols
+    start, stop = sorted((a % (arr.size + 1), b % (arr.size + 1)))
+    if snap:  # whole bands, the case read straight into the caller's array
+        start, stop = start // band * band, stop // band * band
+    with _write(tmp_path_factory.mktemp("x") / "c", {"param/w": (arr, dtype)}, codec) as c:
+        out = np.full(stop - start, 0x5A, arr.dtype)
+        got = c.read_flat(0, "param/w", start, stop, out=out)
+        assert got is out and out.tobytes() == arr.reshape(-1)[start:stop].tobytes()
+        whole = c.read(0, "param/w")
+        assert whole.tobytes() == arr.tobytes()
