@@ -10,7 +10,7 @@ from tests.passes import examples
 from tests.test_compress import _storage, _write
 from ucl.store.codec import group_for, units_of
 
-CASES = [("float32", (1024, 384)), ("bfloat16", (2048, 320)), ("int64", (640, 200))]
+CASES = [("float32", (1024, 384)), ("bfloat16", (2048, 320)), ("int64", (3000, 128))]
 
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -19,7 +19,7 @@ CASES = [("float32", (1024, 384)), ("bfloat16", (2048, 320)), ("int64", (640, 20
 def test_a_flat_range_reads_its_bytes(tmp_path_factory, case, a, b, snap, codec):
     dtype, shape = case
     arr = np.ascontiguousarray(_storage(dtype, shape, np.random.default_rng(a % 97)))
-    grid = units_of(shape, arr.itemsize, group_for(shape, arr.itemsize)).grid
+    grid = units_of(shape, arr.itemsize, group_for(shape, arr.itemsize)).grid  # int64: a short last band
     assert grid is not None and grid.nr > 2, "a dataset of several tile bands"
     band = grid.tile_rows * grid.cols
     start, stop = sorted((a % (arr.size + 1), b % (arr.size + 1)))
