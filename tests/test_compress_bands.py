@@ -1,6 +1,7 @@
-"""Flat reads of a tiled compressed dataset: the tile bands a read covers whole are decoded
-straight into the caller's array (no band buffer), the partial ones through one; either way every
-flat range reads the dataset's bytes, whatever bands it starts and stops in."""
+"""Flat reads and whole-row reads of a tiled compressed dataset: the tile bands a read covers whole
+are decoded straight into the caller's array (no band buffer), the partial ones through one; either
+way every flat range and block of rows reads the dataset's bytes, whatever bands it starts and
+stops in."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,3 +32,12 @@ def test_a_flat_range_reads_its_bytes(tmp_path_factory, case, a, b, snap, codec)
         assert got is out and out.tobytes() == arr.reshape(-1)[start:stop].tobytes()
         whole = c.read(0, "param/w")
         assert whole.tobytes() == arr.tobytes()
+        rows, cols = shape
+        r0 = min(start // cols, rows - 1)  # a block of whole rows from here (a TP rank's row slice)
+        r1 = max(stop // cols, r0 + 1)
+        k, half = r1 - r0, cols // 2
+        for runs, want in (([(r0 * cols, k, cols, cols)], arr[r0:r1]),
+                           ([(r0 * cols, 1, k * cols, k * cols)], arr[r0:r1]),
+                           ([(r0 * cols, k, cols, half)], arr[r0:r1, :half])):  # not whole rows
+            got = c.read_runs(0, "param/w", runs, verify=False)
+            assert got.tobytes() == np.ascontiguousarray(want).tobytes(), runs

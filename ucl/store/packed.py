@@ -164,7 +164,9 @@ class PackedDataset:
                 continue
             dst = out[pos:pos + n].reshape(count, block)
             c = start % g.cols if g is not None else 0
-            if g is not None and c + block <= g.cols and (count == 1 or stride % g.cols == 0):
+            if g is not None and c == 0 and n % g.cols == 0 and (count == 1 or stride == block):
+                self.read_flat_into(start, start + n, out[pos:pos + n])  # whole rows: bands straight into ``out``
+            elif g is not None and c + block <= g.cols and (count == 1 or stride % g.cols == 0):
                 r, step = start // g.cols, max(1, stride // g.cols)
                 rows = self._block(r, r + (count - 1) * step + 1, c, c + block)
                 dst[...] = rows[::step]
