@@ -41,3 +41,21 @@ def test_a_flat_range_reads_its_bytes(tmp_path_factory, case, a, b, snap, codec)
                            ([(r0 * cols, k, cols, half)], arr[r0:r1, :half])):  # not whole rows
             got = c.read_runs(0, "param/w", runs, verify=False)
             assert got.tobytes() == np.ascontiguousarray(want).tobytes(), runs
+
+
+def test_the_warm_stored_buffer_is_nobody_elses(tmp_path):
+    """Stored bytes are read into a buffer this thread reuses read after read: nothing decoded is a
+    view of it and no decoding temporary shares it, so reads of other datasets between two reads
+    of one (cached units or not) change nothing."""
+    rng = np.random.default_rng(9)
+    arrays = {"param/a": (np.ascontiguousarray(_storage("float32", (512, 640), rng)), "float32"),
+              "param/b": (np.ascontiguousarray(_storage("float32", (700, 300), rng)), "float32"),
+              "param/c": (np.ascontiguousarray(_storage("bfloat16", (300, 200), rng)), "bfloat16"),
+              "param/d": (np.ascontiguousarray(_storage("float32", (100_000,), rng)), "float32")}
+    with _write(tmp_path / "x", arrays, "zstd") as c:
+        for key in ["param/a", "param/b", "param/c", "param/d", "param/a", "param/c", "param/b", "param/d"]:
+            want = arrays[key][0]
+            assert c.info(0, key).encoding == "zstd"
+            assert c.read_flat(0, key, 0, want.size).tobytes() == want.tobytes(), key
+            if key == "param/d":  # the second round decodes everything again
+                c.limit_caches(0)

@@ -13,10 +13,12 @@ import xxhash
 from ..errors import StoreError
 from ..layout.boxes import Slot, flat_runs
 from .codec import Units, check_ends, decode_unit, frame_table_digest, units_of
+from .planes import scratch
 from .raw import RawFile, locate
 
 
 _GROUP_BYTES = 16 << 20  # chunks decoded per group of a long flat read
+_WARM_BYTES = 32 << 20  # stored bytes read into this thread's scratch (kept for the next read) up to this size
 
 
 @dataclass
@@ -75,7 +77,10 @@ class PackedDataset:
             while j + 1 < len(missing) and missing[j + 1] == missing[j] + 1:
                 j += 1
             a, b = self._span(missing[i])[0], self._span(missing[j])[1]
-            buf = np.empty(b - a, np.uint8)
+            # warm memory: a fresh buffer of a band's stored bytes costs its page faults each read, more
+            # than the copy from the page cache (the planes join into each unit's own array, so no unit
+            # returned is a view of it)
+            buf = scratch("stored", b - a) if b - a <= _WARM_BYTES else np.empty(b - a, np.uint8)
             self.file.read_into(self.offset + a, buf)
             self.count.stored += buf.size
             view = memoryview(buf)
