@@ -352,6 +352,25 @@ def codec_part(model, opt, args) -> dict:
     return figures
 
 
+def reader_figure(arr: np.ndarray, dtype: str, rounds: int) -> list[float]:
+    """Decode speed as a load sees it: the dataset written compressed, then read whole by one
+    reader (its caches off, the first read not counted: the file in the page cache), thread CPU:
+    the unit decodes plus reading the stored bytes and placing the units."""
+    with tempfile.TemporaryDirectory() as d:
+        with CheckpointWriter(Path(d) / "c", 1, compress="zstd") as wr:
+            wr.write(0, "param/w", arr, dtype=dtype)
+            wr.commit()
+        with Checkpoint.open(Path(d) / "c") as c:
+            c.limit_caches(0)
+            c.read(0, "param/w", verify=False)
+            rates = []
+            for _ in range(rounds):
+                t0 = time.thread_time()
+                c.read(0, "param/w", verify=False)
+                rates.append(arr.nbytes / (time.thread_time() - t0) / 1e9)
+    return rates
+
+
 def large_part(model, opt, args) -> dict:
     """Per-core speed on shards of a real model's size: the trained weights and exp_avg_sq values
     repeated into one matrix of --large-shape (fp32, and its bf16 cast): the trained values'
@@ -366,9 +385,11 @@ def large_part(model, opt, args) -> dict:
         for dtype, arr in (("float32", big), ("bfloat16", bf16_bits(torch.from_numpy(big)))):
             arr = np.ascontiguousarray(arr)
             f = codec_figures([(arr, dtype)], "zstd", args.rounds, raw=False)
+            f["read_GBps"] = reader_figure(arr, dtype, args.rounds)
             out[f"{name} {dtype}"] = f
             print(f"large {name} {dtype} {list(arr.shape)} zstd: {arr.nbytes / 1e6:.0f} MB -> {f['saving']:.1%} smaller, "
-                  f"compress {med(f['compress_GBps'])} GB/s, decompress {med(f['decompress_GBps'])} GB/s")
+                  f"compress {med(f['compress_GBps'])} GB/s, decompress {med(f['decompress_GBps'])} GB/s, "
+                  f"read whole by the reader {med(f['read_GBps'])} GB/s")
     return out
 
 
