@@ -80,7 +80,9 @@ class PackedDataset:
             # warm memory: a fresh buffer of a band's stored bytes costs its page faults each read, more
             # than the copy from the page cache (the planes join into each unit's own array, so no unit
             # returned is a view of it)
-            buf = scratch("stored", b - a) if b - a <= _WARM_BYTES else np.empty(b - a, np.uint8)
+            # (at most the decoded-unit cache's budget too: a max_memory cap shrinks both)
+            warm = b - a <= min(_WARM_BYTES, self.cache.budget)
+            buf = scratch("stored", b - a) if warm else np.empty(b - a, np.uint8)
             self.file.read_into(self.offset + a, buf)
             self.count.stored += buf.size
             view = memoryview(buf)
