@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..layout.algebra import I64, product
-from .ir import BOX_COLUMNS, COPY_COLUMNS
+from .ir import BOX_COLUMNS, COPY_COLUMNS, sorted_distinct
 
 _PAIRS_AT_ONCE = 1 << 21  # (target box, source box) pairs tested in one numpy call: bounds memory
 
@@ -412,12 +412,7 @@ def _dense_ranks(*cols: np.ndarray) -> tuple[np.ndarray, int]:
     significant; equal tuples, equal rank) and how many distinct tuples there are."""
     if not len(cols[0]):
         return np.zeros(0, dtype=I64), 0
-    order = np.lexsort(cols[::-1])
-    new = np.zeros(len(order), dtype=bool)
-    new[0] = True
-    for c in cols:
-        ordered = c[order]
-        new[1:] |= ordered[1:] != ordered[:-1]
+    order, new = sorted_distinct(cols)
     rank = np.empty(len(order), dtype=I64)
     rank[order] = np.cumsum(new) - 1
     return rank, int(rank[order[-1]]) + 1

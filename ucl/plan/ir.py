@@ -24,6 +24,18 @@ FILL_BOX_COLUMNS = ("dst_start", "size")
 DATASET_COLUMNS = ("dst_set", "dataset")
 
 
+def sorted_distinct(cols) -> tuple[np.ndarray, np.ndarray]:
+    """The order that sorts the rows of the equal-length columns ``cols`` (the first most
+    significant), and which sorted positions start a distinct row (a bool mask); at least one row."""
+    order = np.lexsort(cols[::-1])
+    first = np.zeros(len(order), dtype=bool)
+    first[0] = True
+    for col in cols:
+        ranked = col[order]
+        first[1:] |= ranked[1:] != ranked[:-1]
+    return order, first
+
+
 @dataclass
 class Plan:
     """Struct-of-arrays tables (see docs/ir.md), stored compactly: each row names a set of target
@@ -160,12 +172,7 @@ class Plan:
         # the table several times: 400 MB for the 1.5 million rows of a 131,072-rank plan)
         cols = [c["tensor"], c["src_rank"], c["src_slot"]] + \
             [c[k][:, j] for k in ("src_start", "size") for j in range(self.ndim)]
-        order = np.lexsort(cols[::-1])
-        first = np.zeros(len(order), dtype=bool)
-        first[0] = True
-        for col in cols:
-            ranked = col[order]
-            first[1:] |= ranked[1:] != ranked[:-1]
+        order, first = sorted_distinct(cols)
         return _exact_sum(self._copy_bytes()[order[first]])
 
     @property
