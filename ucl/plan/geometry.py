@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..layout.algebra import I64, product
-from .ir import BOX_COLUMNS, COPY_COLUMNS, sorted_distinct
+from .ir import BOX_COLUMNS, COPY_COLUMNS, column_dtype, int_dtype, sorted_distinct
 
 _PAIRS_AT_ONCE = 1 << 21  # (target box, source box) pairs tested in one numpy call: bounds memory
 
@@ -254,9 +254,10 @@ class Uses:
         self.chunks.append((geo, tensor, dst_set, dst_slot, src_base))
 
     def take(self) -> tuple[np.ndarray, ...]:
-        """(geo, tensor, dst_set, dst_slot, src_base): every use, those of :meth:`add` first. Empties
-        this object, each column's chunks freed as soon as it is joined (they are a full plan's
-        largest inputs, alive until its tables are built)."""
+        """(geo, tensor, dst_set, dst_slot, src_base): every use, those of :meth:`add` first, each
+        column int32 where all its values fit (:func:`column_dtype`). Empties this object, each
+        column's chunks freed as soon as it is joined (they are a full plan's largest inputs, alive
+        until its tables are built)."""
         chunks, self.chunks = [list(ch) for ch in self.chunks], []
         lengths = np.array([len(ch[0]) for ch in chunks], dtype=I64)
         cols = []
@@ -264,9 +265,11 @@ class Uses:
             parts = [ch[k] for ch in chunks]
             for ch in chunks:
                 ch[k] = None
+            parts = [np.asarray(head, dtype=I64)] + ([np.array(parts, dtype=I64)] if k in (1, 4) else parts)
+            dtype = column_dtype(*parts)
             if k in (1, 4):  # one int per chunk
-                parts = [np.repeat(np.array(parts, dtype=I64), lengths)]
-            cols.append(np.concatenate([np.asarray(head, dtype=I64)] + parts))
+                parts[1] = np.repeat(parts[1].astype(dtype), lengths)
+            cols.append(np.concatenate(parts, dtype=dtype))
             del parts
         self.geo, self.tensor, self.dst_set, self.dst_slot, self.src_base = [], [], [], [], []
         return tuple(cols)
@@ -332,14 +335,19 @@ class Geometries:
         self.copy_counts = []
         row, use = gather(counts, geo)
         del geo, counts
-        source = src_base[use]
+        # a source index is below the number of sources: int32 where that fits
+        source = src_base[use].astype(int_dtype(0, len(src_rank)), copy=False)
         del src_base
-        source += idx[row]
+        source += idx.astype(source.dtype)[row]
         del idx
         # Sequential reads: rows by source rank (file), then dataset, then position; sorted before
         # the other columns are gathered, so the table is built once, in its final order.
         order = copy_order(src_rank, src_slot, sl, source, row)
-        copies = _table(len(order), K)
+        copies = _table(len(order), K, {"tensor": column_dtype(tensor), "dst_set": column_dtype(dst_set),
+                                        "dst_slot": column_dtype(dst_slot), "src_rank": column_dtype(src_rank),
+                                        "src_slot": column_dtype(src_slot), "src_start": column_dtype(sl),
+                                        "dst_start": column_dtype(dl), "global_start": column_dtype(g),
+                                        "size": column_dtype(n)})
         # each column gathered in turn into the table, every input freed after its last use;
         # mode="clip" writes straight into ``out`` (the default buffers it) and the indices are in range
         use = use[order]
@@ -371,21 +379,24 @@ class Geometries:
                 fills[k].append(v[use])
             fills["dst_start"].append(fstart[row])
             fills["size"].append(fsize[row])
-        return {k: np.concatenate(v) for k, v in fills.items()}
+        return {k: np.concatenate(v).astype(I64, copy=False) for k, v in fills.items()}  # fills stay int64: few
 
 
-def _table(rows: int, K: int) -> dict[str, np.ndarray]:
-    """An empty copy table of ``rows`` rows, its columns views of one block: a full plan's (some
-    100 MB) is one allocation, which glibc maps apart from the heap and whose pages become resident
-    only as they are written; columns allocated one by one among the build's temporaries leave
-    heap holes that stay resident (measured: 15 MiB more peak on the 131k plan)."""
+def _table(rows: int, K: int, dtypes: dict[str, np.dtype]) -> dict[str, np.ndarray]:
+    """An empty copy table of ``rows`` rows, columns of ``dtypes`` (:func:`column_dtype`), its
+    columns views of one block: a full plan's (some 100 MB) is one allocation, which glibc maps
+    apart from the heap and whose pages become resident only as they are written; columns
+    allocated one by one among the build's temporaries leave heap holes that stay resident
+    (measured: 15 MiB more peak on the 131k plan). The widest columns come first (each aligned)."""
     widths = [(k, 1) for k in COPY_COLUMNS] + [(k, K) for k in BOX_COLUMNS]
-    block = np.empty(rows * sum([w for _, w in widths]), dtype=I64)
+    widths.sort(key=lambda kw: -dtypes[kw[0]].itemsize)  # stable: table order within a width
+    block = np.empty(rows * sum([w * dtypes[k].itemsize for k, w in widths]), dtype=np.uint8)
     out, at = {}, 0
     for k, w in widths:
-        out[k] = block[at:at + rows * w].reshape((rows, w) if k in BOX_COLUMNS else rows)
-        at += rows * w
-    return out
+        size = rows * w * dtypes[k].itemsize
+        out[k] = block[at:at + size].view(dtypes[k]).reshape((rows, w) if k in BOX_COLUMNS else rows)
+        at += size
+    return {k: out[k] for k in COPY_COLUMNS + BOX_COLUMNS}
 
 
 def copy_order(src_rank: np.ndarray, src_slot: np.ndarray, starts: np.ndarray, source: np.ndarray, row: np.ndarray,
@@ -420,11 +431,18 @@ def _dense_ranks(*cols: np.ndarray) -> tuple[np.ndarray, int]:
 
 def gather(counts: np.ndarray, geo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For uses of geometries ``geo`` whose row counts are ``counts``: (row of the concatenated
-    geometry tables, use) for every output row, uses in order and each geometry's rows in order."""
+    geometry tables, use) for every output row, uses in order and each geometry's rows in order;
+    int32 where every row, use and output position fits (a full plan's are some 10^6 each)."""
     counts_a = np.asarray(counts, dtype=I64)
     offsets = np.concatenate([np.zeros(1, dtype=I64), np.cumsum(counts_a, dtype=I64)])
     geo_a = np.asarray(geo, dtype=I64)
     m = counts_a[geo_a] if len(geo_a) else np.zeros(0, dtype=I64)
-    use = np.repeat(np.arange(len(geo_a), dtype=I64), m)
-    within = np.arange(len(use), dtype=I64) - np.repeat(np.cumsum(m) - m, m)
-    return offsets[geo_a][use] + within, use
+    first = np.cumsum(m) - m  # each use's first output position
+    total = int(first[-1] + m[-1]) if len(m) else 0
+    dtype = int_dtype(0, max(total, int(offsets[-1]), len(geo_a)))
+    use = np.repeat(np.arange(len(geo_a), dtype=dtype), m)
+    # output i of use u is row offsets[geo[u]] + (i - first[u]); |offsets - first| < 2**31 when int32
+    row = np.repeat((offsets[geo_a] - first).astype(dtype), m)
+    del m, first
+    row += np.arange(total, dtype=dtype)
+    return row, use

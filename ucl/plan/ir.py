@@ -22,6 +22,22 @@ BOX_COLUMNS = ("src_start", "dst_start", "global_start", "size")
 FILL_COLUMNS = ("tensor", "dst_set", "dst_slot")
 FILL_BOX_COLUMNS = ("dst_start", "size")
 DATASET_COLUMNS = ("dst_set", "dataset")
+_I32 = np.iinfo(np.int32)
+
+
+def int_dtype(lo: int, hi: int) -> np.dtype:
+    """int32 if every integer in ``[lo, hi]`` fits in it, else int64."""
+    return np.dtype(np.int32) if _I32.min <= lo and hi <= _I32.max else np.dtype(I64)
+
+
+def column_dtype(*sources: np.ndarray) -> np.dtype:
+    """The dtype of a stored copy column whose values are taken from the int arrays ``sources``:
+    int32 where every value there fits (a 131,072-rank plan's table is half as large), else int64.
+    Bounding the sources bounds the column: its values are a selection of theirs."""
+    full = [a for a in sources if a.size]
+    if not full:
+        return np.dtype(np.int32)
+    return int_dtype(min([int(a.min()) for a in full]), max([int(a.max()) for a in full]))
 
 
 def sorted_distinct(cols) -> tuple[np.ndarray, np.ndarray]:
@@ -90,7 +106,7 @@ class Plan:
     def _expand(self, name: str, table: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if name not in self._expanded:
             row, ranks = self.rank_sets.expand(table["dst_set"])
-            self._expanded[name] = {("dst_rank" if k == "dst_set" else k): (ranks if k == "dst_set" else v[row])
+            self._expanded[name] = {("dst_rank" if k == "dst_set" else k): (ranks if k == "dst_set" else _wide(v[row]))
                                     for k, v in table.items()}
         return self._expanded[name]
 
@@ -235,7 +251,7 @@ class Plan:
         """The stored rows of one tensor, expanded to one per target rank."""
         sel = np.flatnonzero(table["tensor"] == tensor)
         row, ranks = self.rank_sets.expand(table["dst_set"][sel])
-        return {("dst_rank" if k == "dst_set" else k): (ranks if k == "dst_set" else v[sel][row])
+        return {("dst_rank" if k == "dst_set" else k): (ranks if k == "dst_set" else _wide(v[sel][row]))
                 for k, v in table.items()}
 
     # -- serialisation ------------------------------------------------------------------------------
@@ -322,6 +338,11 @@ def _join(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
 def _exact_sum(values: np.ndarray) -> int:
     """The sum of non-negative int64 ``values`` (each below 2**62), as an exact Python int."""
     return (int((values >> _HALF).sum()) << _HALF) + int((values & _LOW).sum())
+
+
+def _wide(a: np.ndarray) -> np.ndarray:
+    """An expanded column as int64 (stored ones may be int32): executors compute offsets with it."""
+    return a.astype(I64, copy=False)
 
 
 def _box(start, size) -> str:
