@@ -15,7 +15,7 @@ from ..layout.bind import Model
 from ..layout.boxes import Slot
 from ..layout.lower import ShardMap, gc_paused, lower, tensors_on
 from ..layout.mesh import Mesh, as_mesh
-from .ir import DATASET_COLUMNS, Plan
+from .ir import DATASET_COLUMNS, Plan, column_dtype, int_dtype
 from .geometry import Geometries, PieceKeys, Uses, fill_boxes, held_keys, piece_boxes, pieces_rows
 from .proof import dedup_sources, piece_volume
 from .ranksets import RankSetBuilder, sorted_distinct
@@ -243,12 +243,15 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                 geos.add_batch(pieces_rows(t, new, [piece_volume(p) for p in new], boxes), len(new),
                                [fill_boxes(p) for p in new])
             # the key's holdings are kept alive with the entry, so the ids in it stay theirs
-            per_piece = shared_uses[key] = (np.flatnonzero(np.array(sets_of, dtype=I64) >= 0), np.array(hs, dtype=I64),
-                                            np.array(gs, dtype=I64), np.array(ds, dtype=I64), holdings)
+            # int32 where the ids fit (a full plan's uses are some 10^6 rows, alive until its table is built)
+            per_piece = shared_uses[key] = (np.flatnonzero(np.array(sets_of, dtype=I64) >= 0),
+                                            np.array(hs, dtype=int_dtype(0, len(holdings))),
+                                            np.array(gs, dtype=int_dtype(0, geos.count)),
+                                            np.array(ds, dtype=int_dtype(0, sets.count)), holdings)
         held_js, hs, gs, ds, _ = per_piece
         dst_slot = np.zeros(len(holdings), dtype=I64)
         dst_slot[held_js] = slots_of(holdings, held_js)
-        uses.add_many(gs, t.id, ds, dst_slot[hs], src_base)
+        uses.add_many(gs, t.id, ds, dst_slot[hs].astype(int_dtype(0, len(slot_ids)), copy=False), src_base)
         src_base += len(sources.pieces)
     flat_fills = Uses()
     if few is None:  # every buffer's gaps (a whole map's buffers have every partition), a buffer at a time
@@ -296,8 +299,9 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
 
 
 def _joined(parts: list) -> np.ndarray:
-    """The int64 arrays ``parts`` as one; the list is emptied (its arrays freed)."""
-    out = np.concatenate([np.zeros(0, dtype=I64)] + parts)
+    """The int arrays ``parts`` as one (int32 where every value fits); the list is emptied (its
+    arrays freed)."""
+    out = np.concatenate([np.zeros(0, dtype=I64)] + parts, dtype=column_dtype(*parts))
     parts.clear()
     return out
 

@@ -15,6 +15,7 @@ from ..layout.algebra import I64, DimLayout
 from ..layout.lower import ShardMap
 from ..layout.mesh import Mesh
 from .geometry import PieceKeys, held_keys
+from .ir import int_dtype
 
 
 def piece_volume(piece) -> int:
@@ -118,8 +119,9 @@ def _proved_pieces(S: ShardMap, t, role: str, where: bool, keys: PieceKeys) -> P
     if volume > t.numel:
         out, volume = _dedup_by_box(S, t, where)
     _check_volume(S, t, role, volume)
-    return Proved([p for p, _, _ in out], np.array([r for _, r, _ in out], dtype=I64),
-                  np.array([j for _, _, j in out], dtype=I64))
+    # int32 where ranks and holding indices fit (proofs stay cached with the model)
+    return Proved([p for p, _, _ in out], np.array([r for _, r, _ in out], dtype=int_dtype(0, S.mesh.size)),
+                  np.array([j for _, _, j in out], dtype=int_dtype(0, len(S.holdings[t.id]))))
 
 
 def _check_volume(S: ShardMap, t, role: str, volume: int) -> None:
