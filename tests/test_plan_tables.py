@@ -52,7 +52,7 @@ def test_uses_take_joins_single_and_batched_uses_in_order_and_empties():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(-(1 << 32), 1 << 32).map(lambda d: I32_MAX + d if d >= 0 else -I32_MAX - 1 + d)
+@given(st.lists(st.integers(-(1 << 32), 1 << 32).map(lambda d: I32_MAX + d if d >= 0 else -I32_MAX + d)
                 | st.integers(-5, 5), min_size=5, max_size=5))
 def test_uses_take_keeps_every_value_near_the_int32_edge(edge):
     """A column holding a value past int32 is int64; at the edge (2**31 - 1, -2**31) still int32."""
