@@ -46,7 +46,8 @@ def test_uses_take_joins_single_and_batched_uses_in_order_and_empties():
     u.add_many(np.zeros(0, dtype=I64), 8, np.zeros(0, dtype=I64), np.zeros(0, dtype=I64), 15)
     u.add_many(np.array([16], dtype=I64), 17, np.array([18], dtype=I64), np.array([19], dtype=I64), 20)
     cols = u.take()
-    assert [c.tolist() for c in cols] == [[7, 5, 6, 16], [1, 9, 9, 17], [2, 10, 11, 18], [3, 12, 13, 19], [4, 14, 14, 20]]
+    assert [c.tolist() for c in cols] == [[7, 5, 6, 16], [1, 9, 9, 17], [2, 10, 11, 18], [3, 12, 13, 19],
+                                          [4, 14, 14, 20]]
     assert all(c.dtype == np.int32 for c in cols)  # every value fits
     assert [c.tolist() for c in u.take()] == [[]] * 5  # taken: the uses are gone
 

@@ -15,7 +15,7 @@ from ..layout.bind import Model
 from ..layout.boxes import Slot
 from ..layout.lower import ShardMap, gc_paused, lower, tensors_on
 from ..layout.mesh import Mesh, as_mesh
-from .ir import DATASET_COLUMNS, Plan, column_dtype, int_dtype
+from .ir import DATASET_COLUMNS, Plan, int_dtype
 from .geometry import Geometries, PieceKeys, Uses, fill_boxes, held_keys, piece_boxes, pieces_rows
 from .proof import dedup_sources, piece_volume
 from .ranksets import RankSetBuilder, sorted_distinct
@@ -291,17 +291,18 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                  geos_of_list, geometry, shared_uses, set_of_obj, set_of_fixed, sets_by_holdings, source_of_list,
                  source_ids):
         memo.clear()  # freed before the tables are built (their peak is the plan's)
-    c, f = geos.rows(uses, flat_fills, _joined(src_ranks), _joined(src_slots))  # (no other reference: freed in rows)
+    # (no other reference to the joined columns: freed in rows)
+    c, f = geos.rows(uses, flat_fills, _joined(src_ranks, src.size), _joined(src_slots, len(slot_ids)))
     return Plan(src, dst, K,
                 [{"name": t.name, "kind": t.kind, "shape": t.shape, "dtype": t.dtype} for t in model.tensors],
                 list(slot_ids), sets.build(), c, f, datasets,
                 dict(zip(DATASET_COLUMNS, (_column(ds_set), _column(ds_id)))))
 
 
-def _joined(parts: list) -> np.ndarray:
-    """The int arrays ``parts`` as one (int32 where every value fits); the list is emptied (its
-    arrays freed)."""
-    out = np.concatenate([np.zeros(0, dtype=I64)] + parts, dtype=column_dtype(*parts))
+def _joined(parts: list, bound: int) -> np.ndarray:
+    """The int arrays ``parts`` (values in ``[0, bound]``) as one, int32 where that range fits; the
+    list is emptied (its arrays freed)."""
+    out = np.concatenate([np.zeros(0, dtype=I64)] + parts, dtype=int_dtype(0, bound))
     parts.clear()
     return out
 

@@ -298,8 +298,8 @@ class Geometries:
         K = self.K
         piece, g, dl, sl, n, idx = batch
         # each int32 where its values fit: a full plan's geometries are some 10^5 rows
-        self.copy_chunks.append(tuple(a.astype(column_dtype(a), copy=False) for a in
-                                      (pad_cols(g, K, 0), pad_cols(dl, K, 0), pad_cols(sl, K, 0), pad_cols(n, K, 1), idx)))
+        cols = (pad_cols(g, K, 0), pad_cols(dl, K, 0), pad_cols(sl, K, 0), pad_cols(n, K, 1), idx)
+        self.copy_chunks.append(tuple(a.astype(column_dtype(a), copy=False) for a in cols))
         self.copy_counts.append(np.bincount(piece, minlength=n_geos).astype(I64))
         first = self.count - n_geos
         for i, fb in enumerate(fill_boxes_of):
