@@ -60,7 +60,8 @@ class Plan:
     tables expanded to one row per target rank (``dst_rank``), built on first use; executors
     read those, on a plan cut down to the ranks they run (:meth:`for_ranks`). Boxes have ``ndim``
     columns, leading dims padded with start 0, size 1. ``tensor`` -1 in fills marks padding of a
-    flat buffer."""
+    flat buffer. Stored copy columns are int32 where their values fit (:func:`column_dtype`);
+    expanded views are int64."""
 
     src_mesh: Mesh
     dst_mesh: Mesh
