@@ -130,3 +130,37 @@ def test_a_plan_with_boxes_past_int32_keeps_them_exact_in_int64_columns():
     cut = plan.for_ranks([1])  # [n / 3, 2n / 3): from both sources
     assert all(v.dtype == I64 for v in cut.copies.values())
     assert sorted(cut.copies["dst_start"][:, 0].tolist()) == [0, n // 6]
+
+
+def _narrowest(lo: int, hi: int) -> np.dtype:
+    """int_dtype with int8 in place of int32: a bound taken over the wrong array anywhere in the build
+    then wraps at 128 rather than 2**31, so a plan of a few hundred ranks shows it."""
+    return np.dtype(np.int8) if -128 <= lo and hi <= 127 else np.dtype(np.int64)
+
+
+def _widest(lo: int, hi: int) -> np.dtype:
+    return np.dtype(np.int64)
+
+
+def _plan_values(plan) -> dict:
+    q = type(plan).from_json(plan.to_json())
+    return {"copies": {k: v.tolist() for k, v in plan.copies.items()},
+            "fills": {k: v.tolist() for k, v in plan.fills.items()},
+            "round_trip": {k: v.tolist() for k, v in q.copies.items()},
+            "rank0": {k: v.tolist() for k, v in plan.for_ranks([0]).copies.items()},
+            "bytes": (plan.bytes_read, plan.bytes_unique, [int(x) for x in plan.bytes_read_per_rank()])}
+
+
+@pytest.mark.parametrize("src, dst, ranks", [("pp=2,dp=8,tp=4", "pp=4,dp=16,tp=2", None),
+                                             ("pp=4,dp=4,tp=2", "pp=8,dp=8,tp=4", [5, 200]),
+                                             ("pp=1,dp=300,tp=1", "pp=2,dp=5,tp=2", None),
+                                             ("pp=2,dp=5,tp=2", "pp=1,dp=300,tp=1", None)])
+def test_narrow_columns_are_chosen_from_bounds_that_hold(monkeypatch, src, dst, ranks):
+    """Every narrowing bound of the table build, stressed: with int8 as the narrow type (ranks, slots,
+    geometry ids and row counts of a few hundred pass it) a plan equals the one built all in int64."""
+    model = llama_model(dict(vocab=1000, hidden=256, heads=8, kv_heads=4, ffn=704, layers=8))
+    got = {}
+    for name, choose in (("int64", _widest), ("int8", _narrowest)):
+        monkeypatch.setattr(int_dtype, "__code__", choose.__code__)  # callers hold the function itself
+        got[name] = _plan_values(ucl.compile(model, src, dst, ranks=ranks))
+    assert got["int8"] == got["int64"]

@@ -351,7 +351,11 @@ class Geometries:
                                         "dst_start": column_dtype(dl), "global_start": column_dtype(g),
                                         "size": column_dtype(n)})
         # each column gathered in turn into the table, every input freed after its last use;
-        # mode="clip" writes straight into ``out`` (the default buffers it) and the indices are in range
+        # mode="clip" writes straight into ``out`` (the default buffers it), so an index that wrapped
+        # (a narrowing bound gone wrong) would be clamped to a wrong row: check the ranges first
+        for what, index, size in (("use", use, len(tensor)), ("source", source, len(src_rank)), ("row", row, len(sl))):
+            if len(index) and not (0 <= int(index.min()) and int(index.max()) < size):
+                raise PlanError(f"internal error: copy-table {what} index out of [0, {size})", code="UCL314")
         use = use[order]
         for k, col in (("tensor", tensor), ("dst_set", dst_set), ("dst_slot", dst_slot)):
             np.take(col, use, out=copies[k], mode="clip")
