@@ -102,7 +102,7 @@ def test_trained_like_state_is_compressed_and_marked(tmp_path):
         info = c.info(0, "param/w")
         assert info.encoding == "zstd" and info.stored < 0.8 * info.nbytes
         assert c.info(0, "step/s").encoding is None  # coding a scalar does not shrink it: plain
-        assert c.manifest.version == 4 and info.group >= 1
+        assert c.manifest.version == 5 and info.group >= 1
     assert ucl.open(tmp_path / "x").read(0, "param/w").tobytes() == w.tobytes()
 
 
@@ -124,7 +124,7 @@ def test_reshard_compressed_and_back_is_bit_exact(demo, saved, tmp_path, codec, 
     packed = tmp_path / "packed"
     ucl.reshard(saved(a), packed, M(b), workers=2, compress=codec)
     m = json.load(open(packed / "manifest.json"))
-    assert m["version"] == 4 and any(e.get("encoding") == codec for d in m["datasets"] for e in d.values())
+    assert m["version"] == 5 and any(e.get("encoding") == codec for d in m["datasets"] for e in d.values())
     assert_intact(packed, model, truth, M(b))
     plain = tmp_path / "plain"
     ucl.reshard(packed, plain, M(a), workers=1, durable=False)  # streamed from a compressed source
@@ -149,7 +149,7 @@ def test_cli_reshard_compress(demo, saved, tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "z")]) == 0
     out = capsys.readouterr().out
-    assert "ucl format v4" in out and "stored, zstd)" in out
+    assert "ucl format v5" in out and "stored, zstd)" in out
 
 
 def test_an_unknown_codec_is_refused_before_anything_is_written(tmp_path):
@@ -312,7 +312,7 @@ def test_checkpointer_compresses_in_its_flusher(tmp_path):
         codec._encode_block = real
     assert coded_in and threading.current_thread().name not in coded_in  # never the training thread
     with ucl.open(latest) as c:
-        assert c.manifest.version == 4 and c.verify() == []
+        assert c.manifest.version == 5 and c.verify() == []
         assert any(c.info(0, k).encoding == "zstd" for k in c.keys(0))
     want = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -398,11 +398,11 @@ def test_encode_is_the_units_encoded_one_by_one(dtype, codec, shape, seed):
     """However encode() batches units (a block of them split into planes at once, a grid's cells
     gathered first), each unit's stored bytes are those of encode_unit on it alone, with the planes
     the dataset's first elements showed worth coding."""
-    from ucl.store.codec import encode_unit, unit_view, worth_coding
+    from ucl.store.codec import choose, encode_unit, unit_view
     arr = np.ascontiguousarray(_storage(dtype, shape, np.random.default_rng(seed)))
     got = encode(arr, dtype, codec)
     units = units_of(arr.shape, arr.itemsize, got.group)
-    tries = worth_coding(arr, dtype, codec)
-    want = [encode_unit(unit_view(arr, units, u), dtype, arr.itemsize, codec, tries) for u in range(units.count)]
+    coding = choose(arr, dtype, codec)
+    want = [encode_unit(unit_view(arr, units, u), dtype, arr.itemsize, codec, coding) for u in range(units.count)]
     assert got.stored.tobytes() == b"".join(want)
     assert got.ends.tolist() == np.cumsum([len(w) for w in want]).tolist()

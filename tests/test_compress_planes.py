@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 import ucl.store.planes as planes
 from tests.passes import examples
 from tests.test_compress import _storage
-from ucl.store.codec import decode_unit, encode, encode_unit, unit_view, units_of, worth_coding
+from ucl.store.codec import choose, decode_unit, encode, encode_unit, unit_view, units_of
 from ucl.store.planes import join_into, plane_into, planes_of, split_planes
 
 SPLIT = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint16": 2, "uint8": 1}
@@ -63,12 +63,12 @@ def test_scratch_never_carries_bytes_between_units(steps):
         _poison(seed)
         got = encode(arr, dtype, codec)
         units = units_of(arr.shape, arr.itemsize, got.group)
-        tries = worth_coding(arr, dtype, codec)
+        coding = choose(arr, dtype, codec)
         view, lo = memoryview(got.stored), 0
         for u in range(units.count):
             unit = unit_view(arr, units, u)
             hi = int(got.ends[u])
-            assert got.stored[lo:hi].tobytes() == encode_unit(unit, dtype, arr.itemsize, codec, tries)
+            assert got.stored[lo:hi].tobytes() == encode_unit(unit, dtype, arr.itemsize, codec, coding)
             _poison(seed + u)
             out = np.empty(unit.size, np.uint8)
             decode_unit(view[lo:hi], out.size, dtype, arr.itemsize, codec, out, str)

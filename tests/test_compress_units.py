@@ -132,7 +132,7 @@ def test_cli_import_compress(tmp_path, capsys):
     assert main(["import", str(fixture), str(tmp_path / "p"), "--quiet"]) == 0
     capsys.readouterr()
     with ucl.open(tmp_path / "z") as z, ucl.open(tmp_path / "p") as p:
-        assert z.manifest.version == 4 and z.verify() == []
+        assert z.manifest.version == 5 and z.verify() == []
         assert any(z.info(r, k).encoding == "zstd" for r in range(z.nranks) for k in z.keys(r))
         assert {(r, k): z.read(r, k).tobytes() for r in range(z.nranks) for k in z.keys(r)} == \
             {(r, k): p.read(r, k).tobytes() for r in range(p.nranks) for k in p.keys(r)}

@@ -1,8 +1,9 @@
 """The compressed encoding of a dataset (docs/format.md, "Compressed datasets"): its bytes cut into
 units (cells of ``group`` tile bands by one tile column of a tiled dataset, else runs of ``group``
 checksum chunks, else the whole dataset), each unit split into byte planes (floats rotated first so
-the exponent fills one plane; the transform is ``planes``') and each plane coded on its own with
-zstd or lz4, or kept raw where coding does not shrink it. Pure: bytes in, bytes out; every length a
+the exponent fills one plane, or in layout 1 offset and rotated by four; the transform is
+``planes``') and each plane coded on its own with zstd or lz4, or kept raw where coding does not
+shrink it. Pure: bytes in, bytes out; every length a
 stored unit declares is checked against what its geometry allows before anything is allocated or
 decoded. The writer works a unit at a time (a unit's temporaries fit in a core's cache), each plane
 made straight into the stored bytes when it is kept raw, so Python runs a few statements per plane
@@ -21,7 +22,8 @@ import xxhash
 
 from ..errors import StoreError
 from .checksum import chunk_size, format_checksum, tile_grid, TileGrid
-from .planes import join_into, plane_into, planes_of, scratch, split_planes
+from .planes import (LAYOUTS, MAX_OFFSET, OFFSET_FLOATS, has_layout, join_into, offset_elements, plane_into,
+                     planes_of, scratch, split_planes)
 
 CODECS = ("zstd", "lz4")
 # zstd's fastest strategy with the smallest hash table and the longest minimum match: on exponent planes
@@ -33,6 +35,10 @@ UNIT_BYTES = 256 << 10  # a writer's units hold at least this many logical bytes
 MAX_UNIT_BANDS = 4  # ... but a tiled dataset's unit spans at most this many tile bands (row reads stay fine)
 _RAW = 1 << 31  # a plane header's top bit: the plane is stored raw
 _HEADER = struct.Struct("<I")
+# a unit not in layout 0 starts with a layout header: a raw plane of no bytes (no plane is empty, so no
+# version-3/4 unit starts so), then the layout and its offset, little-endian uint16 each
+_LAYOUT = struct.Struct("<IHH")
+LAYOUT_BYTES = _LAYOUT.size
 SAMPLE_ELEMENTS = 16 << 10  # a dataset's first elements, whose planes are coded to see which shrink
 BLOCK_BYTES = 1 << 20  # units coded together (one task of a thread pool): about this many logical bytes
 RUN_BYTES = 1 << 18  # smaller units split into planes together: fewer numpy calls, still in a core's cache
@@ -143,11 +149,26 @@ def _make_codec(name: str) -> tuple[Callable[[Any], bytes], Callable[[Any, int],
                          " which is not installed", code="UCL418") from None
 
 
-def encode_unit(raw: np.ndarray, dtype: str, itemsize: int, codec: str, tries: Sequence[bool] | None = None) -> bytes:
-    """One unit's stored bytes: per plane a little-endian uint32 header (its stored length; top bit
-    set: raw), then the plane. ``tries[p]`` False: plane ``p`` is stored raw without trying to code it."""
-    parts: list = []
-    _pack(split_planes(raw, dtype, itemsize), codec, tries, parts)
+@dataclass(frozen=True)
+class Coding:
+    """How a writer codes a dataset's units: which planes it tries to code (``tries[p]`` False:
+    stored raw untried; None: all tried), in which plane ``layout`` (0: floats rotated left by one;
+    1: float32/bfloat16 offset by ``offset``, then rotated left by four)."""
+
+    tries: tuple[bool, ...] | None = None
+    layout: int = 0
+    offset: int = 0
+
+    def header(self) -> bytes:
+        """The layout header each unit starts with (none in layout 0)."""
+        return _LAYOUT.pack(_RAW, self.layout, self.offset) if self.layout else b""
+
+
+def encode_unit(raw: np.ndarray, dtype: str, itemsize: int, codec: str, coding: Coding = Coding()) -> bytes:
+    """One unit's stored bytes: its layout header (layout 1), then per plane a little-endian uint32
+    header (its stored length; top bit set: raw) and the plane."""
+    parts: list = [coding.header()]
+    _pack(split_planes(raw, dtype, itemsize, coding.layout, coding.offset), codec, coding.tries, parts)
     return b"".join(parts)
 
 
@@ -175,7 +196,8 @@ def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, cod
     k = planes_of(dtype, itemsize)
     each, size = logical // k, len(stored)
     _, decompress = coders(codec)
-    planes, pos = [], 0
+    layout, offset, pos = _layout_of(stored, dtype, where)
+    planes = []
     try:
         for p in range(k):
             if pos + 4 > size:
@@ -196,7 +218,23 @@ def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, cod
         raise
     except Exception as e:  # zstd and lz4 raise their own types on a corrupt stream
         raise StoreError(f"{where()}: corrupt {codec} stream ({e})", code="UCL406") from None
-    join_into(planes, dtype, out)
+    join_into(planes, dtype, out, layout, offset)
+
+
+def _layout_of(stored: memoryview, dtype: str, where: Callable[[], str]) -> tuple[int, int, int]:
+    """A unit's plane layout, its offset and where its planes start: layout 0 at 0 unless the unit
+    starts with a layout header, whose fields are checked here (UCL406 naming ``where()``)."""
+    if len(stored) < 4 or _HEADER.unpack_from(stored, 0)[0] != _RAW:
+        return 0, 0, 0
+    if len(stored) < LAYOUT_BYTES:
+        raise StoreError(f"{where()}: ends inside its layout header (corrupt)", code="UCL406")
+    _, layout, offset = _LAYOUT.unpack_from(stored, 0)
+    if layout not in LAYOUTS[1:] or not has_layout(dtype, layout):
+        raise StoreError(f"{where()}: unknown plane layout {layout} for {dtype} (corrupt, or written by a newer ucl)",
+                         code="UCL406")
+    if offset > MAX_OFFSET:
+        raise StoreError(f"{where()}: layout offset {offset} out of range (0 to {MAX_OFFSET}; corrupt)", code="UCL406")
+    return layout, offset, LAYOUT_BYTES
 
 
 def unit_view(arr: np.ndarray, units: Units, u: int) -> np.ndarray:
@@ -232,17 +270,17 @@ def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None
     the GIL), into one buffer sized for the worst case: without a pool each block is written right
     after the previous one; with one, each at its worst-case offset, then moved down into place
     (no second buffer of the whole dataset). The planes coded are those the dataset's first
-    elements show worth coding (:func:`worth_coding`)."""
+    elements show worth coding, in the layout they show smaller (:func:`choose`)."""
     group = group_for(arr.shape, arr.itemsize) if group is None else group
     units = units_of(arr.shape, arr.itemsize, group)
     if not units.count:
         return Encoded(np.zeros(0, np.uint8), np.zeros(0, np.uint64), np.zeros(0, np.uint64), group)
-    tries = worth_coding(arr, dtype, codec)
+    coding = choose(arr, dtype, codec)
     blocks = _blocks(units)
-    heads = 4 * planes_of(dtype, arr.itemsize)
+    heads = 4 * planes_of(dtype, arr.itemsize) + len(coding.header())
     most = [sum(units.unit_bytes(u) + heads for u in range(a, b + 1)) for a, b in blocks]
     out = np.empty(sum(most), np.uint8)
-    job = lambda block, at: _encode_block(arr, units, dtype, codec, tries, *block, out, at)  # noqa: E731
+    job = lambda block, at: _encode_block(arr, units, dtype, codec, coding, *block, out, at)  # noqa: E731
     lengths: list[int] = []
     digests: list[int] = []
     pos = 0
@@ -279,7 +317,7 @@ def _blocks(units: Units) -> list[tuple[int, int]]:
     return out
 
 
-def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, tries: Sequence[bool], first: int,
+def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, coding: Coding, first: int,
                   last: int, out: np.ndarray, at: int) -> tuple[int, list[int], list[int]]:
     """Units ``first..last`` (one block) coded into ``out`` from ``at`` on, one after the other:
     where they end, each one's length and the xxh3-64 of each one's stored bytes (hashed while in
@@ -287,8 +325,10 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, tries: 
     scratch first: their rows are strided). A run of one unit has each plane made with one or two
     numpy passes straight into ``out`` when it is kept raw, else into scratch for the coder; a run
     of smaller units is split into planes at once (fewer numpy calls a unit) and each unit's part
-    of a plane coded or copied. A coded plane that did not shrink is stored raw after all."""
+    of a plane coded or copied. A coded plane that did not shrink is stored raw after all. In layout
+    1 the run's elements are offset once (into scratch) before any plane is made of them."""
     item, g = arr.itemsize, units.grid
+    tries, layout, head = coding.tries, coding.layout, np.frombuffer(coding.header(), np.uint8)
     k = planes_of(dtype, item)
     elems = np.dtype(f"<u{item}") if k > 1 else np.dtype(np.uint8)
     compress, _ = coders(codec)
@@ -307,21 +347,25 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, tries: 
         else:
             per = units.chunk // item
             x = flat[a * per:a * per + sum(sizes) * elems.itemsize // item].view(elems)
+        if layout:
+            x = offset_elements(x, coding.offset)
         planes = None
         if a < b:
             planes = scratch("planes", k * x.size).reshape(k, x.size)
             for p in range(k):
-                plane_into(x, dtype, p, planes[p])
+                plane_into(x, dtype, p, planes[p], layout)
         off = 0
         for n in sizes:
             start = pos
+            out[pos:pos + head.size] = head
+            pos += head.size
             for p in range(k):
                 if planes is None and not tries[p]:  # straight into the stored bytes
-                    plane_into(x, dtype, p, out[pos + 4:pos + 4 + n])
+                    plane_into(x, dtype, p, out[pos + 4:pos + 4 + n], layout)
                 else:
                     if planes is None:
                         plane = scratch("plane", n)
-                        plane_into(x, dtype, p, plane)
+                        plane_into(x, dtype, p, plane, layout)
                     else:
                         plane = planes[p, off:off + n]
                     coded = compress(plane) if tries[p] else None
@@ -339,20 +383,37 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, tries: 
     return pos, lengths, digests
 
 
-def worth_coding(arr: np.ndarray, dtype: str, codec: str) -> list[bool]:
-    """Which planes are worth coding: those of the dataset's first SAMPLE_ELEMENTS elements that
-    shrink by at least 2%. The others (the mantissa bytes of trained floats, noise to a
-    coder) are stored raw in every unit of the dataset without being tried (a writer's choice:
-    readers see raw planes either way)."""
-    compress, _ = coders(codec)
+def choose(arr: np.ndarray, dtype: str, codec: str) -> Coding:
+    """How to code a dataset, from its first SAMPLE_ELEMENTS elements (a writer's choice: readers
+    follow each unit's header). Planes worth coding: those of the sample that shrink by at least
+    2%; the others (the mantissa bytes of trained floats, noise to a coder) are stored raw in every
+    unit without being tried. Layout 1 where the dtype has it, no element of the sample has its
+    sign bit set (exp_avg_sq: layout 0 would code its lowest plane for the one sign bit; layout 1
+    puts the exponent's top bits there instead) and the sample's planes come out smaller in it;
+    its offset moves the sample's median exponent to the middle (16) of a window of 32."""
     k = planes_of(dtype, arr.itemsize)
     sample = arr.reshape(-1)[:SAMPLE_ELEMENTS].view(f"<u{arr.itemsize}" if k > 1 else np.uint8)
-    plane = scratch("plane", sample.size)
-    tries = []
-    for p in range(k):
-        plane_into(sample, dtype, p, plane)
-        tries.append(len(compress(plane)) < 0.98 * plane.size)
-    return tries
+    plain = _trial(sample, dtype, codec, 0)
+    if dtype not in OFFSET_FLOATS or not sample.size or int(sample.max()) >> (8 * arr.itemsize - 1):
+        return Coding(plain[0])
+    exps = sample >> sample.dtype.type(8 * arr.itemsize - 9)  # no sign bit: the exponents
+    offset = (16 - int(np.partition(exps, exps.size // 2)[exps.size // 2])) % 32
+    other = _trial(offset_elements(sample, offset), dtype, codec, 1)
+    return Coding(other[0], 1, offset) if other[1] < plain[1] else Coding(plain[0])
+
+
+def _trial(x: np.ndarray, dtype: str, codec: str, layout: int) -> tuple[tuple[bool, ...], int]:
+    """Which planes of the elements ``x`` (in ``layout``) shrink by at least 2%, and the bytes
+    they take so (the others raw)."""
+    compress, _ = coders(codec)
+    plane = scratch("plane", x.size)
+    tries, size = [], 0
+    for p in range(planes_of(dtype, x.dtype.itemsize)):
+        plane_into(x, dtype, p, plane, layout)
+        coded = len(compress(plane))
+        tries.append(coded < 0.98 * plane.size)
+        size += coded if tries[-1] else plane.size
+    return tuple(tries), size
 
 
 def frame_table_digest(whole: str, codec: str, stored: int, ends: np.ndarray, digests: np.ndarray,
@@ -377,7 +438,8 @@ def check_ends(units: Units, dtype: str, ends: np.ndarray, stored: int, where: s
     (UCL406)."""
     k = planes_of(dtype, units.itemsize)
     lengths = np.diff(np.concatenate([[0], ends.astype(np.int64)]))
-    most = np.fromiter((4 * k + units.unit_bytes(u) for u in range(units.count)), np.int64, units.count)
+    heads = 4 * k + LAYOUT_BYTES  # plane headers and at most a layout header
+    most = np.fromiter((heads + units.unit_bytes(u) for u in range(units.count)), np.int64, units.count)
     if ends.size != units.count or (ends.size and int(ends[-1]) != stored) or np.any(lengths < 4 * k) \
             or np.any(lengths > most):
         raise StoreError(f"{where}: its frame table does not fit a dataset of {units.nbytes:,} bytes in "

@@ -22,8 +22,9 @@ from .checksum import is_checksum
 FORMAT_NAME = "ucl-checkpoint"
 FORMAT_VERSION = 2  # 2: a replicated dataset is stored by its first replica only (docs/format.md)
 # 3: some datasets in the compressed encoding, a unit per checksum chunk or tile; 4: units of ``group``
-# chunks or tile bands (docs/format.md). What a checkpoint with a compressed dataset says now:
-COMPRESSED_VERSION = 4
+# chunks or tile bands; 5: a unit may start with a layout header (plane layout 1) (docs/format.md).
+# What a checkpoint with a compressed dataset says now:
+COMPRESSED_VERSION = 5
 READ_VERSION = COMPRESSED_VERSION  # the newest version this ucl reads
 ENCODINGS = ("zstd", "lz4")  # the compressed encodings an entry's ``encoding`` may name
 MAX_GROUP = 1 << 20  # the largest ``group`` a reader takes (far above any a writer chooses)
