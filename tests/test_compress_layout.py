@@ -63,7 +63,7 @@ def test_the_layout_1_kernels_are_the_rule(dtype, seed, offset, n):
     z = (y << elems.dtype.type(4)) | (y >> elems.dtype.type(8 * k - 4))  # stated apart from planes.rotate
     assert [p.tobytes() for p in want] == [np.ascontiguousarray(z.view(np.uint8).reshape(-1, k)[:, k - 1 - p])
                                            .tobytes() for p in range(k)]
-    x = offset_elements(elems, offset)
+    x = offset_elements(elems, [offset])
     for p in range(k):
         got = np.full(n, 0xA5, np.uint8)
         plane_into(x, dtype, p, got, 1)
@@ -75,7 +75,7 @@ def test_the_layout_1_kernels_are_the_rule(dtype, seed, offset, n):
 
 def _forced(dtype: str, layout: int, offset: int, tries):
     """choose() replaced: every dataset coded in ``layout`` where its dtype has it."""
-    def choose(arr, dt, name):
+    def choose(arr, dt, name, units=None):
         k = arr.itemsize if dt in WIDTH else 1
         return Coding(tuple(tries[:k]) + (True,) * (k - len(tries[:k])), layout if dt in ("float32", "bfloat16")
                       else 0, offset)
@@ -129,22 +129,39 @@ def test_encode_is_the_units_encoded_one_by_one_in_the_layout_chosen(dtype, kind
     assert {w[:4] == b"\0\0\0\x80" for w in want} == {bool(coding.layout)}
 
 
+def _headers(enc) -> list[tuple[int, int]]:
+    """(layout, offset) of each unit of an encoded dataset, from its stored bytes."""
+    starts = np.concatenate([[0], enc.ends[:-1]]).astype(int)
+    return [(int.from_bytes(h[4:6], "little"), int.from_bytes(h[6:8], "little")) if h[:4] == b"\0\0\0\x80"
+            else (0, 0) for h in (enc.stored[a:a + 8].tobytes() for a in starts)]
+
+
 def test_the_writer_takes_layout_1_for_non_negative_floats_only():
     """Layout 1 where no sign bit is set and it codes smaller (a mean of squares, like exp_avg_sq,
     in float32 and bfloat16), never for signed values, for float16, or where one sample element is
-    negative; its offset puts the sample's median exponent at 16 of a window of 32."""
+    negative; each unit's offset puts the median exponent of its evenly spaced elements at 16 of a
+    window of 32, so units of another scale get another offset."""
     rng = np.random.default_rng(9)
     for dtype in ("float32", "bfloat16"):
-        sq = _values("nonneg", dtype, 1 << 16, rng)
+        sq = _values("nonneg", dtype, 1 << 18, rng)
+        if dtype == "float32":
+            sq[1 << 17:] *= 1e4  # the scale drifts: the second half's exponents 13 higher
+        else:
+            sq[1 << 17:] += np.uint16(13 << 7)
         got = choose(sq, dtype, "zstd")
-        assert got.layout == 1 and got.tries[0]
-        e = sq.view(f"<u{sq.itemsize}") >> (8 * sq.itemsize - 9)
-        assert (int(np.median(e[:codec.SAMPLE_ELEMENTS])) + got.offset) % 32 == 16
+        assert got.layout == 1 and got.tries[0] and got.offset is None
+        enc = encode(sq, dtype, "zstd")
+        units = units_of(sq.shape, sq.itemsize, enc.group)
+        heads = _headers(enc)
+        assert {h[0] for h in heads} == {1} and heads[0][1] != heads[-1][1]
+        for u, (_, offset) in enumerate(heads):
+            x = unit_view(sq, units, u).view(f"<u{sq.itemsize}")
+            e = np.sort(x[::max(1, x.size // 1024)] >> (8 * sq.itemsize - 9))
+            assert (int(e[e.size // 2]) + offset) % 32 == 16
         one = sq.copy()
         one[100] = -one[100] if dtype == "float32" else one[100] | 0x8000
         assert choose(one, dtype, "zstd").layout == 0
         assert choose(_values("mixed", dtype, 1 << 16, rng), dtype, "zstd").layout == 0
-        enc = encode(sq, dtype, "zstd")
         assert enc.stored.size < encode(one, dtype, "zstd").stored.size
     assert choose(_values("nonneg", "float16", 1 << 16, rng), "float16", "zstd").layout == 0
 
@@ -210,7 +227,7 @@ def test_layout_1_is_refused_for_a_dtype_without_it(dtype):
     (UCL406) before any plane is read or anything allocated for it."""
     k = {"float16": 2, "float64": 8, "int32": 4, "uint8": 1}[dtype]
     raw = np.arange(64 * k, dtype=np.uint8)
-    unit = Coding(None, 1, 3).header() + encode_unit(raw, dtype, k, "zstd")
+    unit = Coding(None, 1).header(3) + encode_unit(raw, dtype, k, "zstd")
     out = np.empty(raw.size, np.uint8)
     with pytest.raises(StoreError) as err:
         decode_unit(memoryview(unit), out.size, dtype, k, "zstd", out, lambda: "unit 7")
@@ -229,7 +246,7 @@ def test_a_mutated_layout_1_unit_decodes_or_fails_with_a_ucl_error(name, dtype, 
     unit, or bytes of exactly the unit's length; never another exception."""
     arr = _values("nonneg", dtype, 4096, np.random.default_rng(7))
     coding = choose(arr, dtype, name)
-    unit = bytearray(encode_unit(arr.view(np.uint8), dtype, arr.itemsize, name, Coding(coding.tries, 1, 17)))
+    unit = bytearray(encode_unit(arr.view(np.uint8), dtype, arr.itemsize, name, Coding(coding.tries, 1)))
     for pos, x in flips:
         unit[pos % len(unit)] ^= x
     if cut:

@@ -23,7 +23,7 @@ import xxhash
 from ..errors import StoreError
 from .checksum import chunk_size, format_checksum, tile_grid, TileGrid
 from .planes import (LAYOUTS, MAX_OFFSET, OFFSET_FLOATS, has_layout, join_into, offset_elements, plane_into,
-                     planes_of, scratch, split_planes)
+                     planes_of, scratch, split_planes, unit_offset)
 
 CODECS = ("zstd", "lz4")
 # zstd's fastest strategy with the smallest hash table and the longest minimum match: on exponent planes
@@ -153,22 +153,28 @@ def _make_codec(name: str) -> tuple[Callable[[Any], bytes], Callable[[Any, int],
 class Coding:
     """How a writer codes a dataset's units: which planes it tries to code (``tries[p]`` False:
     stored raw untried; None: all tried), in which plane ``layout`` (0: floats rotated left by one;
-    1: float32/bfloat16 offset by ``offset``, then rotated left by four)."""
+    1: float32/bfloat16 offset, then rotated left by four) with which ``offset`` (None: each unit's
+    own, planes.unit_offset)."""
 
     tries: tuple[bool, ...] | None = None
     layout: int = 0
-    offset: int = 0
+    offset: int | None = None
 
-    def header(self) -> bytes:
-        """The layout header each unit starts with (none in layout 0)."""
-        return _LAYOUT.pack(_RAW, self.layout, self.offset) if self.layout else b""
+    def offset_of(self, x: np.ndarray) -> int:
+        """The offset of the unit of unsigned elements ``x`` in layout 1."""
+        return unit_offset(x) if self.offset is None else self.offset
+
+    def header(self, offset: int) -> bytes:
+        """The layout header a unit of this ``offset`` starts with (none in layout 0)."""
+        return _LAYOUT.pack(_RAW, self.layout, offset) if self.layout else b""
 
 
 def encode_unit(raw: np.ndarray, dtype: str, itemsize: int, codec: str, coding: Coding = Coding()) -> bytes:
     """One unit's stored bytes: its layout header (layout 1), then per plane a little-endian uint32
     header (its stored length; top bit set: raw) and the plane."""
-    parts: list = [coding.header()]
-    _pack(split_planes(raw, dtype, itemsize, coding.layout, coding.offset), codec, coding.tries, parts)
+    offset = coding.offset_of(raw.view(f"<u{itemsize}")) if coding.layout else 0
+    parts: list = [coding.header(offset)]
+    _pack(split_planes(raw, dtype, itemsize, coding.layout, offset), codec, coding.tries, parts)
     return b"".join(parts)
 
 
@@ -275,9 +281,9 @@ def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None
     units = units_of(arr.shape, arr.itemsize, group)
     if not units.count:
         return Encoded(np.zeros(0, np.uint8), np.zeros(0, np.uint64), np.zeros(0, np.uint64), group)
-    coding = choose(arr, dtype, codec)
+    coding = choose(arr, dtype, codec, units)
     blocks = _blocks(units)
-    heads = 4 * planes_of(dtype, arr.itemsize) + len(coding.header())
+    heads = 4 * planes_of(dtype, arr.itemsize) + (LAYOUT_BYTES if coding.layout else 0)
     most = [sum(units.unit_bytes(u) + heads for u in range(a, b + 1)) for a, b in blocks]
     out = np.empty(sum(most), np.uint8)
     job = lambda block, at: _encode_block(arr, units, dtype, codec, coding, *block, out, at)  # noqa: E731
@@ -326,9 +332,10 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, coding:
     numpy passes straight into ``out`` when it is kept raw, else into scratch for the coder; a run
     of smaller units is split into planes at once (fewer numpy calls a unit) and each unit's part
     of a plane coded or copied. A coded plane that did not shrink is stored raw after all. In layout
-    1 the run's elements are offset once (into scratch) before any plane is made of them."""
+    1 the run's elements are offset, each unit by its own, (into scratch) before any plane is made
+    of them."""
     item, g = arr.itemsize, units.grid
-    tries, layout, head = coding.tries, coding.layout, np.frombuffer(coding.header(), np.uint8)
+    tries, layout = coding.tries, coding.layout
     k = planes_of(dtype, item)
     elems = np.dtype(f"<u{item}") if k > 1 else np.dtype(np.uint8)
     compress, _ = coders(codec)
@@ -347,18 +354,24 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, coding:
         else:
             per = units.chunk // item
             x = flat[a * per:a * per + sum(sizes) * elems.itemsize // item].view(elems)
+        heads = [np.zeros(0, np.uint8)] * len(sizes)
         if layout:
-            x = offset_elements(x, coding.offset)
+            offsets, at = [], 0
+            for n in sizes:
+                offsets.append(coding.offset_of(x[at:at + n]))
+                at += n
+            heads = [np.frombuffer(coding.header(o), np.uint8) for o in offsets]
+            x = offset_elements(x, offsets, sizes)
         planes = None
         if a < b:
             planes = scratch("planes", k * x.size).reshape(k, x.size)
             for p in range(k):
                 plane_into(x, dtype, p, planes[p], layout)
         off = 0
-        for n in sizes:
+        for n, head in zip(sizes, heads):
             start = pos
-            out[pos:pos + head.size] = head
-            pos += head.size
+            out[pos:pos + len(head)] = head
+            pos += len(head)
             for p in range(k):
                 if planes is None and not tries[p]:  # straight into the stored bytes
                     plane_into(x, dtype, p, out[pos + 4:pos + 4 + n], layout)
@@ -383,23 +396,27 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, coding:
     return pos, lengths, digests
 
 
-def choose(arr: np.ndarray, dtype: str, codec: str) -> Coding:
-    """How to code a dataset, from its first SAMPLE_ELEMENTS elements (a writer's choice: readers
-    follow each unit's header). Planes worth coding: those of the sample that shrink by at least
-    2%; the others (the mantissa bytes of trained floats, noise to a coder) are stored raw in every
-    unit without being tried. Layout 1 where the dtype has it, no element of the sample has its
-    sign bit set (exp_avg_sq: layout 0 would code its lowest plane for the one sign bit; layout 1
-    puts the exponent's top bits there instead) and the sample's planes come out smaller in it;
-    its offset moves the sample's median exponent to the middle (16) of a window of 32."""
+def choose(arr: np.ndarray, dtype: str, codec: str, units: Units | None = None) -> Coding:
+    """How to code a dataset (a writer's choice: readers follow each unit's header). Planes worth
+    coding: those of its first SAMPLE_ELEMENTS elements that shrink by at least 2%; the others (the
+    mantissa bytes of trained floats, noise to a coder) are stored raw in every unit without being
+    tried. Layout 1 (each unit with its own offset, planes.unit_offset) where the dtype has it, no
+    element of the first unit (of ``units``, default group_for's) has its sign bit set (exp_avg_sq:
+    layout 0 codes its lowest plane for the one sign bit; layout 1 puts the exponent's top bits
+    there instead) and that unit, its planes tried in each layout, is smaller in layout 1 (a whole
+    unit, not the first elements: where the exponents repeat from row to row of a tile, layout 0
+    codes them as matches, which layout 1's mantissa bits break), then with its planes' choice."""
     k = planes_of(dtype, arr.itemsize)
-    sample = arr.reshape(-1)[:SAMPLE_ELEMENTS].view(f"<u{arr.itemsize}" if k > 1 else np.uint8)
-    plain = _trial(sample, dtype, codec, 0)
-    if dtype not in OFFSET_FLOATS or not sample.size or int(sample.max()) >> (8 * arr.itemsize - 1):
-        return Coding(plain[0])
-    exps = sample >> sample.dtype.type(8 * arr.itemsize - 9)  # no sign bit: the exponents
-    offset = (16 - int(np.partition(exps, exps.size // 2)[exps.size // 2])) % 32
-    other = _trial(offset_elements(sample, offset), dtype, codec, 1)
-    return Coding(other[0], 1, offset) if other[1] < plain[1] else Coding(plain[0])
+    elems = f"<u{arr.itemsize}" if k > 1 else np.uint8
+    plain = _trial(arr.reshape(-1)[:SAMPLE_ELEMENTS].view(elems), dtype, codec, 0)[0]
+    if dtype not in OFFSET_FLOATS or not arr.size:
+        return Coding(plain)
+    units = units_of(arr.shape, arr.itemsize, group_for(arr.shape, arr.itemsize)) if units is None else units
+    first = unit_view(arr, units, 0).view(elems)
+    if int(first.max()) >> (8 * arr.itemsize - 1):
+        return Coding(plain)
+    other = _trial(offset_elements(first, [unit_offset(first)]), dtype, codec, 1)
+    return Coding(other[0], 1) if other[1] < _trial(first, dtype, codec, 0)[1] else Coding(plain)
 
 
 def _trial(x: np.ndarray, dtype: str, codec: str, layout: int) -> tuple[tuple[bool, ...], int]:
