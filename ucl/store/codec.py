@@ -400,12 +400,13 @@ def choose(arr: np.ndarray, dtype: str, codec: str, units: Units | None = None) 
     """How to code a dataset (a writer's choice: readers follow each unit's header). Planes worth
     coding: those of its first SAMPLE_ELEMENTS elements that shrink by at least 2%; the others (the
     mantissa bytes of trained floats, noise to a coder) are stored raw in every unit without being
-    tried. Layout 1 (each unit with its own offset, planes.unit_offset) where the dtype has it, no
-    element of the first unit (of ``units``, default group_for's) has its sign bit set (exp_avg_sq:
-    layout 0 codes its lowest plane for the one sign bit; layout 1 puts the exponent's top bits
-    there instead) and that unit, its planes tried in each layout, is smaller in layout 1 (a whole
-    unit, not the first elements: where the exponents repeat from row to row of a tile, layout 0
-    codes them as matches, which layout 1's mantissa bits break), then with its planes' choice."""
+    tried. Layout 1 (each unit with its own offset, planes.unit_offset) where the dtype has it and
+    the first unit (of ``units``, default group_for's) has no sign bit set (exp_avg_sq: layout 0
+    codes its lowest plane for the one sign bit; layout 1 puts the exponent's top bits there
+    instead) and takes fewer bytes in it, its top and lowest planes tried in each layout (the
+    others are mantissa bits in both: kept as the first elements say). A whole unit, not the first
+    elements: exponents that repeat from row to row of a tile (a column's scale) are matches to
+    layout 0, which layout 1's mantissa bits break, and a few rows do not show how many."""
     k = planes_of(dtype, arr.itemsize)
     elems = f"<u{arr.itemsize}" if k > 1 else np.uint8
     plain = _trial(arr.reshape(-1)[:SAMPLE_ELEMENTS].view(elems), dtype, codec, 0)[0]
@@ -415,17 +416,24 @@ def choose(arr: np.ndarray, dtype: str, codec: str, units: Units | None = None) 
     first = unit_view(arr, units, 0).view(elems)
     if int(first.max()) >> (8 * arr.itemsize - 1):
         return Coding(plain)
-    other = _trial(offset_elements(first, [unit_offset(first)]), dtype, codec, 1)
-    return Coding(other[0], 1) if other[1] < _trial(first, dtype, codec, 0)[1] else Coding(plain)
+    ends = (0, k - 1)
+    other = _trial(offset_elements(first, [unit_offset(first)]), dtype, codec, 1, ends)
+    if other[1] >= _trial(first, dtype, codec, 0, ends)[1]:
+        return Coding(plain)
+    return Coding(tuple(other[0][p] if p in ends else plain[p] for p in range(k)), 1)
 
 
-def _trial(x: np.ndarray, dtype: str, codec: str, layout: int) -> tuple[tuple[bool, ...], int]:
-    """Which planes of the elements ``x`` (in ``layout``) shrink by at least 2%, and the bytes
-    they take so (the others raw)."""
+def _trial(x: np.ndarray, dtype: str, codec: str, layout: int, only: Sequence[int] | None = None
+           ) -> tuple[tuple[bool, ...], int]:
+    """Which planes of the elements ``x`` (in ``layout``; ``only`` these) shrink by at least 2%,
+    and the bytes they take so (the others raw)."""
     compress, _ = coders(codec)
     plane = scratch("plane", x.size)
     tries, size = [], 0
     for p in range(planes_of(dtype, x.dtype.itemsize)):
+        if only is not None and p not in only:
+            tries.append(False)
+            continue
         plane_into(x, dtype, p, plane, layout)
         coded = len(compress(plane))
         tries.append(coded < 0.98 * plane.size)
