@@ -356,10 +356,10 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, coding:
             x = flat[a * per:a * per + sum(sizes) * elems.itemsize // item].view(elems)
         heads = [np.zeros(0, np.uint8)] * len(sizes)
         if layout:
-            offsets, at = [], 0
+            offsets, s = [], 0
             for n in sizes:
-                offsets.append(coding.offset_of(x[at:at + n]))
-                at += n
+                offsets.append(coding.offset_of(x[s:s + n]))
+                s += n
             heads = [np.frombuffer(coding.header(o), np.uint8) for o in offsets]
             x = offset_elements(x, offsets, sizes)
         planes = None
