@@ -153,28 +153,22 @@ def _make_codec(name: str) -> tuple[Callable[[Any], bytes], Callable[[Any, int],
 class Coding:
     """How a writer codes a dataset's units: which planes it tries to code (``tries[p]`` False:
     stored raw untried; None: all tried), in which plane ``layout`` (0: floats rotated left by one;
-    1: float32/bfloat16 offset, then rotated left by four) with which ``offset`` (None: each unit's
-    own, planes.unit_offset)."""
+    1: float32/bfloat16 offset by ``offset``, then rotated left by four)."""
 
     tries: tuple[bool, ...] | None = None
     layout: int = 0
-    offset: int | None = None
+    offset: int = 0
 
-    def offset_of(self, x: np.ndarray) -> int:
-        """The offset of the unit of unsigned elements ``x`` in layout 1."""
-        return unit_offset(x) if self.offset is None else self.offset
-
-    def header(self, offset: int) -> bytes:
-        """The layout header a unit of this ``offset`` starts with (none in layout 0)."""
-        return _LAYOUT.pack(_RAW, self.layout, offset) if self.layout else b""
+    def header(self) -> bytes:
+        """The layout header each unit starts with (none in layout 0)."""
+        return _LAYOUT.pack(_RAW, self.layout, self.offset) if self.layout else b""
 
 
 def encode_unit(raw: np.ndarray, dtype: str, itemsize: int, codec: str, coding: Coding = Coding()) -> bytes:
     """One unit's stored bytes: its layout header (layout 1), then per plane a little-endian uint32
     header (its stored length; top bit set: raw) and the plane."""
-    offset = coding.offset_of(raw.view(f"<u{itemsize}")) if coding.layout else 0
-    parts: list = [coding.header(offset)]
-    _pack(split_planes(raw, dtype, itemsize, coding.layout, offset), codec, coding.tries, parts)
+    parts: list = [coding.header()]
+    _pack(split_planes(raw, dtype, itemsize, coding.layout, coding.offset), codec, coding.tries, parts)
     return b"".join(parts)
 
 
@@ -332,10 +326,9 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, coding:
     numpy passes straight into ``out`` when it is kept raw, else into scratch for the coder; a run
     of smaller units is split into planes at once (fewer numpy calls a unit) and each unit's part
     of a plane coded or copied. A coded plane that did not shrink is stored raw after all. In layout
-    1 the run's elements are offset, each unit by its own, (into scratch) before any plane is made
-    of them."""
+    1 the run's elements are offset once (into scratch) before any plane is made of them."""
     item, g = arr.itemsize, units.grid
-    tries, layout = coding.tries, coding.layout
+    tries, layout, head = coding.tries, coding.layout, np.frombuffer(coding.header(), np.uint8)
     k = planes_of(dtype, item)
     elems = np.dtype(f"<u{item}") if k > 1 else np.dtype(np.uint8)
     compress, _ = coders(codec)
@@ -354,24 +347,18 @@ def _encode_block(arr: np.ndarray, units: Units, dtype: str, codec: str, coding:
         else:
             per = units.chunk // item
             x = flat[a * per:a * per + sum(sizes) * elems.itemsize // item].view(elems)
-        heads = [np.zeros(0, np.uint8)] * len(sizes)
         if layout:
-            offsets, s = [], 0
-            for n in sizes:
-                offsets.append(coding.offset_of(x[s:s + n]))
-                s += n
-            heads = [np.frombuffer(coding.header(o), np.uint8) for o in offsets]
-            x = offset_elements(x, offsets, sizes)
+            x = offset_elements(x, coding.offset)
         planes = None
         if a < b:
             planes = scratch("planes", k * x.size).reshape(k, x.size)
             for p in range(k):
                 plane_into(x, dtype, p, planes[p], layout)
         off = 0
-        for n, head in zip(sizes, heads):
+        for n in sizes:
             start = pos
-            out[pos:pos + len(head)] = head
-            pos += len(head)
+            out[pos:pos + head.size] = head
+            pos += head.size
             for p in range(k):
                 if planes is None and not tries[p]:  # straight into the stored bytes
                     plane_into(x, dtype, p, out[pos + 4:pos + 4 + n], layout)
@@ -400,7 +387,7 @@ def choose(arr: np.ndarray, dtype: str, codec: str, units: Units | None = None) 
     """How to code a dataset (a writer's choice: readers follow each unit's header). Planes worth
     coding: those of its first SAMPLE_ELEMENTS elements that shrink by at least 2%; the others (the
     mantissa bytes of trained floats, noise to a coder) are stored raw in every unit without being
-    tried. Layout 1 (each unit with its own offset, planes.unit_offset) where the dtype has it and
+    tried. Layout 1 (with the first unit's offset, planes.unit_offset) where the dtype has it and
     the first unit (of ``units``, default group_for's) has no sign bit set (exp_avg_sq: layout 0
     codes its lowest plane for the one sign bit; layout 1 puts the exponent's top bits there
     instead) and takes fewer bytes in it, its top and lowest planes tried in each layout (the
@@ -417,10 +404,11 @@ def choose(arr: np.ndarray, dtype: str, codec: str, units: Units | None = None) 
     if int(first.max()) >> (8 * arr.itemsize - 1):
         return Coding(plain)
     ends = (0, k - 1)
-    other = _trial(offset_elements(first, [unit_offset(first)]), dtype, codec, 1, ends)
+    offset = unit_offset(first)
+    other = _trial(offset_elements(first, offset), dtype, codec, 1, ends)
     if other[1] >= _trial(first, dtype, codec, 0, ends)[1]:
         return Coding(plain)
-    return Coding(tuple(other[0][p] if p in ends else plain[p] for p in range(k)), 1)
+    return Coding(tuple(other[0][p] if p in ends else plain[p] for p in range(k)), 1, offset)
 
 
 def _trial(x: np.ndarray, dtype: str, codec: str, layout: int, only: Sequence[int] | None = None
