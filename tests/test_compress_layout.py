@@ -257,3 +257,36 @@ def test_a_compressed_checkpoint_is_version_5(tmp_path):
     with _write(tmp_path / "x", {"state/sq": (sq, "float32")}, "zstd") as c:
         assert c.manifest.version == 5 and c.read(0, "state/sq").tobytes() == sq.tobytes()
     assert json.load(open(tmp_path / "x" / "manifest.json"))["version"] == 5
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_a_layout_header_under_an_older_version_is_refused(tmp_path, version):
+    """Layout headers came with version 5: a manifest edited to say 4 (which its readers refuse to read
+    past the header) must not read, nor verify clean, here either."""
+    sq = _values("nonneg", "float32", 1 << 16, np.random.default_rng(2))
+    _write(tmp_path / "x", {"state/sq": (sq, "float32")}, "zstd").close()
+    m = json.load(open(tmp_path / "x" / "manifest.json"))
+    assert _headers_in(tmp_path / "x", m), "the writer should have taken layout 1 here"
+    m["version"] = version
+    (tmp_path / "x" / "manifest.json").write_text(json.dumps(m))
+    with Checkpoint.open(tmp_path / "x") as c:
+        with pytest.raises(StoreError, match="unit 0: starts with a layout header") as e:
+            c.read(0, "state/sq")
+        assert e.value.code == "UCL406"
+        assert c.verify()
+
+
+def _headers_in(path: Path, m: dict) -> bool:
+    e = m["datasets"][0]["state/sq"]
+    with open(path / "rank_00000.h5", "rb") as f:
+        f.seek(e["offset"])
+        return f.read(4) == b"\x00\x00\x00\x80"
+
+
+def test_a_dataset_whose_plane_would_pass_2_gib_is_refused_before_coding():
+    """A plane header records its length in 31 bits: a unit whose plane would hold 2**31 bytes or more
+    (one huge row of bytes) cannot be written; nothing is read or allocated (a zero-stride array)."""
+    huge = np.broadcast_to(np.zeros(1, np.uint8), (1, 1 << 36))  # 32 tiles of 2 GiB
+    with pytest.raises(StoreError, match="save it with compress='none'") as e:
+        encode(huge, "uint8", "zstd")
+    assert e.value.code == "UCL418"

@@ -39,6 +39,7 @@ _HEADER = struct.Struct("<I")
 # version-3/4 unit starts so), then the layout and its offset, little-endian uint16 each
 _LAYOUT = struct.Struct("<IHH")
 LAYOUT_BYTES = _LAYOUT.size
+LAYOUTS_SINCE = 5  # the format version that brought layout headers: an older checkpoint's unit has none
 SAMPLE_ELEMENTS = 16 << 10  # a dataset's first elements, whose planes are coded to see which shrink
 BLOCK_BYTES = 1 << 20  # units coded together (one task of a thread pool): about this many logical bytes
 RUN_BYTES = 1 << 18  # smaller units split into planes together: fewer numpy calls, still in a core's cache
@@ -189,14 +190,16 @@ def _pack(planes: Sequence[np.ndarray], codec: str, tries: Sequence[bool] | None
 
 
 def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, codec: str, out: np.ndarray,
-                where: Callable[[], str]) -> None:
+                where: Callable[[], str], layouts: bool = True) -> None:
     """Decode one unit's ``stored`` bytes into the uint8 ``out`` of ``logical`` bytes. Every header
     is checked against the unit's geometry first; a corrupt stream is UCL406 naming ``where()``.
-    The planes (raw ones read where they lie) are joined into ``out`` once all are checked."""
+    The planes (raw ones read where they lie) are joined into ``out`` once all are checked.
+    ``layouts``: whether the checkpoint's version has layout headers (LAYOUTS_SINCE); where it does
+    not, a unit starting with one is refused, as that version's readers refuse it."""
     k = planes_of(dtype, itemsize)
     each, size = logical // k, len(stored)
     _, decompress = coders(codec)
-    layout, offset, pos = _layout_of(stored, dtype, where)
+    layout, offset, pos = _layout_of(stored, dtype, where, layouts)
     planes = []
     try:
         for p in range(k):
@@ -221,11 +224,15 @@ def decode_unit(stored: memoryview, logical: int, dtype: str, itemsize: int, cod
     join_into(planes, dtype, out, layout, offset)
 
 
-def _layout_of(stored: memoryview, dtype: str, where: Callable[[], str]) -> tuple[int, int, int]:
+def _layout_of(stored: memoryview, dtype: str, where: Callable[[], str], layouts: bool) -> tuple[int, int, int]:
     """A unit's plane layout, its offset and where its planes start: layout 0 at 0 unless the unit
     starts with a layout header, whose fields are checked here (UCL406 naming ``where()``)."""
     if len(stored) < 4 or _HEADER.unpack_from(stored, 0)[0] != _RAW:
         return 0, 0, 0
+    if not layouts:
+        raise StoreError(f"{where()}: starts with a layout header, which its checkpoint's format version "
+                         f"(before {LAYOUTS_SINCE}) does not have (corrupt, or the manifest's version was edited)",
+                         code="UCL406")
     if len(stored) < LAYOUT_BYTES:
         raise StoreError(f"{where()}: ends inside its layout header (corrupt)", code="UCL406")
     _, layout, offset = _LAYOUT.unpack_from(stored, 0)
@@ -275,6 +282,10 @@ def encode(arr: np.ndarray, dtype: str, codec: str, pool: Executor | None = None
     units = units_of(arr.shape, arr.itemsize, group)
     if not units.count:
         return Encoded(np.zeros(0, np.uint8), np.zeros(0, np.uint64), np.zeros(0, np.uint64), group)
+    if units.unit_bytes(0) // planes_of(dtype, arr.itemsize) >= _RAW:  # the first unit is a largest one
+        raise StoreError(f"cannot compress a {dtype} dataset of shape {tuple(arr.shape)}: a coded unit's plane "
+                         f"would hold {units.unit_bytes(0) // planes_of(dtype, arr.itemsize):,} bytes, and a plane "
+                         "header records fewer than 2**31; save it with compress='none'", code="UCL418")
     coding = choose(arr, dtype, codec, units)
     blocks = _blocks(units)
     heads = 4 * planes_of(dtype, arr.itemsize) + (LAYOUT_BYTES if coding.layout else 0)

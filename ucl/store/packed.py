@@ -12,7 +12,7 @@ import xxhash
 
 from ..errors import StoreError
 from ..layout.boxes import Slot, flat_runs
-from .codec import Units, check_ends, decode_unit, frame_table_digest, units_of
+from .codec import LAYOUTS_SINCE, Units, check_ends, decode_unit, frame_table_digest, units_of
 from .planes import scratch
 from .raw import RawFile, locate
 
@@ -46,6 +46,7 @@ class PackedDataset:
     cache: Any
     key: tuple
     count: ReadCount
+    layouts: bool = True  # the checkpoint's version has layout headers (codec.LAYOUTS_SINCE)
 
     def _span(self, u: int) -> tuple[int, int]:
         return (int(self.ends[u - 1]) if u else 0), int(self.ends[u])
@@ -57,7 +58,7 @@ class PackedDataset:
             raise StoreError(f"checksum mismatch in {where()}: its stored bytes differ from the frame table",
                              code="UCL407")
         out = np.empty(self.units.unit_bytes(u), np.uint8)
-        decode_unit(stored, out.size, self.logical, self.dtype.itemsize, self.codec, out, where)
+        decode_unit(stored, out.size, self.logical, self.dtype.itemsize, self.codec, out, where, self.layouts)
         return out
 
     def decoded(self, first: int, last: int) -> list[np.ndarray]:
@@ -191,11 +192,11 @@ class PackedDataset:
 
 
 def open_packed(file: RawFile, info: Any, values: np.ndarray, cache: Any, key: tuple, count: ReadCount,
-                where: str) -> PackedDataset:
+                where: str, version: int) -> PackedDataset:
     """A compressed dataset's reader, once its manifest entry is checked against the file: the
     stored bytes lie inside it (UCL406), the frame table (``values``: ends, then digests) is the one
     the entry's ``frames`` binds (UCL407) and fits the units' geometry (UCL406). Nothing is
-    allocated from a stored length before these checks."""
+    allocated from a stored length before these checks. ``version``: the checkpoint's format version."""
     sdtype = info.storage_dtype
     locate(file, info.offset, (info.stored,), np.dtype(np.uint8), info.stored)
     n = values.size // 2
@@ -206,4 +207,4 @@ def open_packed(file: RawFile, info: Any, values: np.ndarray, cache: Any, key: t
     units = units_of(info.shape, sdtype.itemsize, info.group or 1)
     check_ends(units, info.dtype, ends, info.stored, where)
     return PackedDataset(file, info.offset, tuple(info.shape), sdtype, info.dtype, info.encoding, units, ends,
-                         digests, cache, key, count)
+                         digests, cache, key, count, version >= LAYOUTS_SINCE)

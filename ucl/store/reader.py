@@ -207,7 +207,7 @@ class Checkpoint(ManifestBacked):
             got = self._tables[(rank, key, "packed")] = open_packed(
                 self._raw_file(rank), info, self._tables[(rank, key, "stored")][-2 * units_of(
                     info.shape, info.storage_dtype.itemsize, info.group or 1).count:], self._decoded, (rank, key), self.stored_read,
-                self._where(rank, key))
+                self._where(rank, key), self.manifest.version)
         return got
 
     def read(self, rank: int, key: str, *, verify: bool = True, out: np.ndarray | None = None) -> np.ndarray:
