@@ -3,7 +3,7 @@ on the state of a model really trained here, side by side in one run with zstd a
 bytes (same units, no byte-plane transform) and with torch.save of the same state.
 
     python bench/compress.py [--steps 300] [--dim 256] [--layers 4] [--rounds 3] [--rate-mb 1000 250]
-                             [--cache FILE] [--large-shape 8192 4096]
+                             [--cache FILE] [--large-shape 8192 4096] [--shard 6 4096 2048]
                              [--only codecs large durable fixtures slices]
 
 The model: a toy next-token MLP language model (embedding, --layers residual MLP blocks with
@@ -21,7 +21,15 @@ fsync first sleeps (file bytes / rate), so nothing overlaps the device; and "wri
 write of a dataset's bytes sleeps (its bytes / rate) in the thread that writes them, as a
 write-through device (ucl writes large datasets with O_DIRECT) would block it, and the fsync
 sleeps for the file's bytes not yet paced (small datasets, tables, metadata): the device is busy
-while the next dataset is coded, as a real one is;
+while the next dataset is coded, as a real one is (bytes never written, the unused room of a
+compressed dataset, are not paced: a file's bytes are those allocated on disk). Two states: the toy
+model's (fp32 weights and AdamW moments, ~38 MB in 108 datasets, both disk models), and a shard of
+a large model's size (write-paced only): --shard N ROWS COLS, N weight matrices of ROWS x COLS whose
+values are the trained weights repeated (np.resize of them all, flattened, as the 'large' part
+does), with AdamW state whose exp_avg and exp_avg_sq are the trained moments repeated the same
+way, in two variants: "fp32" (fp32 weights and moments: 3N datasets, 576 MiB at the default
+6 x 4096 x 2048) and "bf16 mixed" (bf16 weights, the fp32 master they are cast from, the moments:
+4N datasets, 672 MiB);
 the same per core on a matrix of a large shard's size (--large-shape) filled with the trained
 weights' or exp_avg_sq's values repeated (their statistics, with the units of a large shard);
 compression ratios of the held-in test fixtures (tests/fixtures: DeepSpeed, Megatron, DCP
@@ -163,11 +171,17 @@ def codec_figures(tensors, codec: str, rounds: int, raw: bool = True) -> dict:
             "raw_compress_GBps": rcomp, "raw_decompress_GBps": rdecomp}
 
 
-def durable_times(model, opt, args, work: Path) -> dict:
+def on_disk(path) -> int:
+    """Bytes of a file allocated on disk (its unwritten holes left out)."""
+    st = Path(path).stat()
+    return min(st.st_size, st.st_blocks * 512)
+
+
+def durable_times(model, opt, args, work: Path, disks=("fsync-paced", "write-paced"), variants=None) -> dict:
     """save -> wait() of a Checkpointer, the disk paced at each rate under each model (module doc)."""
     real_fsync, real_write = store_writer.fsync_path, store_direct.DirectWriter.write
     out = {}
-    for model_name in ("fsync-paced", "write-paced"):
+    for model_name in disks:
         for rate in args.rate_mb:
             paced: dict = {}  # file -> bytes already paced by its writes
 
@@ -177,15 +191,16 @@ def durable_times(model, opt, args, work: Path) -> dict:
                 time.sleep(data.size / (_rate * 1e6))
 
             def fsync(path, _rate=rate):
-                size = Path(path).stat().st_size if Path(path).is_file() else 0
+                size = on_disk(path) if Path(path).is_file() else 0
                 time.sleep(max(0, size - paced.pop(str(path), 0)) / (_rate * 1e6))
                 real_fsync(path)
             store_writer.fsync_path = fsync
             if model_name == "write-paced":
                 store_direct.DirectWriter.write = write
             try:
-                variants = [(None, 1), ("zstd", 1), ("lz4", 1)]
-                variants += [("zstd", args.threads), ("lz4", args.threads)] if args.threads > 1 else []
+                if variants is None:
+                    variants = [(None, 1), ("zstd", 1), ("lz4", 1)]
+                    variants += [("zstd", args.threads), ("lz4", args.threads)] if args.threads > 1 else []
                 for codec, threads in variants:
                     times, size = [], 0
                     root = Path(tempfile.mkdtemp(dir=work))
@@ -198,7 +213,7 @@ def durable_times(model, opt, args, work: Path) -> dict:
                             if i:  # the first builds the layout: not counted
                                 times.append(time.perf_counter() - t0)
                         latest = ck.root.latest()
-                        size = sum(f.stat().st_size for f in Path(latest).glob("*.h5"))
+                        size = sum(on_disk(f) for f in Path(latest).glob("*.h5"))
                     out[f"{model_name} {rate:g} MB/s {codec or 'plain'}" + (f" x{threads}" if codec else "")] = {
                         "seconds": times, "file_bytes": size}
             finally:
@@ -284,6 +299,8 @@ def main() -> None:
                     "(written there after training otherwise), so runs against two checkouts share one training")
     ap.add_argument("--large-shape", type=int, nargs=2, default=[8192, 4096], metavar=("ROWS", "COLS"),
                     help="the matrix of the 'large' part (default 8192 4096: 128 MiB of fp32)")
+    ap.add_argument("--shard", type=int, nargs=3, default=[6, 4096, 2048], metavar=("N", "ROWS", "COLS"),
+                    help="the large state of the durable part: N weight matrices of ROWS x COLS and their moments")
     ap.add_argument("--only", choices=["codecs", "large", "durable", "fixtures", "slices"], nargs="+",
                     help="run these parts only (default: all)")
     args = ap.parse_args()
@@ -394,10 +411,49 @@ def large_part(model, opt, args) -> dict:
     return out
 
 
+class Shard(nn.Module):
+    """The large state's parameters (module doc): ``weights`` (fp32, the optimizer's), and in the
+    mixed variant ``bf16`` (their bf16 cast, no optimizer state)."""
+
+    def __init__(self, weights: list[torch.Tensor], mixed: bool):
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(w) for w in weights)
+        self.bf16 = nn.ParameterList(nn.Parameter(w.to(torch.bfloat16), requires_grad=False)
+                                     for w in weights) if mixed else None
+
+
+def large_state(model, opt, args, mixed: bool) -> tuple[Shard, torch.optim.Optimizer]:
+    """A shard of a large model's size built from the trained state (module doc)."""
+    n, rows, cols = args.shard
+    params = list(model.parameters())
+
+    def repeated(flats: list[torch.Tensor], offset: int) -> torch.Tensor:
+        flat = torch.cat([f.reshape(-1) for f in flats]).numpy()
+        return torch.from_numpy(np.resize(np.roll(flat, offset), rows * cols).reshape(rows, cols).copy())
+    shard = Shard([repeated([p.detach() for p in params], i * 7919) for i in range(n)], mixed)
+    adam = torch.optim.AdamW(list(shard.weights), lr=2e-3)
+    for i, w in enumerate(shard.weights):
+        adam.state[w] = {"step": torch.tensor(float(args.steps)),
+                         "exp_avg": repeated([opt.state[p]["exp_avg"] for p in params], i * 7919),
+                         "exp_avg_sq": repeated([opt.state[p]["exp_avg_sq"] for p in params], i * 7919)}
+    return shard, adam
+
+
 def durable_part(model, opt, args, work: Path) -> dict:
-    dur = durable_times(model, opt, args, work)
+    dur = {f"toy {k}": v for k, v in durable_times(model, opt, args, work).items()}
+    variants = [(None, 1), ("zstd", 1)] + ([("zstd", args.threads)] if args.threads > 1 else [])
+    for mixed in (False, True):
+        shard, adam = large_state(model, opt, args, mixed)
+        name = "bf16 mixed" if mixed else "fp32"
+        logical = sum(p.numel() * p.element_size() for p in shard.parameters()) + sum(
+            t.numel() * t.element_size() for s in adam.state.values() for t in (s["exp_avg"], s["exp_avg_sq"]))
+        got = durable_times(shard, adam, args, work, ("write-paced",), variants)
+        dur.update({f"shard {name} ({logical / 1e6:.0f} MB) {k}": v for k, v in got.items()})
+        del shard, adam
     for k, v in dur.items():
-        print(f"time to durable, {k}: {med(v['seconds'])} s, files {v['file_bytes'] / 1e6:.2f} MB")
+        plain = dur.get(k.rsplit(" ", 2)[0] + " plain") if not k.endswith("plain") else None
+        ratio = f", {statistics.median(v['seconds']) / statistics.median(plain['seconds']):.2f}x plain" if plain else ""
+        print(f"time to durable, {k}: {med(v['seconds'])} s{ratio}, files {v['file_bytes'] / 1e6:.2f} MB")
     return dur
 
 
