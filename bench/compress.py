@@ -42,7 +42,7 @@ so before and after are measured in one session. Not a timed test: figures for t
 """
 from __future__ import annotations
 
-import argparse, io, json, statistics, sys, tempfile, time
+import argparse, io, json, os, statistics, sys, tempfile, time
 from pathlib import Path
 
 import numpy as np
@@ -202,7 +202,7 @@ def durable_times(model, opt, args, work: Path, disks=("fsync-paced", "write-pac
                     variants = [(None, 1), ("zstd", 1), ("lz4", 1)]
                     variants += [("zstd", args.threads), ("lz4", args.threads)] if args.threads > 1 else []
                 for codec, threads in variants:
-                    times, size = [], 0
+                    times, cpus, size, load0 = [], [], 0, os.getloadavg()[0]
                     root = Path(tempfile.mkdtemp(dir=work))
                     with ucl.Checkpointer(str(root), model, opt, keep=2, compress=codec,
                                           compress_threads=threads) as ck:
@@ -212,10 +212,12 @@ def durable_times(model, opt, args, work: Path, disks=("fsync-paced", "write-pac
                             ck.wait()
                             if i:  # the first builds the layout: not counted
                                 times.append(time.perf_counter() - t0)
+                                cpus.append([e for e in ck.trace.events() if e["phase"] == "flush"][-1]["cpu"])
                         latest = ck.root.latest()
                         size = sum(on_disk(f) for f in Path(latest).glob("*.h5"))
                     out[f"{model_name} {rate:g} MB/s {codec or 'plain'}" + (f" x{threads}" if codec else "")] = {
-                        "seconds": times, "file_bytes": size}
+                        "seconds": times, "file_bytes": size, "flush_cpu": cpus,
+                        "load": [load0, os.getloadavg()[0]]}
             finally:
                 store_writer.fsync_path, store_direct.DirectWriter.write = real_fsync, real_write
     return out
@@ -453,7 +455,8 @@ def durable_part(model, opt, args, work: Path) -> dict:
     for k, v in dur.items():
         plain = dur.get(k.rsplit(" ", 2)[0] + " plain") if not k.endswith("plain") else None
         ratio = f", {statistics.median(v['seconds']) / statistics.median(plain['seconds']):.2f}x plain" if plain else ""
-        print(f"time to durable, {k}: {med(v['seconds'])} s{ratio}, files {v['file_bytes'] / 1e6:.2f} MB")
+        print(f"time to durable, {k}: {med(v['seconds'])} s{ratio}, files {v['file_bytes'] / 1e6:.2f} MB, flush "
+              f"CPU {med(v['flush_cpu'])} s, load {v['load'][0]:.1f}-{v['load'][1]:.1f}")
     return dur
 
 
