@@ -338,10 +338,18 @@ def test_checkpointer_refuses_an_unknown_codec(tmp_path):
 def test_a_mutated_unit_decodes_or_fails_with_a_ucl_error(codec, dtype, flips, cut):
     """The decoder on hostile bytes (digest checks aside): a UclError (UCL406) naming the unit, or
     bytes of exactly the unit's length; never another exception, never more memory than the unit."""
-    from ucl.store.codec import decode_unit, encode_unit
+    from ucl.store.codec import encode_unit
     rng = np.random.default_rng(7)
     arr = _storage(dtype, (4096,), rng)
-    unit = bytearray(encode_unit(arr.reshape(-1).view(np.uint8), dtype, arr.itemsize, codec))
+    unit = encode_unit(arr.reshape(-1).view(np.uint8), dtype, arr.itemsize, codec)
+    decode_mutated(unit, flips, cut, arr, dtype, codec)
+
+
+def decode_mutated(unit: bytes, flips, cut: int, arr: np.ndarray, dtype: str, codec: str) -> None:
+    """``unit`` (the coded ``arr``) with bytes flipped and its end cut decodes into exactly the
+    unit's length or fails with UCL406 naming the unit (any other exception propagates)."""
+    from ucl.store.codec import decode_unit
+    unit = bytearray(unit)
     for pos, x in flips:
         unit[pos % len(unit)] ^= x
     if cut:

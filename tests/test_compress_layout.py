@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import ucl.store.codec as codec
 from tests.passes import examples
-from tests.test_compress import _forge, _packed_file, _write
+from tests.test_compress import _forge, _packed_file, _write, decode_mutated
 from ucl.errors import StoreError
 from ucl.store import Checkpoint
 from ucl.store.codec import LAYOUT_BYTES, Coding, choose, decode_unit, encode, encode_unit, unit_view, units_of
@@ -240,16 +240,8 @@ def test_a_mutated_layout_1_unit_decodes_or_fails_with_a_ucl_error(name, dtype, 
     unit, or bytes of exactly the unit's length; never another exception."""
     arr = _values("nonneg", dtype, 4096, np.random.default_rng(7))
     coding = choose(arr, dtype, name)
-    unit = bytearray(encode_unit(arr.view(np.uint8), dtype, arr.itemsize, name, Coding(coding.tries, 1, 17)))
-    for pos, x in flips:
-        unit[pos % len(unit)] ^= x
-    if cut:
-        del unit[-cut * 3:]
-    out = np.empty(arr.nbytes, np.uint8)
-    try:
-        decode_unit(memoryview(bytes(unit)), out.size, dtype, arr.itemsize, name, out, lambda: "unit 5")
-    except StoreError as e:
-        assert e.code == "UCL406" and "unit 5" in str(e)
+    decode_mutated(encode_unit(arr.view(np.uint8), dtype, arr.itemsize, name, Coding(coding.tries, 1, 17)),
+                   flips, cut, arr, dtype, name)
 
 
 def test_a_compressed_checkpoint_is_version_5(tmp_path):
