@@ -356,6 +356,7 @@ class Geometries:
         for what, index, size in (("use", use, len(tensor)), ("source", source, len(src_rank)), ("row", row, len(sl))):
             if len(index) and not (0 <= int(index.min()) and int(index.max()) < size):
                 raise PlanError(f"internal error: copy-table {what} index out of [0, {size})", code="UCL314")
+        del index  # it still holds ``row``, about to be replaced by its sorted copy
         use = use[order]
         for k, col in (("tensor", tensor), ("dst_set", dst_set), ("dst_slot", dst_slot)):
             np.take(col, use, out=copies[k], mode="clip")
