@@ -288,17 +288,22 @@ def fixtures(work: Path) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def model_args(ap: argparse.ArgumentParser) -> None:
+    """The trained model's arguments (what ``trained`` reads), shared with bench/entropy.py."""
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--cache", help="the trained model and optimizer state: loaded from this file when it exists "
+                    "(written there after training otherwise), so runs against two checkouts share one training")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_args(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate-mb", type=float, nargs="+", default=[1000.0, 250.0])
     ap.add_argument("--threads", type=int, default=2, help="the Checkpointer's compress_threads, beside 1")
     ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--cache", help="the trained model and optimizer state: loaded from this file when it exists "
-                    "(written there after training otherwise), so runs against two checkouts share one training")
     ap.add_argument("--large-shape", type=int, nargs=2, default=[8192, 4096], metavar=("ROWS", "COLS"),
                     help="the matrix of the 'large' part (default 8192 4096: 128 MiB of fp32)")
     ap.add_argument("--shard", type=int, nargs=3, default=[6, 4096, 2048], metavar=("N", "ROWS", "COLS"),

@@ -14,11 +14,9 @@ Reported per kind (fp32 weights, exp_avg, exp_avg_sq, bf16 weights), in bits per
   (no model cost counted: a slight underestimate);
 - neighbours: H(exponent) and H(exponent | left and upper neighbours' exponents) over the matrices
   (per tensor): what context modelling of the exponent could add to that bound at most;
-- joint layout: the saving of a layout that is not in the format, measured as a candidate: the
-  float's exponent offset per unit (so the unit's median exponent sits mid-way in a 32-value window,
-  mod 256), then rotated left by 4 instead of 1, so the top plane holds the exponent's low 5 bits
-  with the mantissa's top 3 and the lowest plane the exponent's top 3 with the sign and 4 mantissa
-  bits; planes zstd-coded (ucl's parameters) where that saves 2%.
+- joint layout: the saving of plane layout 1 (docs/format.md, version 5) on every unit, each with the
+  offset its own elements give (planes.unit_offset; the writer takes one per dataset and uses the
+  layout only where it pays), planes zstd-coded (ucl's parameters) where that saves 2%.
 Totals for the fp32 state (weights, exp_avg, exp_avg_sq) and the bf16 mixed state (bf16 weights,
 fp32 master, moments). Ratios only: no timings (see bench/compress.py for speed).
 """
@@ -33,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from compress import kinds, trained  # noqa: E402
+from compress import kinds, model_args, trained  # noqa: E402
 from ucl.store.codec import coders, encode, group_for, unit_view, units_of  # noqa: E402
-from ucl.store.planes import split_planes  # noqa: E402
+from ucl.store.planes import split_planes, unit_offset  # noqa: E402
 
 
 def entropy_bits(symbols: np.ndarray) -> float:
@@ -63,17 +61,10 @@ def coded_bits(plane: np.ndarray) -> int:
     return 8 * (n if n < 0.98 * plane.size else plane.size)
 
 
-def joint_layout_bits(raw: np.ndarray, itemsize: int) -> int:
-    """Stored bits of one unit in the candidate joint layout (module doc)."""
-    bits = 8 * itemsize
-    ut = np.uint32 if itemsize == 4 else np.uint16
-    x = raw.view(ut)
-    e = (x >> ut(bits - 9)) & ut(0xFF)
-    offset = (16 - int(np.median(e))) % 32
-    y = (x + ut(offset << (bits - 9))).astype(ut)
-    r = ((y << ut(4)) | (y >> ut(bits - 4))).astype(ut)
-    by = r.view(np.uint8).reshape(-1, itemsize)
-    return sum(coded_bits(by[:, itemsize - 1 - p]) for p in range(itemsize))
+def joint_layout_bits(raw: np.ndarray, dtype: str, itemsize: int) -> int:
+    """Stored bits of one unit in plane layout 1 (docs/format.md), its offset taken from the unit."""
+    offset = unit_offset(raw.view(np.uint32 if itemsize == 4 else np.uint16))
+    return sum(coded_bits(p) for p in split_planes(raw, dtype, itemsize, 1, offset))
 
 
 def kind_figures(tensors) -> dict:
@@ -91,7 +82,7 @@ def kind_figures(tensors) -> dict:
             for p, plane in enumerate(split_planes(raw, d, item)):
                 h0[p] += entropy_bits(plane)
                 zs[p] += coded_bits(plane)
-            joint += joint_layout_bits(raw, item)
+            joint += joint_layout_bits(raw, d, item)
         x = a.reshape(-1).view(np.uint32 if item == 4 else np.uint16)
         top = x >> (8 * item - 16) if item == 4 else x
         iid += entropy_bits(top) + sum(entropy_bits((x >> (8 * b)) & 0xFF) for b in range(item - 2))
@@ -108,10 +99,7 @@ def kind_figures(tensors) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--cache", help="the trained state, as bench/compress.py --cache writes it")
+    model_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, opt, *_ = trained(args)
