@@ -340,6 +340,9 @@ def spawn(args, variant: str, interval: int, iters: int) -> dict:
         print(f"  {variant} every {interval}: FAILED ({err})", flush=True)
         return dict(variant=variant, interval=interval, error=err)
     print(f"  {variant} every {interval}: {time.perf_counter() - t:.0f} s", flush=True)
+    if args.results:  # each variant's raw figures as it finishes: a run cut short keeps what it measured
+        with open(args.results, "a") as f:
+            f.write(lines[-1] + "\n")
     return json.loads(lines[-1])
 
 
@@ -401,6 +404,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="tiny model, 4 timed iterations per round")
+    ap.add_argument("--results", default=None, help="append each variant's raw figures (one JSON line) to this file")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="which to measure")
     ap.add_argument("--pools", type=float, nargs="*", default=[2, 0.5, 0.25, 0.0625],

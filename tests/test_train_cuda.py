@@ -58,3 +58,36 @@ def test_fence_makes_the_step_wait_for_the_copy(tmp_path):
     got = ucl.load_rank(ucl.store.CheckpointRoot(tmp_path).latest(), mesh="universal", rank=0)
     for k, v in want.items():
         assert torch.equal(torch.as_tensor(got[f"param/{k}"]), v), k
+
+
+@pytest.mark.parametrize("pool_bytes", [8 << 20, 4096])  # two pieces in flight; one (the smallest pool)
+def test_snapshot_streamed_through_a_small_pool_is_bit_exact(tmp_path, pool_bytes):
+    """A pool smaller than the snapshot: pieces copied from the GPU (the next one's copy queued while
+    the one before is hashed, when two fit) and written as they land; the step after each save
+    changes every value, so a piece copied late or hashed before it landed shows."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 1000)).cuda()
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    x = torch.randn(2048, 2048, device="cuda")
+    with ucl.Checkpointer(tmp_path, net, opt, pool_bytes=pool_bytes) as ck:
+        for step in range(1, 4):
+            for p in net.parameters():
+                p.grad = torch.randn_like(p)
+            _busy(x, 10)
+            opt.step()
+            torch.cuda.synchronize()
+            names = {p: n for n, p in net.named_parameters()}
+            want = {f"param/{k}": v.detach().cpu().clone() for k, v in net.state_dict().items()}
+            want.update({f"{kind}/{names[p]}": v.detach().cpu().clone() for p, st in opt.state.items()
+                         for kind, v in st.items() if kind != "step"})
+            ck.save(step)
+            for p in net.parameters():  # the next step's values: the copy must not see them
+                p.grad = torch.randn_like(p)
+            opt.step()
+            ck.wait()
+            got = ucl.load_rank(ck.root.latest(), mesh="universal", rank=0)
+            assert len(want) == 12
+            for k, v in want.items():
+                assert torch.equal(torch.as_tensor(got[k]), v), (step, k)
+            trace = [e for e in ck.trace.events() if e["phase"] == "snapshot" and e["step"] == step]
+            assert trace and trace[-1].get("pieces", 0) > 1, trace  # it went through the ring
