@@ -178,7 +178,7 @@ class Ucl(Saver):
     def __init__(self, root, model, opt, persist_every=1, tile_checksums=True, pool=None):
         super().__init__(root, model, opt)
         import ucl
-        pool_bytes = None if pool is None else max(4096, int(pool * snapshot_bytes(model)))
+        pool_bytes = None if pool is None else max(4096, int(pool * snapshot_bytes(model, laid_out=True)))
         self.ck = ucl.Checkpointer(root, model, opt, keep=KEEP, persist_every=persist_every,  # + step pre-hook fence
                                    tile_checksums=tile_checksums, pool_bytes=pool_bytes)
         if pool is not None:
@@ -200,10 +200,14 @@ class Ucl(Saver):
         self.durable.update({e["step"]: e["end"] - start[e["step"]] for e in ev if e["phase"] == "flush"})
 
 
-def snapshot_bytes(model) -> int:
-    """One AdamW snapshot: parameters and two moments (fp32 here), plus buffers; the steps are scalars."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 3 * params + sum(b.numel() * b.element_size() for b in model.buffers())
+def snapshot_bytes(model, laid_out: bool = False) -> int:
+    """One AdamW snapshot: parameters and two moments (fp32 here), plus buffers; the steps are scalars.
+    ``laid_out``: as the Checkpointer's pool holds it, each tensor starting at a 4 KiB boundary (an
+    upper bound), so that a pool of one snapshot really holds one."""
+    page = 4096 if laid_out else 1
+    params = sum(-(-p.numel() * p.element_size() // page) * page for p in model.parameters())
+    steps = page * len(list(model.parameters())) if laid_out else 0
+    return 3 * params + steps + sum(-(-b.numel() * b.element_size() // page) * page for b in model.buffers())
 
 
 def saver_of(variant: str):

@@ -60,11 +60,11 @@ def test_fence_makes_the_step_wait_for_the_copy(tmp_path):
         assert torch.equal(torch.as_tensor(got[f"param/{k}"]), v), k
 
 
-@pytest.mark.parametrize("pool_bytes", [8 << 20, 4096])  # two pieces in flight; one (the smallest pool)
+@pytest.mark.parametrize("pool_bytes", [8 << 20, 4096])  # four pieces; one (the smallest pool)
 def test_snapshot_streamed_through_a_small_pool_is_bit_exact(tmp_path, pool_bytes):
-    """A pool smaller than the snapshot: pieces copied from the GPU (the next one's copy queued while
-    the one before is hashed, when two fit) and written as they land; the step after each save
-    changes every value, so a piece copied late or hashed before it landed shows."""
+    """A pool smaller than the snapshot: pieces copied from the GPU, hashed and written as they land;
+    the step after each save changes every value, so a piece copied late or hashed before it landed
+    shows."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 1000)).cuda()
     opt = torch.optim.Adam(net.parameters(), lr=0.1)

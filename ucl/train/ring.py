@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -81,101 +80,43 @@ class PieceStream:
 
 
 def copy_streamed(snap, stream: PieceStream, keys: frozenset[str], *, tiles: bool, cuda_stream=None,
-                  waiting=lambda: False, reclaim=lambda: None, ahead: int = 1) -> tuple[int, float]:
+                  waiting=lambda: False, reclaim=lambda: None) -> tuple[int, float]:
     """Copy the tensors of ``snap`` named in ``keys`` into pieces of ``stream``'s pool, hashing
     them as they go (``snap.digests``); returns (pieces, seconds waited for ring space). Stops early
-    when the flusher abandons the stream. ``waiting()`` true: stop waiting for space (UCL432).
-    From a GPU (``cuda_stream``), up to ``ahead`` pieces' copies are queued while the one before
-    them is hashed, as many as the pool has room for."""
-    import torch
+    when the flusher abandons the stream. ``waiting()`` true: stop waiting for space (UCL432)."""
     pool, waited, count = stream.pool, 0.0, 0
     size = piece_bytes(pool.nbytes)
-    in_flight: deque[_Landing] = deque()
-    depth = max(0, ahead) if cuda_stream is not None else 0
-
-    def land() -> bool:  # the oldest piece in flight: wait for its copy, hash it, hand it over
-        p = in_flight.popleft()
-        p.event.synchronize()
-        p.hasher.advance(p.start // p.store.itemsize, pool.buffer.numpy()[p.region.start:p.region.stop].view(p.store))
-        if p.total is not None:
-            snap.digests[p.key] = p.hasher.result(p.total)
-        return stream.put(p.key, p.start, p.region)
-
-    def allocate(n: int) -> tuple[Region | None, float]:
-        # never waits while holding pieces in flight (only they could free the space): lands them first
-        while in_flight:
-            region = pool.try_allocate(n, reclaim=reclaim)
-            if region is not None:
-                return region, 0.0
-            if not land():
-                return None, 0.0
-        return pool.allocate(n, closed=lambda: waiting() or stream.abandoned, reclaim=reclaim)
-
-    def abandon() -> None:  # pieces still in flight go back to the pool
-        while in_flight:
-            p = in_flight.popleft()
-            p.event.synchronize()  # the copy may still be writing the region
-            pool.release(p.region)
-
-    try:
-        for e in snap.layout.entries:
-            if e.key not in keys:
-                continue
-            t = snap.eager.get(e.key, e.tensor)
-            store = storage_dtype(logical_of_torch_dtype(t.dtype))
-            nbytes = t.numel() * t.element_size()
-            h = IncrementalChecksum(tuple(t.shape), store, tiles=tiles)
-            flat = _flat_bytes(t)
-            if not nbytes:
-                snap.digests[e.key] = h.result(0)
-            for start in range(0, nbytes, size):
-                n = min(size, nbytes - start)
-                region, w = allocate(n)
-                waited += w
-                if region is None:  # the flusher abandoned the stream
-                    return count, waited
-                count += 1
-                last = start + n == nbytes  # before its last piece goes: the flusher may take the digests with it
-                dst = pool.buffer.numpy()[region.start:region.stop]
-                if isinstance(flat, np.ndarray):  # host memory: copy a block, hash it from cache
-                    for at in range(0, n, HASH_BYTES):
-                        block = dst[at:at + HASH_BYTES]
-                        np.copyto(block, flat[start + at:start + at + block.size])
-                        h.advance((start + at) // store.itemsize, block.view(store))
-                elif cuda_stream is not None:  # a GPU tensor: queued on the copy stream, hashed once it landed
-                    pool.buffer[region.start:region.stop].copy_(flat[start:start + n], non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(cuda_stream)
-                    in_flight.append(_Landing(e.key, start, region, event, h, store, t.numel() if last else None))
-                    while len(in_flight) > depth:
-                        if not land():
-                            return count, waited
-                    continue
-                else:  # a strided or non-CPU tensor without a copy stream: torch copies synchronously
-                    pool.buffer[region.start:region.stop].copy_(flat[start:start + n])
-                    h.advance(start // store.itemsize, dst.view(store))
-                if last:
-                    snap.digests[e.key] = h.result(t.numel())
-                if not stream.put(e.key, start, region):
-                    return count, waited
-        while in_flight:
-            if not land():
+    for e in snap.layout.entries:
+        if e.key not in keys:
+            continue
+        t = snap.eager.get(e.key, e.tensor)
+        store = storage_dtype(logical_of_torch_dtype(t.dtype))
+        nbytes = t.numel() * t.element_size()
+        h = IncrementalChecksum(tuple(t.shape), store, tiles=tiles)
+        flat = _flat_bytes(t)
+        if not nbytes:
+            snap.digests[e.key] = h.result(0)
+        for start in range(0, nbytes, size):
+            n = min(size, nbytes - start)
+            region, w = pool.allocate(n, closed=lambda: waiting() or stream.abandoned, reclaim=reclaim)
+            waited += w
+            dst = pool.buffer.numpy()[region.start:region.stop]
+            if isinstance(flat, np.ndarray):  # host memory: copy a block, hash it from cache
+                for at in range(0, n, HASH_BYTES):
+                    block = dst[at:at + HASH_BYTES]
+                    np.copyto(block, flat[start + at:start + at + block.size])
+                    h.advance((start + at) // store.itemsize, block.view(store))
+            else:  # a CUDA (or strided) tensor: torch copies, the pinned piece is hashed once it landed
+                pool.buffer[region.start:region.stop].copy_(flat[start:start + n], non_blocking=cuda_stream is not None)
+                if cuda_stream is not None:
+                    cuda_stream.synchronize()
+                h.advance(start // store.itemsize, dst.view(store))
+            count += 1
+            if start + n == nbytes:  # before its last piece goes: the flusher may take the digests with it
+                snap.digests[e.key] = h.result(t.numel())
+            if not stream.put(e.key, start, region):
                 return count, waited
-        return count, waited
-    finally:  # a failed copy, or an abandoned stream: what is still in flight goes back to the pool
-        abandon()
-
-
-@dataclass(frozen=True)
-class _Landing:
-    """A piece whose copy from the GPU was queued: hashed and handed over once ``event`` passed."""
-    key: str
-    start: int
-    region: Region
-    event: object
-    hasher: IncrementalChecksum
-    store: np.dtype
-    total: int | None  # the tensor's element count when this is its last piece (its digests are then complete)
+    return count, waited
 
 
 def whole_datasets(pieces: Iterator[tuple[str, int, np.ndarray]], datasets) -> Iterator[tuple[str, np.ndarray]]:
