@@ -9,7 +9,7 @@ transformer (torch.nn: embedding, N blocks of attention + MLP, AdamW; CPU).
 Variants: none; torch.save of model + optimizer state_dicts, then fsync; DCP save (FileSystemWriter
 fsyncs); DCP async_save in a thread (default stager: copies inside the call); DCP async_save with
 AsyncCheckpointerType.PROCESS and a shared-memory DefaultStager staging in the background (the
-optimizer step waits for it); ucl.Checkpointer (its default pool: a quarter of a snapshot, at least 256 MiB); ucl-flat: the same
+optimizer step waits for it); ucl.Checkpointer (its default pool: a quarter of a snapshot, at least 256 MiB, on the CPU; one snapshot from a GPU where the host has room); ucl-flat: the same
 with tile_checksums=False (flat chunk checksums only: about a third less snapshot CPU); ucl-host:
 persist_every=10; ucl-poolF: pool_bytes = F x one snapshot (--pools; below 1 the snapshot streams
 through the pool as a ring, docs/training.md "Sizing the host pool"). Async

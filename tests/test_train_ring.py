@@ -244,3 +244,30 @@ def test_the_default_pool_is_a_quarter_snapshot_when_every_save_is_written(tmp_p
         step(model, optimizer, 2)
         assert ck.load()[0] == 2 and ck.last_load.bytes_from == {"memory": 0}
         assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+def test_the_default_pool_from_a_gpu_is_whole_where_the_host_has_room():
+    """From a GPU the next step's fence waits until every byte has left it, so the default pool
+    holds a whole snapshot when that takes at most half of the host memory a process may take;
+    otherwise the quarter rule; a rollback pool is whole regardless."""
+    from ucl.train.pool import WHOLE_POOL_BYTES, default_pool_bytes
+    total = 40 * WHOLE_POOL_BYTES + 1000  # large enough that a quarter is above the 256 MiB floor
+    whole = -(-total // 4096) * 4096
+    quarter = -(-(total // 4) // 4096) * 4096
+    assert default_pool_bytes(total, rollbacks=False) == quarter  # CPU
+    assert default_pool_bytes(total, rollbacks=False, room=2 * whole) == whole
+    assert default_pool_bytes(total, rollbacks=False, room=2 * whole - 1) == quarter
+    assert default_pool_bytes(total, rollbacks=True, room=0) == whole
+
+
+def test_host_room_is_what_is_available_over_the_processes_on_the_node():
+    from ucl.train.pool import host_room
+    one = host_room({})
+    if one is None:
+        pytest.skip("no /proc/meminfo")
+    with open("/proc/meminfo") as f:
+        available = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    assert abs(one - available) < available // 4  # read a moment apart
+    eight = host_room({"LOCAL_WORLD_SIZE": "8"})
+    assert abs(eight - available // 8) < available // 4 // 8
+    assert abs(host_room({"LOCAL_WORLD_SIZE": "nonsense"}) - available) < available // 4

@@ -39,7 +39,7 @@ from .recover import LoadReport, Recovery
 from .replicas import placement
 from .layouts import Layouts
 from .optim import hyperparameters
-from .pool import MIN_POOL_BYTES, HostPool, default_pool_bytes, layout_bytes
+from .pool import MIN_POOL_BYTES, HostPool, default_pool_bytes, host_room, layout_bytes
 from .progress import Progress
 from .promoter import Promoter
 from .ring import PieceStream
@@ -87,9 +87,10 @@ class Checkpointer:
     fsspec URLs each checkpoint is copied to, in the background, after it is durable.
     ``persist_every``: every ``save`` snapshots to host memory; steps that are multiples of N, and any
     save after N - 1 unwritten ones, are written.
-    ``pool_bytes``: host pool size (default: one snapshot with ``persist_every > 1``, else a quarter of
-    one, at least 256 MiB; any size down to 4 KiB works, a snapshot larger than what is free streams
-    through it, train.ring). ``tile_checksums``: also hash each
+    ``pool_bytes``: host pool size (default: one snapshot with ``persist_every > 1``, or for a model on
+    a GPU when the host has twice that available per process, else a quarter of one, at least 256
+    MiB; any size down to 4 KiB works, a snapshot larger than what is free streams through it,
+    train.ring). ``tile_checksums``: also hash each
     matrix by tiles, so a later load that takes column slices (another tensor-parallel degree)
     verifies only those columns; off, snapshots cost about a third less CPU and such loads read whole
     rows. ``debug``: detect state mutated between ``save`` and the next fence (checksums).
@@ -206,8 +207,10 @@ class Checkpointer:
         sizes = [e.tensor.numel() * e.tensor.element_size() for e in layout.entries]
         offsets, total = layout_bytes(sizes)
         pool = self._snapshots.pool
-        # unwritten saves live only in the pool (persist_every > 1 without a local tier): keep them whole
-        default = default_pool_bytes(total, rollbacks=self.persist_every > 1 and self._local is None)
+        # unwritten saves live only in the pool (persist_every > 1 without a local tier): keep them whole;
+        # from a GPU, whole where the host has the room (the fence waits for every byte to leave it)
+        default = default_pool_bytes(total, rollbacks=self.persist_every > 1 and self._local is None,
+                                     room=host_room() if self._pin else None)
         if pool is None or (self.pool_bytes is None and pool.nbytes < default):
             self._new_pool(self.pool_bytes or default)
         pool = self._snapshots.pool
