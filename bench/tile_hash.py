@@ -1,0 +1,149 @@
+"""How fast the store's digests (whole, chunk, tile) are computed, and how much they hold the GIL.
+
+    python bench/tile_hash.py [--repeat 5] [--mib 64] [--piece-mib 16] [--probe-s 1.0] [--src DIR ...]
+
+For each matrix shape (fp32 and 2-byte, wide and narrow tiles) ``--mib`` of distinct matrices are
+fed to ``store.checksum.IncrementalChecksum`` in ``--piece-mib`` pieces (the ring's GPU path hands
+it 16 MiB pieces), with tile digests and without: GB/s per CPU-second of the hashing thread
+(``time.thread_time``: on a machine shared with other work, wall time counts their turns too),
+median (min-max) over --repeat.
+
+GIL probe (tiles on, the first shape): a pure-Python thread counts in a loop while the main thread
+hashes; its count rate as a fraction of its rate while the main thread sleeps (1.0: the hashing
+never held it back), and the hashing's wall GB/s meanwhile. Then two threads hashing separate
+matrices: their wall time over one thread's for the same work each (1.0: they scale; 2.0: serialised).
+
+``--src`` (repeatable): the checkouts whose ``ucl/store/checksum.py`` to time, loaded standalone
+and measured in turn within each repeat, so a baseline (e.g. main's) and a change see the same
+load; default: this checkout."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import importlib.util
+
+
+def _load(src: str):
+    """``src``'s ucl/store/checksum.py as a module of its own (it imports only numpy and xxhash)."""
+    path = Path(src) / "ucl" / "store" / "checksum.py"
+    spec = importlib.util.spec_from_file_location(f"checksum_{abs(hash(str(path)))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+SHAPES = [((1024, 4096), "float32"), ((4096, 4096), "float32"), ((4096, 4096), "uint16"),
+          ((8192, 1024), "uint16"), ((256, 16384), "float32"), ((16, 65536), "float32")]
+
+
+def _matrices(shape, dtype, mib):
+    one = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 255, one, dtype=np.uint8).view(dtype).reshape(shape)
+            for _ in range(max(1, (mib << 20) // one))]
+
+
+def _hash_all(mod, mats, piece, tiles):
+    for m in mats:
+        h, flat = mod.IncrementalChecksum(m.shape, m.dtype, tiles=tiles), m.reshape(-1)
+        step = max(1, piece // m.itemsize)
+        for i in range(0, flat.size, step):
+            h.advance(i, flat[i:i + step])
+        assert h.result(flat.size) is not None
+
+
+def _gbs(secs, nbytes):
+    med = statistics.median(secs)
+    return f"{nbytes / med / 1e9:6.2f} GB/s ({nbytes / max(secs) / 1e9:.2f}-{nbytes / min(secs) / 1e9:.2f})"
+
+
+def _cpu(fn):
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
+
+
+def _wall(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _count_while(fn, secs):
+    """Count rate of a pure-Python thread while ``fn`` runs repeatedly for ``secs``; fn runs/s."""
+    stop, got = threading.Event(), []
+
+    def count():
+        n = 0
+        while not stop.is_set():
+            n += 1
+        got.append(n)
+    t = threading.Thread(target=count)
+    t0 = time.perf_counter()
+    t.start()
+    runs = 0
+    while time.perf_counter() - t0 < secs:
+        fn()
+        runs += 1
+    stop.set()
+    t.join()
+    dt = time.perf_counter() - t0
+    return got[0] / dt, runs / dt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--mib", type=int, default=64, help="bytes of distinct matrices per shape (beyond the caches)")
+    ap.add_argument("--piece-mib", type=float, default=16)
+    ap.add_argument("--probe-s", type=float, default=1.0)
+    ap.add_argument("--src", action="append", help="checkout whose checksum.py to time (repeatable)")
+    args = ap.parse_args()
+    srcs = args.src or [str(Path(__file__).resolve().parent.parent)]
+    mods = [_load(s) for s in srcs]
+    piece = int(args.piece_mib * (1 << 20))
+    print(f"pieces of {args.piece_mib:g} MiB, {args.mib} MiB per shape, median (min-max) of {args.repeat}")
+    for shape, dtype in SHAPES:
+        mats = _matrices(shape, dtype, args.mib)
+        nbytes = sum(m.nbytes for m in mats)
+        g = mods[0].tile_grid(shape, np.dtype(dtype).itemsize)
+        print(f"{dtype} {shape}, tiles {g.tile_rows}x{g.tile_cols} ({g.tile_cols * np.dtype(dtype).itemsize} B rows)")
+        got = {(i, t): [] for i in range(len(mods)) for t in (True, False)}
+        for _ in range(args.repeat):
+            for (i, t), secs in got.items():
+                secs.append(_cpu(lambda: _hash_all(mods[i], mats, piece, t)))
+        for i, src in enumerate(srcs):
+            print(f"  {src:>24}: tiles on {_gbs(got[i, True], nbytes)}; off {_gbs(got[i, False], nbytes)}")
+
+    shape, dtype = SHAPES[0]
+    mats, other = _matrices(shape, dtype, args.mib), _matrices(shape, dtype, args.mib)
+    nbytes = sum(m.nbytes for m in mats)
+    probe = {i: ([], [], []) for i in range(len(mods))}
+    for _ in range(args.repeat):
+        for i, mod in enumerate(mods):
+            fracs, rates, ratios = probe[i]
+            alone, _ = _count_while(lambda: time.sleep(0.01), args.probe_s / 2)
+            busy, runs = _count_while(lambda: _hash_all(mod, mats, piece, True), args.probe_s)
+            fracs.append(busy / alone)
+            rates.append(runs * nbytes / 1e9)
+            one = min(_wall(lambda: _hash_all(mod, mats, piece, True)), _wall(lambda: _hash_all(mod, other, piece, True)))
+            t = [threading.Thread(target=_hash_all, args=(mod, m, piece, True)) for m in (mats, other)]
+            ratios.append(_wall(lambda: ([x.start() for x in t], [x.join() for x in t])) / one)
+    print(f"GIL ({dtype} {shape}, tiles on)")
+    for i, src in enumerate(srcs):
+        fracs, rates, ratios = (sorted(x) for x in probe[i])
+        print(f"  {src:>24}: counting thread at {statistics.median(fracs):.2f} of its rate alone "
+              f"({fracs[0]:.2f}-{fracs[-1]:.2f}), hashing meanwhile {statistics.median(rates):.2f} GB/s "
+              f"({rates[0]:.2f}-{rates[-1]:.2f}); two hashing threads {statistics.median(ratios):.2f}x one's time "
+              f"({ratios[0]:.2f}-{ratios[-1]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
