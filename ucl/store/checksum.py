@@ -36,11 +36,14 @@ def checksum_of(arr: np.ndarray) -> str:
 
 def chunk_digests(raw: np.ndarray, size: int) -> np.ndarray:
     """xxh3-64 of each ``size``-byte piece of the flat uint8 array ``raw`` (the last may be
-    shorter), as uint64; one call per piece over memoryview slices (a numpy slice per piece cost as
-    much again as the hashing)."""
-    mv, n = memoryview(raw), raw.size
-    pieces = map(mv.__getitem__, map(slice, range(0, n, size), range(size, n + size, size)))
-    return np.fromiter(map(xxhash.xxh3_64_intdigest, pieces), np.uint64, -(-n // size))
+    shorter), as uint64; one call per piece, the pieces the rows of one 2-D view (a view per row
+    costs less than a memoryview slice per piece)."""
+    n = raw.size
+    whole, out = n // size, np.empty(-(-n // size), np.uint64)
+    out[:whole] = np.fromiter(map(xxhash.xxh3_64_intdigest, raw[:whole * size].reshape(whole, size)), np.uint64, whole)
+    if whole < out.size:
+        out[whole] = xxhash.xxh3_64_intdigest(raw[whole * size:])
+    return out
 
 
 # Datasets above MIN_CHUNK_BYTES also carry a checksum per chunk of their flat bytes (in their rank
@@ -319,9 +322,7 @@ class BandHasher:
 
 def _feed(hashers: list, raw: np.ndarray, size: int) -> None:
     """``hashers[i].update`` with the i-th ``size``-byte piece of ``raw``, in one C-level loop."""
-    mv, n = memoryview(raw), len(hashers) * size
-    pieces = map(mv.__getitem__, map(slice, range(0, n, size), range(size, n + size, size)))
-    deque(map(xxhash.xxh3_64.update, hashers, pieces), maxlen=0)
+    deque(map(xxhash.xxh3_64.update, hashers, raw[:len(hashers) * size].reshape(len(hashers), size)), maxlen=0)
 
 
 def band_digests(rows: np.ndarray, width: int) -> list[int]:
