@@ -8,7 +8,9 @@ it 16 MiB pieces), with tile digests and without: GB/s per CPU-second of the has
 (``time.thread_time``: on a machine shared with other work, wall time counts their turns too),
 median (min-max) over --repeat.
 
-GIL probe (tiles on, the first shape): a pure-Python thread counts in a loop while the main thread
+GIL probes (tiles on, the first shape): a thread napping 0.5 ms in a loop (a training thread
+waiting on its GPU) wakes late by how long it waits for the GIL: median and 99th percentile
+lateness while the main thread hashes. A pure-Python thread counts in a loop while the main thread
 hashes; its count rate as a fraction of its rate while the main thread sleeps (1.0: the hashing
 never held it back), and the hashing's wall GB/s meanwhile. Then two threads hashing separate
 matrices: their wall time over one thread's for the same work each (1.0: they scale; 2.0: serialised).
@@ -98,6 +100,28 @@ def _count_while(fn, secs):
     return got[0] / dt, runs / dt
 
 
+def _late_while(fn, secs, nap=0.0005):
+    """How late a thread that naps ``nap`` s in a loop (as a training thread waits on the GPU, then
+    needs the GIL for a moment) wakes while ``fn`` runs repeatedly for ``secs``: its lateness
+    (median, 99th percentile) in ms; waking needs the GIL."""
+    stop, late = threading.Event(), []
+
+    def nap_loop():
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(nap)
+            late.append(time.perf_counter() - t0 - nap)
+    t = threading.Thread(target=nap_loop)
+    t.start()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < secs:
+        fn()
+    stop.set()
+    t.join()
+    late.sort()
+    return late[len(late) // 2] * 1e3, late[int(len(late) * 0.99)] * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
@@ -125,10 +149,14 @@ def main():
     shape, dtype = SHAPES[0]
     mats, other = _matrices(shape, dtype, args.mib), _matrices(shape, dtype, args.mib)
     nbytes = sum(m.nbytes for m in mats)
-    probe = {i: ([], [], []) for i in range(len(mods))}
+    probe = {i: ([], [], [], [], []) for i in range(len(mods))}
+    idle = [_late_while(lambda: time.sleep(0.01), args.probe_s / 2) for _ in range(args.repeat)]
     for _ in range(args.repeat):
         for i, mod in enumerate(mods):
-            fracs, rates, ratios = probe[i]
+            fracs, rates, ratios, p50, p99 = probe[i]
+            a, b = _late_while(lambda: _hash_all(mod, mats, piece, True), args.probe_s)
+            p50.append(a)
+            p99.append(b)
             alone, _ = _count_while(lambda: time.sleep(0.01), args.probe_s / 2)
             busy, runs = _count_while(lambda: _hash_all(mod, mats, piece, True), args.probe_s)
             fracs.append(busy / alone)
@@ -136,9 +164,13 @@ def main():
             one = min(_wall(lambda: _hash_all(mod, mats, piece, True)), _wall(lambda: _hash_all(mod, other, piece, True)))
             t = [threading.Thread(target=_hash_all, args=(mod, m, piece, True)) for m in (mats, other)]
             ratios.append(_wall(lambda: ([x.start() for x in t], [x.join() for x in t])) / one)
-    print(f"GIL ({dtype} {shape}, tiles on)")
+    print(f"GIL ({dtype} {shape}, tiles on); a thread napping 0.5 ms wakes late by "
+          f"{statistics.median(x[0] for x in idle):.3f} ms (median), {statistics.median(x[1] for x in idle):.3f} ms "
+          "(99th percentile) while the main thread sleeps")
     for i, src in enumerate(srcs):
-        fracs, rates, ratios = (sorted(x) for x in probe[i])
+        fracs, rates, ratios, p50, p99 = (sorted(x) for x in probe[i])
+        print(f"  {src:>24}: while it hashes, the napping thread wakes late by {statistics.median(p50):.3f} ms "
+              f"({p50[0]:.3f}-{p50[-1]:.3f}) median, {statistics.median(p99):.3f} ms ({p99[0]:.3f}-{p99[-1]:.3f}) 99th pct")
         print(f"  {src:>24}: counting thread at {statistics.median(fracs):.2f} of its rate alone "
               f"({fracs[0]:.2f}-{fracs[-1]:.2f}), hashing meanwhile {statistics.median(rates):.2f} GB/s "
               f"({rates[0]:.2f}-{rates[-1]:.2f}); two hashing threads {statistics.median(ratios):.2f}x one's time "
