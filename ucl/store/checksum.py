@@ -299,7 +299,9 @@ class BandHasher:
         self._scratch: np.ndarray | None = None
 
     def update(self, rows: np.ndarray) -> None:
-        """``rows``: a 2-D array (rows x the columns of the tiles), its last axis contiguous."""
+        """``rows``: a 2-D array (rows x the columns of the tiles)."""
+        if rows.strides[-1] != rows.itemsize:  # tile rows are copied whole: each must be contiguous
+            rows = np.ascontiguousarray(rows)
         w, nt = self.width, len(self.hashers)
         ncols = rows.shape[1]
         full = min(nt, ncols // w)
