@@ -8,12 +8,13 @@ it 16 MiB pieces), with tile digests and without: GB/s per CPU-second of the has
 (``time.thread_time``: on a machine shared with other work, wall time counts their turns too),
 median (min-max) over --repeat.
 
-GIL probes (tiles on, the first shape): a thread napping 0.5 ms in a loop (a training thread
-waiting on its GPU) wakes late by how long it waits for the GIL: median and 99th percentile
-lateness while the main thread hashes. A pure-Python thread counts in a loop while the main thread
-hashes; its count rate as a fraction of its rate while the main thread sleeps (1.0: the hashing
-never held it back), and the hashing's wall GB/s meanwhile. Then two threads hashing separate
-matrices: their wall time over one thread's for the same work each (1.0: they scale; 2.0: serialised).
+GIL probes (tiles on, the first shape), wall-clock: a training-like thread (steps of 2 ms of
+Python, as kernel launches are, then 1 ms with the GIL released, as a GPU sync is) runs beside
+the hashing: its median step over its step alone, and the hashing's GB/s meanwhile. A
+pure-Python thread counting in a loop: its rate beside the hashing over its rate alone (1.0: the
+hashing never held it back), and the hashing's GB/s meanwhile. Two threads hashing separate
+matrices: their wall time over one thread's for the same work each (1.0: they scale; 2.0:
+serialised; on a machine with fewer free cores than threads, above 1.0 regardless).
 
 ``--src`` (repeatable): the checkouts whose ``ucl/store/checksum.py`` to time, loaded standalone
 and measured in turn within each repeat, so a baseline (e.g. main's) and a change see the same
@@ -100,26 +101,30 @@ def _count_while(fn, secs):
     return got[0] / dt, runs / dt
 
 
-def _late_while(fn, secs, nap=0.0005):
-    """How late a thread that naps ``nap`` s in a loop (as a training thread waits on the GPU, then
-    needs the GIL for a moment) wakes while ``fn`` runs repeatedly for ``secs``: its lateness
-    (median, 99th percentile) in ms; waking needs the GIL."""
-    stop, late = threading.Event(), []
+def _steps_while(fn, secs, busy=0.002, wait=0.001):
+    """A training thread's step (``busy`` s of Python, as kernel launches are, then a ``wait`` with
+    the GIL released, as a GPU sync is), timed while ``fn`` runs in a second thread (None: alone):
+    median step seconds, and how many times ``fn`` ran per second."""
+    stop, runs = threading.Event(), [0]
 
-    def nap_loop():
+    def loop():
         while not stop.is_set():
-            t0 = time.perf_counter()
-            time.sleep(nap)
-            late.append(time.perf_counter() - t0 - nap)
-    t = threading.Thread(target=nap_loop)
-    t.start()
-    t0 = time.perf_counter()
+            fn()
+            runs[0] += 1
+    t = threading.Thread(target=loop) if fn else None
+    if t:
+        t.start()
+    steps, t0 = [], time.perf_counter()
     while time.perf_counter() - t0 < secs:
-        fn()
+        a = time.perf_counter()
+        while time.perf_counter() - a < busy:
+            pass
+        time.sleep(wait)
+        steps.append(time.perf_counter() - a)
     stop.set()
-    t.join()
-    late.sort()
-    return late[len(late) // 2] * 1e3, late[int(len(late) * 0.99)] * 1e3
+    if t:
+        t.join()
+    return statistics.median(steps), runs[0] / (time.perf_counter() - t0)
 
 
 def main():
@@ -150,31 +155,34 @@ def main():
     mats, other = _matrices(shape, dtype, args.mib), _matrices(shape, dtype, args.mib)
     nbytes = sum(m.nbytes for m in mats)
     probe = {i: ([], [], [], [], []) for i in range(len(mods))}
-    idle = [_late_while(lambda: time.sleep(0.01), args.probe_s / 2) for _ in range(args.repeat)]
+    alone = []
     for _ in range(args.repeat):
+        alone.append(_steps_while(None, args.probe_s / 2)[0])
         for i, mod in enumerate(mods):
-            fracs, rates, ratios, p50, p99 = probe[i]
-            a, b = _late_while(lambda: _hash_all(mod, mats, piece, True), args.probe_s)
-            p50.append(a)
-            p99.append(b)
-            alone, _ = _count_while(lambda: time.sleep(0.01), args.probe_s / 2)
-            busy, runs = _count_while(lambda: _hash_all(mod, mats, piece, True), args.probe_s)
-            fracs.append(busy / alone)
+            fracs, rates, slow, rates2, ratios = probe[i]
+            work = lambda: _hash_all(mod, mats, piece, True)  # noqa: E731
+            step, runs = _steps_while(work, args.probe_s)
+            slow.append(step)
+            rates2.append(runs * nbytes / 1e9)
+            idle, _ = _count_while(lambda: time.sleep(0.01), args.probe_s / 2)
+            busy, runs = _count_while(work, args.probe_s)
+            fracs.append(busy / idle)
             rates.append(runs * nbytes / 1e9)
-            one = min(_wall(lambda: _hash_all(mod, mats, piece, True)), _wall(lambda: _hash_all(mod, other, piece, True)))
+            one = min(_wall(work), _wall(lambda: _hash_all(mod, other, piece, True)))
             t = [threading.Thread(target=_hash_all, args=(mod, m, piece, True)) for m in (mats, other)]
             ratios.append(_wall(lambda: ([x.start() for x in t], [x.join() for x in t])) / one)
-    print(f"GIL ({dtype} {shape}, tiles on); a thread napping 0.5 ms wakes late by "
-          f"{statistics.median(x[0] for x in idle):.3f} ms (median), {statistics.median(x[1] for x in idle):.3f} ms "
-          "(99th percentile) while the main thread sleeps")
+    base = statistics.median(alone)
+    print(f"GIL ({dtype} {shape}, tiles on; wall-clock GB/s of the hashing thread meanwhile)")
     for i, src in enumerate(srcs):
-        fracs, rates, ratios, p50, p99 = (sorted(x) for x in probe[i])
-        print(f"  {src:>24}: while it hashes, the napping thread wakes late by {statistics.median(p50):.3f} ms "
-              f"({p50[0]:.3f}-{p50[-1]:.3f}) median, {statistics.median(p99):.3f} ms ({p99[0]:.3f}-{p99[-1]:.3f}) 99th pct")
-        print(f"  {src:>24}: counting thread at {statistics.median(fracs):.2f} of its rate alone "
-              f"({fracs[0]:.2f}-{fracs[-1]:.2f}), hashing meanwhile {statistics.median(rates):.2f} GB/s "
-              f"({rates[0]:.2f}-{rates[-1]:.2f}); two hashing threads {statistics.median(ratios):.2f}x one's time "
-              f"({ratios[0]:.2f}-{ratios[-1]:.2f})")
+        fracs, rates, slow, rates2, ratios = (sorted(x) for x in probe[i])
+        slow = [x / base for x in slow]
+        print(f"  {src}\n    training-like thread (2 ms Python, 1 ms GIL-free wait): steps at "
+              f"{statistics.median(slow):.2f}x alone ({slow[0]:.2f}-{slow[-1]:.2f}), hashing "
+              f"{statistics.median(rates2):.2f} GB/s ({rates2[0]:.2f}-{rates2[-1]:.2f})"
+              f"\n    counting thread at {statistics.median(fracs):.2f} of its rate alone "
+              f"({fracs[0]:.2f}-{fracs[-1]:.2f}), hashing {statistics.median(rates):.2f} GB/s "
+              f"({rates[0]:.2f}-{rates[-1]:.2f})\n    two hashing threads: {statistics.median(ratios):.2f}x "
+              f"one's wall time ({ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
 if __name__ == "__main__":
