@@ -187,9 +187,10 @@ class IncrementalChecksum:
 # After each block the hasher offers the GIL to a waiting thread (a training thread back from a GPU
 # wait): one that lost the race for it when the hasher last released it otherwise waits out the
 # switch interval (5 ms). bench/tile_hash.py, 2-core VM: a thread alternating 2 ms of Python with
-# 1 ms GIL-free waits stepped at 1.35x its time alone beside the hashing without the offer, 1.03x
-# with it (hashing meanwhile 2.3 and 1.6 GB/s). The price: beside a thread that never waits (pure
-# Python), the hashing gets little (0.2 GB/s instead of 1.2).
+# 1 ms GIL-free waits stepped at 1.55x its time alone beside the hashing without the offer, 1.02x
+# with it (hashing meanwhile 2.5 and 1.7 GB/s). The price: beside a thread that never waits (pure
+# Python), the hashing gets little (0.2 GB/s instead of 1.0); and on a host with more runnable
+# threads than cores, each offer may lend the core to another for a time slice.
 _offer_gil = getattr(os, "sched_yield", lambda: None)  # releases the GIL while the kernel reschedules
 
 
@@ -288,8 +289,8 @@ def _pow2_floor(n: int) -> int:
 def _tile_order(rows: np.ndarray, width: int, full: int, scratch: np.ndarray) -> np.ndarray:
     """The ``full`` tiles of ``width`` columns at the left of ``rows`` (k x h x cols, last axis
     contiguous), each copied out whole, one after another (k x full x h x width), as flat bytes in
-    ``scratch``. A tile row is one void element: numpy copies each with one memcpy (as a 4-D
-    transpose of numbers it took 3x as long)."""
+    ``scratch``. A tile row is one void element, which numpy copies with one memcpy (from cache,
+    a 4-D transpose of the numbers took about 15% longer)."""
     k, h = rows.shape[0], rows.shape[1]
     row = np.dtype((np.void, width * rows.itemsize))
     out = scratch[:k * full * h * row.itemsize]
