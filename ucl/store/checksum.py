@@ -3,6 +3,7 @@ partial read is verified by reading only the chunks it touches, and per-tile dig
 ones so a column block is too (docs/format.md)."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -40,11 +41,9 @@ def chunk_digests(raw: np.ndarray, size: int) -> np.ndarray:
     shorter), as uint64; one call per piece, the pieces the rows of one 2-D view (a view per row
     costs less than a memoryview slice per piece)."""
     n = raw.size
-    whole, out = n // size, np.empty(-(-n // size), np.uint64)
-    out[:whole] = np.fromiter(map(xxhash.xxh3_64_intdigest, raw[:whole * size].reshape(whole, size)), np.uint64, whole)
-    if whole < out.size:
-        out[whole] = xxhash.xxh3_64_intdigest(raw[whole * size:])
-    return out
+    whole = n // size
+    out = np.fromiter(map(xxhash.xxh3_64_intdigest, raw[:whole * size].reshape(whole, size)), np.uint64, whole)
+    return out if whole * size == n else np.append(out, np.uint64(xxhash.xxh3_64_intdigest(raw[whole * size:])))
 
 
 # Datasets above MIN_CHUNK_BYTES also carry a checksum per chunk of their flat bytes (in their rank
@@ -292,10 +291,15 @@ def _tile_order(rows: np.ndarray, width: int, full: int, scratch: np.ndarray) ->
     ``scratch``. A tile row is one void element, which numpy copies with one memcpy (from cache,
     a 4-D transpose of the numbers took about 15% longer)."""
     k, h = rows.shape[0], rows.shape[1]
-    row = np.dtype((np.void, width * rows.itemsize))
+    row = _void(width * rows.itemsize)
     out = scratch[:k * full * h * row.itemsize]
     np.copyto(out.view(row).reshape(k, full, h), rows[:, :, :full * width].view(row).transpose(0, 2, 1))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _void(nbytes: int) -> np.dtype:
+    return np.dtype((np.void, nbytes))
 
 
 def _scratch(held: np.ndarray | None, nbytes: int) -> np.ndarray:
