@@ -9,8 +9,8 @@ memory (the floor), the hashing alone (store.checksum.IncrementalChecksum, with 
 digests) on host bytes, and copy_streamed (each piece copied, waited for, hashed), with and without
 tile digests. Needs CUDA.
 
-Measured on an H200 machine (2026-11-28, 3.2 GB, pool 768 MiB): device-to-host 54.5 GB/s; hashing
-3.05 GB/s with tiles, 8.2 without; copy_streamed 2.7 and 5.7 GB/s: the hashing sets the pace.
+Measured on an H200 machine (2026-11-28, 3.2 GB, pool 768 MiB, before the hasher took pieces a
+megabyte at a time: bench/tile_hash.py): device-to-host 54.5 GB/s; hashing 3.05 GB/s with tiles, 8.2 without; copy_streamed 2.7 and 5.7 GB/s: the hashing sets the pace.
 Queueing the next pieces' copies while one is hashed was tried and measured: +8% with tiles, -15%
 without (one ahead), slower at three ahead; not kept."""
 from __future__ import annotations
