@@ -66,6 +66,9 @@ class CallMemo:
     # lower: each (id of a rule kept alive by the model, parameter name, scalar) -> its dim trees: the
     # kinds of a parameter (fp32, exp_avg, ...) follow its rule
     dims: dict[tuple, tuple] = field(default_factory=dict)
+    # ids of trees kept in ``trees`` -> the one tuple of them (tensors of one shape share it, and
+    # what is keyed by its id)
+    dim_tuples: dict[tuple[int, ...], tuple] = field(default_factory=dict)
 
     def tree(self, d: DimSpec) -> DimSpec:
         return self.trees.setdefault(d, d)

@@ -116,16 +116,21 @@ def _flat_options(ctx: LoweringContext, group) -> FlatOptions:
 
 def _member_axes(ctx: LoweringContext, group, placed, opts: FlatOptions) -> list[str]:
     """Axes other than the flat ones over which the members' buffers differ."""
-    axes = set()
+    axes, flat_axes = set(), set(opts.axes)
+    seen = set()  # (split axes, placement) pairs already looked at: shared objects, a few per stage
     for t in group.members:
         p = placed[t.id]
+        key = (id(p.dim_axes), id(p.allowed))  # both alive in ``placed``
+        if key in seen:
+            continue
+        seen.add(key)
         used = {a for axes in p.dim_axes for a in axes}
-        clash = used & set(opts.axes)
+        clash = used & flat_axes
         if clash:
             ctx.fail(t, group.flat.span, LayoutError(
                 "UCL210", f"it is split over {', '.join(sorted(clash))} and also flattened over it"))
         axes |= used | set(p.allowed)
-    return sorted(axes - set(opts.axes))
+    return sorted(axes - flat_axes)
 
 
 def _buffers(entries, flat, opts: FlatOptions) -> list[list]:
@@ -149,10 +154,19 @@ def _buffers(entries, flat, opts: FlatOptions) -> list[list]:
 def _alike(group, placed) -> dict[tuple, list[int]]:
     """Members placed alike (a pipeline stage's layers) are held on the same coordinates: each
     placement is tested once per coordinate, not each member."""
-    alike: dict[tuple, list[int]] = {}
+    by_id: dict[int, list[int]] = {}  # placements are mostly shared objects (interned by lowering)
+    allowed = {}
     for i, t in enumerate(group.members):
-        alike.setdefault(tuple((a, tuple(c)) for a, c in placed[t.id].allowed.items()), []).append(i)
-    return alike
+        a = placed[t.id].allowed
+        found = by_id.get(id(a))
+        if found is None:
+            found = by_id[id(a)] = []
+            allowed[id(a)] = a
+        found.append(i)
+    alike: dict[tuple, list[int]] = {}
+    for k, idx in by_id.items():
+        alike.setdefault(tuple((a, tuple(c)) for a, c in allowed[k].items()), []).extend(idx)
+    return {key: sorted(idx) for key, idx in alike.items()}
 
 
 def _buffers_where(ctx: LoweringContext, group, placed, opts: FlatOptions, want):

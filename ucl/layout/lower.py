@@ -144,6 +144,9 @@ class _Lowered:
     # (:func:`_stem`): the next rank of a stage only cuts its own flat partitions
     stems: dict[Mesh, dict[frozenset[int], "_Stem"]] = field(default_factory=dict)
     placements: dict[Mesh, dict[int | tuple, tuple[dict[str, list[int]], str]]] = field(default_factory=dict)
+    # by mesh, equal placements (every layer of a stage's) as one dict: what is keyed by the id of a
+    # placement below is then found once per stage, not once per parameter
+    interned: dict[Mesh, dict[tuple, dict[str, list[int]]]] = field(default_factory=dict)
 
 
 _FOCUSED_MAPS = 64  # focused maps kept per mesh before a process lowers the whole model once instead
@@ -228,9 +231,18 @@ def _placement_of(ctx: LoweringContext, t, cache: dict | None = None):
         alike = (id(t.rule), id(t.placement), t.name)  # the rules live as long as the model
         found = cache.get(alike)
         if found is None:
-            found = cache[alike] = place(ctx, t)
+            allowed, local = place(ctx, t)
+            found = cache[alike] = (_interned(ctx, allowed), local)
         cache[t.id] = found
     return found
+
+
+def _interned(ctx: LoweringContext, allowed: dict[str, list[int]]) -> dict[str, list[int]]:
+    """``allowed`` as the one dict of its value on this mesh (placements are never changed)."""
+    if ctx.memo is None:  # lower(reuse=False): every tensor on its own
+        return allowed
+    key = tuple([(a, tuple(v)) for a, v in allowed.items()])
+    return ctx.model.derived.of(_Lowered).interned.setdefault(ctx.mesh, {}).setdefault(key, allowed)
 
 
 def _placements(ctx: LoweringContext) -> dict:
@@ -327,22 +339,35 @@ def _stem(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None) -
     placed = {}  # tensor id -> Placed
     failures: list[TensorFailure] = []  # every tensor that does not fit, reported together
     notes: dict = {}  # what fits only loosely (empty stages, shared elements): warned about once
+    axes_of: dict[int, tuple] = {}  # id of dim trees (kept by the memo: a parameter's kinds share them) -> split axes
+    # (id of dim trees, id of a placement; both interned) -> every coordinate's (coordinates, local
+    # shape, pieces): the tensors of one shape on one stage (every layer's) hold alike, so they share
+    # these objects and what later layers find from them by identity (proofs, rows: one per shape)
+    template: dict[tuple[int, int], list] = {}
     for t in (model.tensors[i] for i in todo):
         try:
             dims = _dims(ctx, t)
             allowed, local = place(ctx, t, notes)
-            dim_axes = split_axes(dims)
+            allowed = _interned(ctx, allowed)
+            dim_axes = axes_of.get(id(dims)) if ctx.memo is not None else None
+            if dim_axes is None:
+                dim_axes = axes_of[id(dims)] = split_axes(dims)
             placed[t.id] = Placed(dims, allowed, local, dim_axes)
             if t.kind == PARAM:
                 note_shared(t, dims, mesh, notes)
             if t.flat is not None:
                 continue
-            axes = sorted({a for axes in dim_axes for a in axes})
-            for fixed in coordinates(axes, mesh, allowed):
-                layouts = local_layouts(ctx, t, dims, fixed, dim_axes)
-                shape = tuple(x.local for x in layouts)
-                key = f"{t.kind}/{local}"
-                holdings.setdefault(t.id, []).append(Holding(fixed, Slot(key, 0, shape, shape), [layouts]))
+            held = template.get((id(dims), id(allowed))) if ctx.memo is not None else None
+            if held is None:
+                axes = sorted({a for axes in dim_axes for a in axes})
+                held = []
+                for fixed in coordinates(axes, mesh, allowed):
+                    layouts = local_layouts(ctx, t, dims, fixed, dim_axes)
+                    held.append((fixed, tuple(x.local for x in layouts), [layouts]))
+                template[(id(dims), id(allowed))] = held
+            key = f"{t.kind}/{local}"
+            for fixed, shape, pieces in held:
+                holdings.setdefault(t.id, []).append(Holding(fixed, Slot(key, 0, shape, shape), pieces))
                 whole_datasets.append(DatasetSlot(fixed, key, shape, t.dtype))
         except TensorFailure as e:
             failures.append(e)
@@ -365,7 +390,12 @@ def _dims(ctx: LoweringContext, t) -> tuple[DimSpec, ...]:
     key = (id(t.rule), t.name, t.scalar)
     found = memo.dims.get(key)
     if found is None:
-        found = memo.dims[key] = () if t.scalar else tuple([memo.tree(d) for d in dims_of(ctx, t)])
+        if t.scalar:
+            found = ()
+        else:
+            trees = [memo.tree(d) for d in dims_of(ctx, t)]
+            found = memo.dim_tuples.setdefault(tuple(map(id, trees)), tuple(trees))  # equal trees, one tuple
+        memo.dims[key] = found
     return found
 
 
@@ -385,24 +415,34 @@ def _place_other_members(ctx: LoweringContext, ids: list[int], placed: dict) -> 
     focused tensor (another pipeline stage) lies in no buffer the focus needs: only its placement and
     split axes matter (the axes buffers differ over), and those come from its rule, its dims are built
     once per rule. The others are placed in full."""
-    near = {tuple(sorted((a, tuple(c)) for a, c in p.allowed.items())) for p in placed.values()}
+    # placements are interned (:func:`_interned`): the distinct ones are a few per stage
+    near = list({id(p.allowed): [(a, set(c)) for a, c in p.allowed.items()] for p in placed.values()}.values())
     by_rule: dict[int, tuple] = {}
-    shares: dict[int, bool] = {}  # id of a placement (shared by a parameter's kinds) -> near a focused one
+    shares: dict[int, bool] = {}  # id of a placement -> near a focused one
+    far: dict[int, Placed] = {}  # id of a placement found by _placement_of (a parameter's kinds share it) -> its Placed
+    axes_of: dict[int, tuple] = {}  # id of dim trees (kept by the memo) -> split axes
     cache = _placements(ctx)
     for t in (ctx.model.tensors[i] for i in ids):
-        allowed, local = _placement_of(ctx, t, cache)
+        found = _placement_of(ctx, t, cache)
+        p = far.get(id(found))
+        if p is not None:
+            placed[t.id] = p
+            continue
+        allowed, local = found
         near_one = shares.get(id(allowed))
         if near_one is None:
-            near_one = shares[id(allowed)] = any(all(set(allowed.get(a, c)) & set(c) for a, c in other)
-                                                 for other in near)
+            near_one = shares[id(allowed)] = any(all(set(allowed.get(a, c)) & c for a, c in other) for other in near)
         if near_one:
             dims = _dims(ctx, t)
-            placed[t.id] = Placed(dims, allowed, local, split_axes(dims))
+            axes = axes_of.get(id(dims))
+            if axes is None:
+                axes = axes_of[id(dims)] = split_axes(dims)
+            placed[t.id] = Placed(dims, allowed, local, axes)
             continue
         axes = by_rule.get(id(t.rule))
         if axes is None:
             axes = by_rule[id(t.rule)] = split_axes(() if t.scalar else dims_of(ctx, t))
-        placed[t.id] = Placed((), allowed, local, axes)
+        placed[t.id] = far[id(found)] = Placed((), allowed, local, axes)
 
 
 def _lower_flat(ctx: LoweringContext, group, placed, sm: ShardMap, cache: dict, at: list[dict] | None,

@@ -156,6 +156,8 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         (slots are shared objects: a flat buffer's recur on every coordinate)."""
         if not len(js):
             return np.zeros(0, dtype=I64)
+        if len(js) <= 64:  # a few holdings (a parameter's tensor-parallel ranks): numpy calls cost more
+            return np.array([sid(hs[j].slot) for j in js.tolist()], dtype=I64)
         objs = [h.slot for h in hs]
         k = np.array([id(o) for o in objs], dtype=I64)[js]
         order = np.argsort(k, kind="stable")

@@ -105,7 +105,11 @@ class RankSetBuilder:
     added many at a time (:meth:`singles`)."""
 
     def __init__(self, n_ranks: int):
-        self.single = np.full(max(n_ranks, 1), -1, dtype=I64)  # rank -> id of its one-rank set
+        self.n_ranks = max(n_ranks, 1)
+        # rank -> id of its one-rank set: a dict until :meth:`singles` needs the array (a plan for one
+        # rank of a 131,072-rank mesh would fault in 1 MiB for a few entries)
+        self.single: np.ndarray | None = None
+        self.single_of: dict[int, int] = {}
         self.by_bytes: dict[bytes, int] = {}  # a set of several ranks -> its id
         self.chunks: list[np.ndarray] = []  # the sets' ranks, in order, set after set
         self.sizes: list[np.ndarray] = []  # the sets' sizes, chunk after chunk
@@ -114,10 +118,13 @@ class RankSetBuilder:
 
     def one(self, rank: int) -> int:
         """The id of the set of ``rank`` alone (:meth:`singles` of one rank, without numpy calls)."""
-        i = int(self.single[rank])
+        i = self.single_of.get(rank, -1) if self.single is None else int(self.single[rank])
         if i < 0:
             i = self.count
-            self.single[rank] = i
+            if self.single is None:
+                self.single_of[rank] = i
+            else:
+                self.single[rank] = i
             self.pending.append(rank)
             self.count += 1
         return i
@@ -136,6 +143,10 @@ class RankSetBuilder:
     def singles(self, ranks: np.ndarray) -> np.ndarray:
         """The ids of the one-rank sets of ``ranks`` (in order; repeats allowed): new ones are
         numbered in order of first appearance."""
+        if self.single is None:
+            self.single = np.full(self.n_ranks, -1, dtype=I64)
+            if self.single_of:
+                self.single[list(self.single_of)] = list(self.single_of.values())
         ids = self.single[ranks]
         new = ids < 0
         if new.any():
