@@ -76,9 +76,8 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
         # ZeRO partition holds a few of a stage's tensors), with the datasets of those ranks only
         at = [c for _, c in few]
         T = lower(model, dst, tensors=tensors_on(model, dst, at), at=at, held=True)
-        focus = frozenset(tid for tid, _ in _matching(
-            T, "holdings", lambda: [(t.id, j) for t in model.tensors for j in range(len(T.holdings[t.id]))],
-            lambda e: T.holdings[e[0]][e[1]].fixed, at))
+        focus = frozenset(tid for tid, _ in _matching(T, "holdings", lambda: _holding_ids(T),
+                                                      lambda e: T.holdings[e[0]][e[1]].fixed, at))
         src_focus = focus if src_model is model else frozenset(
             _matching_source(src_model, model.tensors[i]).id for i in focus)
         S = lower(src_model, src, tensors=src_focus, at=[])  # sources only: no datasets
@@ -139,9 +138,8 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
     if few is None:
         todo = ((t, T.holdings[t.id]) for t in model.tensors)
     else:  # only the tensors the wanted ranks hold, found through an index (cached on the model)
-        held_ids = _matching(T, "holdings",
-                             lambda: [(t.id, j) for t in model.tensors for j in range(len(T.holdings[t.id]))],
-                             lambda e: T.holdings[e[0]][e[1]].fixed, [c for _, c in few])
+        held_ids = _matching(T, "holdings", lambda: _holding_ids(T), lambda e: T.holdings[e[0]][e[1]].fixed,
+                             [c for _, c in few])
         by_tensor: dict[int, list] = {}
         for tid, j in held_ids:
             by_tensor.setdefault(tid, []).append(T.holdings[tid][j])
@@ -299,6 +297,12 @@ def _compile_unpaused(model: Model, src: Mesh, dst: Mesh, ranks, dst_model: Mode
                 [{"name": t.name, "kind": t.kind, "shape": t.shape, "dtype": t.dtype} for t in model.tensors],
                 list(slot_ids), sets.build(), c, f, datasets,
                 dict(zip(DATASET_COLUMNS, (_column(ds_set), _column(ds_id)))))
+
+
+def _holding_ids(T: ShardMap) -> list[tuple[int, int]]:
+    """(tensor id, index) of every holding of ``T``, in order (a focused map's: of its few tensors)."""
+    ids = range(len(T.holdings)) if T.focus is None else sorted(T.focus)
+    return [(i, j) for i in ids for j in range(len(T.holdings[i]))]
 
 
 def _joined(parts: list, bound: int) -> np.ndarray:
