@@ -143,7 +143,8 @@ class _Lowered:
     # until the whole map exists, per focus (tensor ids) what the ranks planned for do not change
     # (:func:`_stem`): the next rank of a stage only cuts its own flat partitions
     stems: dict[Mesh, dict[frozenset[int], "_Stem"]] = field(default_factory=dict)
-    placements: dict[Mesh, dict[int | tuple, tuple[dict[str, list[int]], str]]] = field(default_factory=dict)
+    # (and ("noted", alike key) -> True where that placement notes an empty stage)
+    placements: dict[Mesh, dict[int | tuple, tuple[dict[str, list[int]], str] | bool]] = field(default_factory=dict)
     # by mesh, equal placements (every layer of a stage's) as one dict: what is keyed by the id of a
     # placement below is then found once per stage, not once per parameter
     interned: dict[Mesh, dict[tuple, dict[str, list[int]]]] = field(default_factory=dict)
@@ -231,9 +232,23 @@ def _placement_of(ctx: LoweringContext, t, cache: dict | None = None):
         alike = (id(t.rule), id(t.placement), t.name)  # the rules live as long as the model
         found = cache.get(alike)
         if found is None:
-            allowed, local = place(ctx, t)
+            notes: dict = {}
+            allowed, local = place(ctx, t, notes)
             found = cache[alike] = (_interned(ctx, allowed), local)
+            if notes:  # an empty stage: :func:`_placed` notes it for each tensor placed so
+                cache[("noted",) + alike] = True
         cache[t.id] = found
+    return found
+
+
+def _placed(ctx: LoweringContext, t, cache: dict, notes: dict) -> tuple[dict[str, list[int]], str]:
+    """:func:`place` with ``notes``, from the cache where the placement notes nothing (the kinds of a
+    parameter, and on the target mesh every tensor, were placed already)."""
+    if ctx.memo is None:  # lower(reuse=False): every tensor on its own
+        return place(ctx, t, notes)
+    found = _placement_of(ctx, t, cache)
+    if ("noted", id(t.rule), id(t.placement), t.name) in cache:
+        place(ctx, t, notes)
     return found
 
 
@@ -344,11 +359,11 @@ def _stem(model: Model, mesh: Mesh, reuse: bool, focus: frozenset[int] | None) -
     # shape, pieces): the tensors of one shape on one stage (every layer's) hold alike, so they share
     # these objects and what later layers find from them by identity (proofs, rows: one per shape)
     template: dict[tuple[int, int], list] = {}
+    cache = _placements(ctx)
     for t in (model.tensors[i] for i in todo):
         try:
             dims = _dims(ctx, t)
-            allowed, local = place(ctx, t, notes)
-            allowed = _interned(ctx, allowed)
+            allowed, local = _placed(ctx, t, cache, notes)
             dim_axes = axes_of.get(id(dims)) if ctx.memo is not None else None
             if dim_axes is None:
                 dim_axes = axes_of[id(dims)] = split_axes(dims)
