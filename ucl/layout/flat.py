@@ -174,10 +174,16 @@ def _buffers_where(ctx: LoweringContext, group, placed, opts: FlatOptions, want)
     which ``want(fixed, held member indices)`` is true; members are (tensor, layouts, local name)."""
     flat, mesh = group.flat, ctx.mesh
     alike = _alike(group, placed)
+    placing = sorted({a for allowed in alike for a, _ in allowed})
+    held_at: dict[tuple, list[int]] = {}  # coordinates on the placing axes -> the members held there
     for fixed in coordinates(_member_axes(ctx, group, placed, opts), mesh, {}):
-        # The buffer on this coordinate: held members in order, each flattened, aligned.
-        held = sorted(i for allowed, idx in alike.items()
-                      if all(fixed.get(a) in c for a, c in allowed) for i in idx)
+        # The buffer on this coordinate: held members in order, each flattened, aligned (which
+        # members depends on the placing axes only: found once per stage, not per tp coordinate).
+        where = tuple([fixed.get(a) for a in placing])
+        held = held_at.get(where)
+        if held is None:
+            held = held_at[where] = sorted(i for allowed, idx in alike.items()
+                                           if all(fixed.get(a) in c for a, c in allowed) for i in idx)
         if not held or not want(fixed, held):
             continue
         entries = []
@@ -231,8 +237,15 @@ def flat_geometry(ctx: LoweringContext, group, placed, at: list[dict] | None = N
     skeletons: dict = {}  # (dtype, members' local shapes) -> the cut as boxes of local tensors
     skeleton_pieces: dict = {}  # (id of a skeleton above, member) -> its pieces as boxes of its local tensor
 
+    holds_focus: dict[int, bool] = {}  # id of a list of held members (shared per stage, kept alive) -> any focused
+
     def want(fixed, held) -> bool:
-        if focus is None or any(group.members[i].id in focus for i in held):
+        if focus is None:
+            return True
+        found = holds_focus.get(id(held))
+        if found is None:
+            found = holds_focus[id(held)] = any(group.members[i].id in focus for i in held)
+        if found:
             return True
         return at is not None and bool(_parts_at(fixed, at, opts, mesh))
 
