@@ -187,10 +187,14 @@ def _buffers_where(ctx: LoweringContext, group, placed, opts: FlatOptions, want)
         if not held or not want(fixed, held):
             continue
         entries = []
+        shared: dict[int, tuple] = {}  # id of dim trees (interned: a stage's layers share them) -> layouts here
         for i in held:
             t = group.members[i]
             p = placed[t.id]
-            entries.append((t, local_layouts(ctx, t, p.dims, fixed, p.dim_axes), p.local))
+            layouts = shared.get(id(p.dims)) if ctx.memo is not None else None
+            if layouts is None:
+                layouts = shared[id(p.dims)] = local_layouts(ctx, t, p.dims, fixed, p.dim_axes)
+            entries.append((t, layouts, p.local))
         for b, members in enumerate(_buffers(entries, flat, opts)):
             suffix = members[0][2] if flat.per_param else \
                 f"@flat{group.number}" + (f".{b}" if opts.bucket is not None else "")

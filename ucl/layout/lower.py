@@ -431,7 +431,8 @@ def _place_other_members(ctx: LoweringContext, ids: list[int], placed: dict) -> 
     split axes matter (the axes buffers differ over), and those come from its rule, its dims are built
     once per rule. The others are placed in full."""
     # placements are interned (:func:`_interned`): the distinct ones are a few per stage
-    near = list({id(p.allowed): [(a, set(c)) for a, c in p.allowed.items()] for p in placed.values()}.values())
+    near = [[(a, set(c)) for a, c in allowed.items()]
+            for allowed in {id(p.allowed): p.allowed for p in placed.values()}.values()]
     by_rule: dict[int, tuple] = {}
     shares: dict[int, bool] = {}  # id of a placement -> near a focused one
     far: dict[int, Placed] = {}  # id of a placement found by _placement_of (a parameter's kinds share it) -> its Placed
