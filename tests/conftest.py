@@ -38,6 +38,20 @@ def _record(error: UclError) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def ucl_cache_dir(tmp_path_factory):
+    """ucl's on-disk cache (``ucl.cache``: parsed specs, derived HF specs) in a folder of this session,
+    never the user's ``~/.cache/ucl``; subprocesses (CLI runs) inherit it."""
+    import os
+    before = os.environ.get("UCL_CACHE_DIR")
+    os.environ["UCL_CACHE_DIR"] = str(tmp_path_factory.mktemp("ucl-cache"))
+    yield os.environ["UCL_CACHE_DIR"]
+    if before is None:
+        os.environ.pop("UCL_CACHE_DIR", None)
+    else:
+        os.environ["UCL_CACHE_DIR"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
 def ucl_errors_seen():
     """Record every UclError constructed during the session: {(class, code): where}."""
     original = UclError.__init__

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "ucl"
 
 # module prefix -> layer; a module may import its own layer and the layers before it
 LAYERS = [
-    (("ucl.errors", "ucl.dtypes", "ucl.files", "ucl.memory", "ucl.model_config"), 0),
+    (("ucl.errors", "ucl.dtypes", "ucl.files", "ucl.memory", "ucl.model_config", "ucl.cache"), 0),
     (("ucl.lang",), 1),
     (("ucl.layout",), 2),
     (("ucl.plan",), 3),

@@ -34,3 +34,34 @@ def test_a_ucl_reshard_imports_no_foreign_format_code_nor_the_load_path(tmp_path
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [], out.stdout
+
+
+NO_LARK = """
+import sys
+from ucl.ops.reshard import reshard
+reshard(sys.argv[1], sys.argv[2], "universal", workers=1, durable=False)
+print(" ".join(sorted(m for m in sys.modules if m in ("lark", "ucl.lang.parse", "ucl.lang.grammar") or m.startswith("lark."))))
+"""
+
+
+def test_a_second_reshard_of_a_checkpoint_imports_no_parser(tmp_path):
+    """The checkpoint's spec text is parsed by the first process that opens it; later ones take its
+    syntax tree from the cache of parsed specs (ucl.lang.parsed) and import neither lark nor the
+    parser (~50 ms of every start)."""
+    import ucl
+    from tests.test_checkpoint import M
+    from ucl.demo import llama_model, universal_state
+    model = llama_model()
+    mesh = M("dp=2,tp=2")
+    shards = ucl.execute_memory(ucl.compile(model, ucl.UNIVERSAL, mesh), {0: universal_state(model, seed=0)})
+    src = ucl.save(tmp_path / "src", shards, model=model, mesh=mesh, state={"step": 1})
+    env = dict(os.environ, PYTHONPATH=REPO, UCL_CACHE_DIR=str(tmp_path / "cache"))
+    runs = []
+    for i in range(2):
+        out = subprocess.run([sys.executable, "-c", NO_LARK, str(src), str(tmp_path / f"dst{i}")], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        runs.append(out.stdout.split())
+    assert "lark" in runs[0] and runs[1] == []
+    a, b = (ucl.load_rank(tmp_path / f"dst{i}", mesh="universal", rank=0) for i in range(2))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

@@ -4,11 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from . import ast
+from . import ast, parsed
 from .check import Checked, check
 from ..errors import BindError, Diagnostic, SpecError, UclError, closest
 from ..files import read_bounded
-from .parse import parse, token_budget
+from .limits import check_size, token_budget
 from .stdlib import PREFIX, stdlib_names, stdlib_path
 
 
@@ -26,10 +26,26 @@ class Spec:
     # -- constructors ----------------------------------------------------------------------
     @classmethod
     def from_text(cls, text: str, filename: str = "<spec>", name: str | None = None,
-                  params: int = 0) -> "Spec":
+                  params: int = 0, cache: bool = False) -> "Spec":
         """``params``: how many parameters the text describes, where a parameter list comes with it
-        (a manifest): such a spec may be longer in proportion (``lang.parse.token_budget``)."""
-        return cls(parse(text, filename, token_budget(params)), name)
+        (a manifest): such a spec may be longer in proportion (``lang.limits.token_budget``).
+        ``cache``: take the syntax tree from the cache of parsed specs (``lang.parsed``) where it
+        holds this text, and keep it there otherwise (a checkpoint's spec, parsed by every command
+        that opens it)."""
+        max_tokens = token_budget(params)
+        if cache and isinstance(text, str):
+            check_size(text, filename, max_tokens)  # (what parse checks first, before any cache)
+            module = parsed.load(text, filename)
+            if module is not None:
+                try:
+                    return cls(module, name)
+                except Exception:  # a bad entry: parsed anew below, and replaced
+                    pass
+        from .parse import parse  # lark: imported only where a text is parsed
+        spec = cls(parse(text, filename, max_tokens), name)
+        if cache:
+            parsed.store(text, spec.module)
+        return spec
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Spec":

@@ -68,7 +68,7 @@ def model_of(ckpt: CheckpointLike) -> Model:
     model = _MODELS.get(key)
     if model is None:
         spec = Spec.from_text(m.spec, filename=f"{ckpt.path}/manifest.json[spec]", name=m.spec_name,
-                              params=len(m.params))
+                              params=len(m.params), cache=True)
         model = _MODELS[key] = spec.bind(m.dims, m.params, m.frozen)
         while len(_MODELS) > _MAX_MODELS:
             _MODELS.popitem(last=False)
