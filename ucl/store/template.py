@@ -242,7 +242,7 @@ def allocate(f, datasets: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str
             d, offsets[key] = h5.create_allocated(group, name, shape, store)
         else:
             d, offsets[key] = h5.create_dataset(group, name, shape, store), None
-        d.attrs["ucl_dtype"] = dtype
+        h5.set_text_attrs(d, ucl_dtype=dtype)
     return offsets
 
 

@@ -167,14 +167,15 @@ class CheckpointWriter:
                 return self._write_packed(rank, key, kind, name, arr, logical, enc, digests)
             with self._io():
                 self._out.settle()  # whatever path this dataset takes, the caller may reuse the last one's array
-                f, _ = self._handles.get(rank)
+                f, opened = self._handles.get(rank)
+                group = h5.group_of(f, opened, kind)
                 if (self.direct or self.write_behind) and arr.nbytes >= MIN_DIRECT_BYTES:  # written by us
-                    d, offset = h5.create_allocated(f.require_group(kind), name, arr.shape, arr.dtype)
+                    d, offset = h5.create_allocated(group, name, arr.shape, arr.dtype)
                     self._out.put(os.path.join(self.tmp_path, file_name(rank)), offset, raw_bytes(arr))
                 else:
-                    d = h5.create_dataset(f.require_group(kind), name, arr.shape, arr.dtype, arr)
+                    d = h5.create_dataset(group, name, arr.shape, arr.dtype, arr)
                     offset = h5.data_offset(d)
-                d.attrs["ucl_dtype"] = logical
+                h5.set_text_attrs(d, ucl_dtype=logical)
                 digests = checksums(arr, tiles=tiles) if digests is None else \
                     known_digests(digests, arr.shape, arr.dtype, key)
                 h5.set_checksum_tables(d, digests)
@@ -187,11 +188,11 @@ class CheckpointWriter:
         digests = checksums(arr) if digests is None else known_digests(digests, arr.shape, arr.dtype, key)
         with self._io():
             self._out.settle()
-            f, _ = self._handles.get(rank)
+            f, opened = self._handles.get(rank)
             n = enc.stored.size
             # always written by us (a fresh buffer: nobody reuses it): h5py's create_dataset with data
             # cost more than coding a small dataset
-            d, offset = h5.create_allocated(f.require_group(kind), name, (n,), np.dtype(np.uint8))
+            d, offset = h5.create_allocated(h5.group_of(f, opened, kind), name, (n,), np.dtype(np.uint8))
             self._out.put(os.path.join(self.tmp_path, file_name(rank)), offset, enc.stored)
             # the digest tables are in ucl_tables only (their attributes would tell HDF5 tools nothing:
             # these bytes are coded), as the training checkpointer's plain datasets have them
@@ -224,9 +225,9 @@ class CheckpointWriter:
                     path = os.path.join(self.tmp_path, file_name(rank))
                     if offset is None:
                         kind, name = self._new_key(rank, key)
-                        f, _ = self._handles.get(rank)
-                        d, offset = h5.create_allocated(f.require_group(kind), name, shape, sdtype)
-                        d.attrs["ucl_dtype"] = dtype
+                        f, opened = self._handles.get(rank)
+                        d, offset = h5.create_allocated(h5.group_of(f, opened, kind), name, shape, sdtype)
+                        h5.set_text_attrs(d, ucl_dtype=dtype)
                         made[rank] = (d, offset)
                     else:
                         self._check_open()
