@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing as mp
-import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -43,7 +41,8 @@ def run_forked(work: Callable[[Any, Callable[[int], None] | None], Any], tasks: 
     ``progress``, called in this thread (None when ``progress`` is None). The first error of any
     worker is raised here as soon as it comes, and the other workers are stopped; so they are when
     ``cancel`` is set (``Stopped``). A worker that exits without a result raises StoreError UCL410."""
-    ctx = mp.get_context("fork")
+    import multiprocessing.connection  # (4 ms of import: a one-core reshard forks no worker)
+    ctx = multiprocessing.get_context("fork")
     procs: list[Any] = []
     pipes: list[Any] = []
     try:

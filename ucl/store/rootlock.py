@@ -18,7 +18,6 @@ import contextlib
 import errno
 import json
 import os
-import socket
 import stat
 import threading
 import time
@@ -29,6 +28,12 @@ except ImportError:  # no flock (Windows): the lease alone
     fcntl = None  # type: ignore[assignment]
 
 from ..errors import StoreError
+
+
+def _hostname() -> str:
+    import socket  # (2 ms of import, paid only by a run that takes or inspects a root lock)
+    return socket.gethostname()
+
 
 ROOT_LOCK_NAME = ".ucl-root.lock"
 GRACE_S = 2.0  # a writer waits this long for a short holder (``ucl gc`` scanning) before refusing
@@ -148,7 +153,7 @@ def try_acquire(root: str | os.PathLike[str], role: str, *, create: bool, wait_s
     with _held_lock:
         mine = _held.get(root)
     if mine is not None and mine.held:
-        return {"role": f"{mine.role} in this very process", "pid": os.getpid(), "host": socket.gethostname(),
+        return {"role": f"{mine.role} in this very process", "pid": os.getpid(), "host": _hostname(),
                 "since": mine.since}
     if create:
         os.makedirs(root, exist_ok=True)
@@ -169,14 +174,14 @@ def try_acquire(root: str | os.PathLike[str], role: str, *, create: bool, wait_s
         lease = state == "none"
         if lease:
             info = _read_info(fd)
-            if info and not (info.get("host") == socket.gethostname() and not _alive(int(info.get("pid", 0) or 0),
+            if info and not (info.get("host") == _hostname() and not _alive(int(info.get("pid", 0) or 0),
                                                                                      str(info.get("start", "")))):
                 os.close(fd)
                 return info
         since = time.time()
         if probe:
             return RootLock(root, fd, False, role, since)
-        me = {"role": role, "pid": os.getpid(), "host": socket.gethostname(), "since": since,
+        me = {"role": role, "pid": os.getpid(), "host": _hostname(), "since": since,
               "start": _proc_start(os.getpid())}
         try:
             os.ftruncate(fd, 0)
