@@ -18,7 +18,9 @@ their time over the same operation under the default cap (2 GB). ``--cores 1,2``
 the comparison with every command (cp -r included) pinned to 1, then 2 cores (taskset), so the single-core
 ratio is visible (a reshard's default workers follow the cores it may use). Runs load ucl's bytecode
 from a cache (written by the warm-up round), as an installed package does, even where the environment
-sets PYTHONDONTWRITEBYTECODE (``--no-bytecode-cache``: compile every run, as before). Before each timed run the benchmark
+sets PYTHONDONTWRITEBYTECODE (``--no-bytecode-cache``: compile every run, as before). Likewise the runs after
+the warm-up take the source's spec from ucl's cache of parsed specs (``UCL_CACHE_DIR``; docs/security.md),
+as every command after the first on a checkpoint does. Before each timed run the benchmark
 touches and frees ``--pretouch-gb`` of memory, so that every run (cp -r included) finds hot free
 pages on VMs that hand freed memory back to the host.
 

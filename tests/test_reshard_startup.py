@@ -47,7 +47,7 @@ print(" ".join(sorted(m for m in sys.modules if m in ("lark", "ucl.lang.parse", 
 def test_a_second_reshard_of_a_checkpoint_imports_no_parser(tmp_path):
     """The checkpoint's spec text is parsed by the first process that opens it; later ones take its
     syntax tree from the cache of parsed specs (ucl.lang.parsed) and import neither lark nor the
-    parser (~50 ms of every start)."""
+    parser (~45 ms of CPU of every start)."""
     import ucl
     from tests.test_checkpoint import M
     from ucl.demo import llama_model, universal_state

@@ -1,6 +1,6 @@
 """The cache of parsed specs: a spec text's syntax tree stored as JSON under ``ucl.cache``'s folder
 (``$UCL_CACHE_DIR/specs/KEY.json``), keyed by the text and the code that parses it. A hit skips lark
-altogether (its import, the parser tables and the parse: ~50 ms of every ``ucl reshard``, whose
+altogether (its import, the parser tables and the parse: ~45 ms of CPU of every ``ucl reshard``, whose
 manifest always holds the same spec text).
 
 An entry is untrusted (docs/security.md): it is JSON decoded into this module's node classes only,
