@@ -65,3 +65,31 @@ def test_a_second_reshard_of_a_checkpoint_imports_no_parser(tmp_path):
     assert "lark" in runs[0] and runs[1] == []
     a, b = (ucl.load_rank(tmp_path / f"dst{i}", mesh="universal", rank=0) for i in range(2))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_on_one_core_a_page_cache_reshard_writes_without_a_thread(tmp_path, monkeypatch):
+    """On one core a write through the page cache is a copy on that core whether a thread does it or
+    not: the reshard writes in its own thread (the same file), and a durable one keeps the write thread,
+    which overlaps the device's wait with reading."""
+    import json
+    import ucl
+    import ucl.store.behind as behind
+    from tests.test_checkpoint import M
+    from ucl.demo import llama_model, universal_state
+    model = llama_model()
+    mesh = M("dp=2,tp=2")
+    shards = ucl.execute_memory(ucl.compile(model, ucl.UNIVERSAL, mesh), {0: universal_state(model, seed=0)})
+    src = ucl.save(tmp_path / "src", shards, model=model, mesh=mesh, state={"step": 1})
+    threads = []
+    real = behind.ThreadPoolExecutor
+    monkeypatch.setattr(behind, "ThreadPoolExecutor", lambda *a, **k: threads.append(a) or real(*a, **k))
+    reshard = sys.modules["ucl.ops.reshard"]  # (the package's ``reshard`` is the function)
+    for cores, durable, name in ((2, False, "two"), (1, False, "one"), (1, True, "durable")):
+        monkeypatch.setattr(reshard, "usable_cores", lambda cores=cores: cores)
+        threads.clear()
+        reshard.reshard(src, tmp_path / name, "universal", workers=1, durable=durable)
+        assert bool(threads) == (name != "one"), name
+    digests = [[{k: v["checksum"] for k, v in d.items()} for d in json.loads((tmp_path / n / "manifest.json").read_text())["datasets"]]
+               for n in ("two", "one", "durable")]
+    assert digests[0] == digests[1] == digests[2]
+    assert (tmp_path / "two" / "rank_00000.h5").read_bytes() == (tmp_path / "one" / "rank_00000.h5").read_bytes()

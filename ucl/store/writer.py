@@ -66,15 +66,18 @@ class CheckpointWriter:
     @classmethod
     def join(cls, tmp_path: str | os.PathLike[str], nranks: int, *, max_open_files: int = 64,
              durable: bool = True, direct: bool | None = None, write_behind: bool = False,
-             compress: str | None = None, compress_threads: int = 1) -> "CheckpointWriter":
+             compress: str | None = None, compress_threads: int = 1,
+             behind_thread: bool = True) -> "CheckpointWriter":
         """A participant (another process) writing some ranks' files into an owner's ``tmp_path``.
-        It calls ``finish()`` and hands the result to the owner's ``adopt()``; it cannot commit."""
+        It calls ``finish()`` and hands the result to the owner's ``adopt()``; it cannot commit.
+        ``behind_thread=False``: what ``write_behind`` writes itself is written before each call
+        returns, not in a thread (the same files; on one core the thread only adds switches)."""
         self = cls.__new__(cls)
         self.path, self.manifest, self._tmp, self._publish = None, None, None, publish_dir  # type: ignore[assignment]
         self.tmp_path = os.path.abspath(os.fspath(tmp_path))
         if not os.path.isdir(self.tmp_path):
             raise StoreError(f"temp directory {self.tmp_path} does not exist", code="UCL404")
-        self._setup(nranks, False, max_open_files, durable, direct, write_behind)
+        self._setup(nranks, False, max_open_files, durable, direct, write_behind, behind_thread)
         self._compressing(compress, compress_threads)
         return self
 
@@ -83,7 +86,7 @@ class CheckpointWriter:
         self._coders = ThreadPoolExecutor(threads, "ucl-compress") if self.compress and threads > 1 else None
 
     def _setup(self, nranks: int, owner: bool, max_open: int, durable: bool, direct: bool | None,
-               write_behind: bool) -> None:
+               write_behind: bool, behind_thread: bool = True) -> None:
         # durable=False skips fsync of the rank files: the commit stays atomic against killed
         # processes, but not against a power loss before the OS writes the pages back.
         # direct (default: durable): large datasets bypass the page cache (store.direct); a durable write
@@ -95,7 +98,7 @@ class CheckpointWriter:
         # dataset at most is in flight.
         self.direct = durable if direct is None else bool(direct)
         self.write_behind = bool(write_behind)
-        self._out = WriteBehind(self.direct, self.write_behind)
+        self._out = WriteBehind(self.direct, self.write_behind and behind_thread)
         self._lock = threading.RLock()
         self._ledger = Ledger(nranks)  # entries, digest tables, laid-out datasets, files made or adopted
         self._piecewise = piecewise.Piecewise()  # datasets made by create(), written by write_flat/write_box
