@@ -53,21 +53,45 @@ def test_without_cache_nothing_is_read_or_written(cache):
     assert not cache.exists()
 
 
+def _bump_first_number(node, inside_span=False):
+    """The encoded tree with its first integer outside a source span raised by one (a flipped digit)."""
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            bumped = _bump_first_number(v, inside_span)
+            if bumped is not v:
+                return node[:i] + [bumped] + node[i + 1:]
+    elif isinstance(node, dict):
+        (name, values), = node.items()
+        bumped = _bump_first_number(values, name == "Span")
+        if bumped is not values:
+            return {name: bumped}
+    elif type(node) is int and not inside_span:
+        return node + 1
+    return node
+
+
+# each a changed entry: a str is written as it is; a dict gets the digest of its statements, so that
+# what refuses it is the decoding and the checks, not the digest
 @pytest.mark.parametrize("tamper", [
     lambda doc: "not json {",
-    lambda doc: json.dumps({**doc, "statements": [{"os.system": ["x"]}]}),  # a class that is not a node
-    lambda doc: json.dumps({**doc, "statements": [{"Span": [1, 1, 1, 1]}]}),  # a node, not a statement
-    lambda doc: json.dumps({**doc, "statements": 3.5}),
-    lambda doc: json.dumps({**doc, "statements": doc["statements"][:1] + [{"MeshDecl": ["tp", "x"]}]}),  # wrong types
+    lambda doc: {**doc, "statements": [{"os.system": ["x"]}]},  # a class that is not a node
+    lambda doc: {**doc, "statements": [{"Span": [1, 1, 1, 1]}]},  # a node, not a statement
+    lambda doc: {**doc, "statements": 3.5},
+    lambda doc: {**doc, "statements": doc["statements"][:1] + [{"MeshDecl": ["tp", "x"]}]},  # wrong types
     lambda doc: json.dumps({**doc, "key": "another"}),
-    lambda doc: json.dumps({**doc, "statements": doc["statements"][1:]}),  # well formed, but fails the checks
+    lambda doc: {**doc, "statements": doc["statements"][1:]},  # well formed, but fails the checks
+    # a flipped digit: decodes to a valid tree of another spec; only the digest it no longer matches tells
+    lambda doc: json.dumps({**doc, "statements": _bump_first_number(doc["statements"])}),
 ])
 def test_a_tampered_entry_is_parsed_anew_and_replaced(cache, tamper):
     text = stdlib_path("stdlib:llama").read_text()
     good = Spec.from_text(text, cache=True)
     path = _entry(cache)
     clean = path.read_text()
-    path.write_text(tamper(json.loads(clean)))
+    changed = tamper(json.loads(clean))
+    if isinstance(changed, dict):
+        changed = json.dumps({**changed, "digest": parsed.entry_digest(changed["statements"])})
+    path.write_text(changed)
     spec = Spec.from_text(text, cache=True)
     assert spec.module.statements == good.module.statements and spec.checked == good.checked
     assert json.loads(path.read_text()) == json.loads(clean)  # rewritten from the parse
@@ -118,3 +142,11 @@ def test_the_key_covers_the_text_and_the_parsing_code(monkeypatch):
     assert parsed.key("mesh dp\n") != a
     monkeypatch.setattr(parsed, "code_digest", lambda: "another parser")
     assert parsed.key("mesh tp\n") != a
+
+
+def test_a_flipped_digit_changes_the_tree():
+    """The premise of the digest case above: the bumped entry decodes, to another tree."""
+    module = parse_mod.parse(stdlib_path("stdlib:llama").read_text())
+    body = json.loads(json.dumps(parsed.encode(module.statements)))
+    bumped = _bump_first_number(body)
+    assert bumped != body and parsed.decode(bumped) != module.statements

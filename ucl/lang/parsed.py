@@ -11,6 +11,7 @@ parsed and checked cleanly is stored, so a spec with errors always reports them 
 from __future__ import annotations
 
 import dataclasses
+import json
 from functools import lru_cache
 from typing import Any
 
@@ -22,7 +23,7 @@ from ..errors import Span
 from .resources import data_dir
 
 SECTION = "specs"
-FORMAT = 1  # of an entry: bump when the encoding below changes
+FORMAT = 2  # of an entry: bump when the encoding below changes
 MAX_ENTRY_BYTES = 64 << 20  # a 1.2M-token generated spec's tree is tens of MB; a hand-written one a few KB
 
 # the only classes an entry may name: the syntax tree's nodes and Span
@@ -94,8 +95,11 @@ def load(text: str, filename: str) -> ast.Module | None:
     doc = read_entry(SECTION, entry_key, MAX_ENTRY_BYTES)
     if doc is None:
         return None
-    try:
-        statements = decode(doc.get("statements"))
+    body = doc.get("statements")
+    try:  # a flipped digit would still decode to a valid, different tree: the entry carries its digest
+        if doc.get("digest") != entry_digest(body):
+            return None
+        statements = decode(body)
         if not isinstance(statements, tuple) or not all(isinstance(s, _STATEMENTS) for s in statements):
             return None
     except (ValueError, TypeError, RecursionError):
@@ -104,9 +108,15 @@ def load(text: str, filename: str) -> ast.Module | None:
     return ast.Module(statements, source, filename)
 
 
+def entry_digest(body: Any) -> str:
+    """Of an entry's encoded tree, as JSON with fixed separators (stable over a load and a dump)."""
+    return xxhash.xxh3_128_hexdigest(json.dumps(body, separators=(",", ":")).encode())
+
+
 def store(text: str, module: ast.Module) -> None:
     """Keep the tree of ``text`` (one that parsed and checked cleanly) for the next process."""
     try:
-        write_entry(SECTION, key(text), {"statements": encode(module.statements)})
+        body = encode(module.statements)
+        write_entry(SECTION, key(text), {"statements": body, "digest": entry_digest(body)})
     except (ValueError, TypeError, RecursionError):  # a tree too deep for json: not worth keeping
         pass
