@@ -47,6 +47,18 @@ def resolved(plan, table: dict) -> dict:
     return {k: (names[v] if k.endswith("_slot") else np.asarray(v).astype(object)) for k, v in table.items()}
 
 
+def resolved_rank_rows(plan, table: str, rank: int) -> list[tuple]:
+    """``rank``'s rows of a table, resolved (slots by value), sorted: rows are ordered by source
+    slot number, and slots equal in value (one flat view in several buffers) are numbered in order
+    of first use, which differs between the whole plan and a rank's (docs/ir.md: the same rows)."""
+    t = resolved(plan, getattr(plan, table))
+    sel = np.asarray(t["dst_rank"]) == rank
+    if not sel.any():
+        return []
+    cols = [np.asarray(t[k])[sel].reshape(int(sel.sum()), -1) for k in sorted(t)]
+    return sorted(map(tuple, np.concatenate(cols, axis=1).tolist()))
+
+
 @pytest.mark.parametrize("name", sorted(V1_CASES))
 def test_expanded_compact_plan_equals_the_v1_plan_row_for_row(name):
     v1 = json.loads((FIXTURES / f"{name}.json").read_text())

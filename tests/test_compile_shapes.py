@@ -5,11 +5,10 @@ another model object, its rows for each rank, and ``lower(reuse=False)``
 (tests/test_lower_cache.py compares it value by value on random specs)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import ucl
-from tests.test_compact_plan import resolved
+from tests.test_compact_plan import resolved_rank_rows as _rows
 from ucl.demo import llama_model
 from ucl.layout.lower import lower
 from ucl.plan.execute import rank_datasets
@@ -19,18 +18,6 @@ DIMS = dict(vocab=200, hidden=32, heads=4, kv_heads=2, ffn=40, layers=8)
 # two layers a target stage, four a source stage: the layers of a stage share their holdings on both
 SRC, DST = "pp=2,dp=4,tp=2", "pp=4,dp=32,tp=2"
 FULL = ucl.compile(llama_model(DIMS), SRC, DST)
-
-
-def _rows(plan, table: str, rank: int) -> list[tuple]:
-    """``rank``'s rows of a table, resolved (slots by value), sorted: rows are ordered by source
-    slot number, and slots equal in value (one flat view in several buffers) are numbered in order
-    of first use, which differs between the whole plan and a rank's (docs/ir.md: the same rows)."""
-    t = resolved(plan, getattr(plan, table))
-    sel = np.asarray(t["dst_rank"]) == rank
-    if not sel.any():
-        return []
-    cols = [np.asarray(t[k])[sel].reshape(int(sel.sum()), -1) for k in sorted(t)]
-    return sorted(map(tuple, np.concatenate(cols, axis=1).tolist()))
 
 
 @pytest.mark.parametrize("rank", [0, 5, 63, 64, 101, 130, 191, 200, 255])

@@ -10,12 +10,11 @@ import sys
 import types
 import warnings
 
-import numpy as np
 import pytest
 
 import ucl
 import ucl.layout.lower  # noqa: F401  (the module, not the function ucl.layout exports)
-from tests.test_compact_plan import resolved
+from tests.test_compact_plan import resolved_rank_rows as _rows
 from ucl import UNIVERSAL, Mesh
 from ucl.demo import llama_model, universal_state
 from ucl.layout.fit import MeshFitWarning
@@ -54,15 +53,6 @@ def _model():
     p.update({f"head.{i}.w": (12, 12) for i in range(4)})
     return ucl.load_spec(SPEC).bind(dict(vocab=50, hidden=12, ffn=10, layers=6, experts=4), p,
                                     frozen=[f"layers.{i}.frozen" for i in range(6)])
-
-
-def _rows(plan, table: str, rank: int) -> list[tuple]:
-    t = resolved(plan, getattr(plan, table))
-    sel = np.asarray(t["dst_rank"]) == rank
-    if not sel.any():
-        return []
-    cols = [np.asarray(t[k])[sel].reshape(int(sel.sum()), -1) for k in sorted(t)]
-    return sorted(map(tuple, np.concatenate(cols, axis=1).tolist()))
 
 
 def _round_trip(model, a: str, b: str, full) -> None:
