@@ -30,11 +30,6 @@ except ImportError:  # no flock (Windows): the lease alone
 from ..errors import StoreError
 
 
-def _hostname() -> str:
-    import socket  # (2 ms of import, paid only by a run that takes or inspects a root lock)
-    return socket.gethostname()
-
-
 ROOT_LOCK_NAME = ".ucl-root.lock"
 GRACE_S = 2.0  # a writer waits this long for a short holder (``ucl gc`` scanning) before refusing
 _NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
@@ -42,6 +37,11 @@ _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 _held: dict[str, "RootLock"] = {}  # root -> this process's lock on it
 _held_lock = threading.Lock()
+
+
+def _hostname() -> str:
+    import socket  # (2 ms of import, paid only by a run that takes or inspects a root lock)
+    return socket.gethostname()
 
 
 def _proc_start(pid: int) -> str:

@@ -15,15 +15,16 @@ import json
 from importlib import metadata
 from pathlib import Path
 
-from ...cache import OFF, read_entry, section_dir, write_entry
+from ...cache import read_entry, section_dir, write_entry
 
 SECTION = "hf-specs"
 MAX_ENTRY_BYTES = 64 << 20  # a big model's entry (its tensor names, its spec) is a few MB
 
 
-def cache_dir() -> Path:
-    """Where the entries live: ``$UCL_CACHE_DIR/hf-specs`` (default ``~/.cache/ucl/hf-specs``)."""
-    return section_dir(SECTION) or Path(OFF) / SECTION
+def cache_dir() -> Path | None:
+    """Where the entries live: ``$UCL_CACHE_DIR/hf-specs`` (default ``~/.cache/ucl/hf-specs``); None
+    when the cache is off."""
+    return section_dir(SECTION)
 
 
 def source_files() -> list[Path]:
