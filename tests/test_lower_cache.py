@@ -181,7 +181,10 @@ def test_paused_collector_promotes_what_lowering_made():
         before = gc.get_freeze_count()
         with gc_paused():
             more = [[i] for i in range(200_000)]
-        assert gc.get_freeze_count() == before  # left frozen: this time no promotion
+        # left frozen, and this time no promotion: the count may only drop by the few frozen objects
+        # that other threads free meanwhile (CI saw 2), never by a thaw nor rise by 200,000
+        after = gc.get_freeze_count()
+        assert before - 1000 < after <= before
     finally:
         gc.unfreeze()
     del made, more, frozen
