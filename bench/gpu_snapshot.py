@@ -5,7 +5,7 @@ consumer (the flusher's place) discarding pieces, so only the copy and the hashi
     python bench/gpu_snapshot.py [--gib 3] [--pool-mib 768] [--repeat 3]
 
 Prints, medians (min-max) over --repeat: one-shot device-to-host copy of the same bytes into pinned
-memory (the floor), the hashing alone (store.checksum.IncrementalChecksum, with and without tile
+memory (the floor), the hashing alone (store.digests.IncrementalChecksum, with and without tile
 digests) on host bytes, and copy_streamed (each piece copied, waited for, hashed), with and without
 tile digests. Needs CUDA.
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ucl.store.checksum import IncrementalChecksum  # noqa: E402
+from ucl.store.digests import IncrementalChecksum  # noqa: E402
 from ucl.train.pool import HostPool  # noqa: E402
 from ucl.train.ring import PieceStream, copy_streamed  # noqa: E402
 

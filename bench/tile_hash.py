@@ -3,7 +3,7 @@
     python bench/tile_hash.py [--repeat 5] [--mib 64] [--piece-mib 16] [--probe-s 1.0] [--src DIR ...]
 
 For each matrix shape (fp32 and 2-byte, wide and narrow tiles) ``--mib`` of distinct matrices are
-fed to ``store.checksum.IncrementalChecksum`` in ``--piece-mib`` pieces (the ring's GPU path hands
+fed to ``store.digests.IncrementalChecksum`` in ``--piece-mib`` pieces (the ring's GPU path hands
 it 16 MiB pieces), with tile digests and without: GB/s per CPU-second of the hashing thread
 (``time.thread_time``: on a machine shared with other work, wall time counts their turns too),
 median (min-max) over --repeat.
@@ -16,8 +16,8 @@ hashing never held it back), and the hashing's GB/s meanwhile. Two threads hashi
 matrices: their wall time over one thread's for the same work each (1.0: they scale; 2.0:
 serialised; on a machine with fewer free cores than threads, above 1.0 regardless).
 
-``--src`` (repeatable): the checkouts whose ``ucl/store/checksum.py`` to time, loaded standalone
-and measured in turn within each repeat, so a baseline (e.g. main's) and a change see the same
+``--src`` (repeatable): the checkouts whose digests (``ucl/store/digests.py``) to time, each loaded
+as a package of its own and measured in turn within each repeat, so a baseline (e.g. main's) and a change see the same
 load; default: this checkout.
 
 Measured on the 2-core VM (2026-11-28, other agents loading it; --repeat 7, main before this change
@@ -33,19 +33,27 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
+import importlib
 import importlib.util
+
+import numpy as np
 
 
 def _load(src: str):
-    """``src``'s ucl/store/checksum.py as a module of its own (it imports only numpy and xxhash)."""
-    path = Path(src) / "ucl" / "store" / "checksum.py"
-    spec = importlib.util.spec_from_file_location(f"checksum_{abs(hash(str(path)))}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    """``src``'s digest module (ucl/store/digests.py; ucl/store/checksum.py in checkouts before it was
+    split out), imported from that checkout's ucl package loaded under a name of its own."""
+    name = f"ucl_{abs(hash(str(Path(src).resolve())))}"
+    if name not in sys.modules:
+        root = Path(src) / "ucl"
+        spec = importlib.util.spec_from_file_location(name, root / "__init__.py", submodule_search_locations=[str(root)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[name] = pkg  # dataclasses look their module up
+        spec.loader.exec_module(pkg)
+    try:
+        return importlib.import_module(f"{name}.store.digests")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"{name}.store.checksum")
+
 
 SHAPES = [((1024, 4096), "float32"), ((4096, 4096), "float32"), ((4096, 4096), "uint16"),
           ((8192, 1024), "uint16"), ((256, 16384), "float32"), ((16, 65536), "float32")]
@@ -138,7 +146,7 @@ def main():
     ap.add_argument("--mib", type=int, default=64, help="bytes of distinct matrices per shape (beyond the caches)")
     ap.add_argument("--piece-mib", type=float, default=16)
     ap.add_argument("--probe-s", type=float, default=1.0)
-    ap.add_argument("--src", action="append", help="checkout whose checksum.py to time (repeatable)")
+    ap.add_argument("--src", action="append", help="checkout whose digests to time (repeatable)")
     args = ap.parse_args()
     srcs = args.src or [str(Path(__file__).resolve().parent.parent)]
     mods = [_load(s) for s in srcs]

@@ -1,4 +1,4 @@
-"""How a reshard shares its target files out among workers (ucl.ops.reshard.assign): every dataset
+"""How a reshard shares its target files out among workers (ucl.ops.shares.assign): every dataset
 of every file written exactly once, files whole unless laid out for sharing, loads balanced."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucl.ops.reshard import ReplicaGroup, assign, split_files
+from ucl.ops.shares import ReplicaGroup, assign, split_files
 from tests.passes import examples
 
 

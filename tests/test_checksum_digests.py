@@ -15,8 +15,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucl.store import checksum
-from ucl.store.checksum import IncrementalChecksum, band_digests, checksums, copy_checksummed
+from ucl.store import checksum, digests
+from ucl.store.tiles import band_digests
+from ucl.store.digests import IncrementalChecksum, checksums, copy_checksummed
 from tests.passes import examples
 
 DTYPES = ["uint8", "bool", "float16", "uint16", "float32", "int32", "float64"]  # bf16 is stored as uint16
@@ -116,7 +117,7 @@ def test_incremental_digests_equal_the_format_definition(case, block, tiles, see
     shape, dtype, bounds = case
     arr = _array(shape, dtype, seed)
     flat = arr.reshape(-1)
-    with mock.patch.object(checksum, "_HASH_BLOCK_BYTES", block):
+    with mock.patch.object(checksum, "HASH_BLOCK_BYTES", block):
         h = IncrementalChecksum(shape, arr.dtype, tiles=tiles)
         for a, b in zip(bounds, bounds[1:]):
             h.advance(a, flat[a:b])
@@ -130,7 +131,7 @@ def test_whole_array_digests_equal_the_format_definition(case, block, tiles, see
     """``checksums`` and ``copy_checksummed`` (which hashes each block right after copying it)."""
     shape, dtype, _ = case
     arr = _array(shape, dtype, seed)
-    with mock.patch.object(checksum, "_HASH_BLOCK_BYTES", block):
+    with mock.patch.object(checksum, "HASH_BLOCK_BYTES", block):
         _check(checksums(arr, tiles=tiles), arr, tiles)
         dst = np.zeros_like(arr)
         _check(copy_checksummed(dst, arr, tiles=tiles), arr, tiles)
@@ -149,7 +150,7 @@ def test_band_digests_of_a_column_window(rows, width, ntiles, extra, left, item,
     window = buf[:, left:left + cols]
     want = [xxhash.xxh3_64_intdigest(b"".join(window[r, c:c + width].tobytes() for r in range(rows)))
             for c in range(0, cols, width)]
-    with mock.patch.object(checksum, "_HASH_BLOCK_BYTES", block):
+    with mock.patch.object(checksum, "HASH_BLOCK_BYTES", block):
         assert band_digests(window, width) == want
 
 
@@ -178,9 +179,9 @@ def test_hasher_offers_the_gil_after_each_full_block():
     what that buys); a small dataset, one partial block, makes no system call."""
     offers = []
     arr = _array((1024, 4096), "float32", 5)  # 16 MiB: 16 blocks of 1 MiB (whole bands)
-    with mock.patch.object(checksum, "_offer_gil", lambda: offers.append(1)):
+    with mock.patch.object(digests, "_offer_gil", lambda: offers.append(1)):
         got = checksums(arr)
-        assert len(offers) == arr.nbytes // checksum._HASH_BLOCK_BYTES
+        assert len(offers) == arr.nbytes // checksum.HASH_BLOCK_BYTES
         checksums(arr[:3])
-        assert len(offers) == arr.nbytes // checksum._HASH_BLOCK_BYTES
+        assert len(offers) == arr.nbytes // checksum.HASH_BLOCK_BYTES
     _check(got, arr, True)

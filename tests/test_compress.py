@@ -200,7 +200,8 @@ def test_a_frame_table_the_manifest_does_not_bind_is_refused(tmp_path):
 
 def _forge(path, m, e, units: list[bytes]):
     """A hostile writer's file: its own units and frame table, the manifest made to agree with them."""
-    from ucl.store.checksum import chunk_count, tile_grid
+    from ucl.store.checksum import chunk_count
+    from ucl.store.tiles import tile_grid
     with Checkpoint.open(path) as c:
         info = c.info(0, "param/w")
     ntab = chunk_count(info.nbytes) + (tile_grid(info.shape, 4).count if info.tiles else 0)  # the frames come after

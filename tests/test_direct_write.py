@@ -353,7 +353,7 @@ def test_reshard_fills_large_target_files_with_several_workers(tmp_path, monkeyp
     import ucl
     reshard_mod = importlib.import_module("ucl.ops.reshard")
     model, mesh, shards, src = _demo_source(tmp_path)
-    monkeypatch.setattr(reshard_mod, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(importlib.import_module("ucl.ops.shares"), "SPLIT_MIN_BYTES", 0)
     dst_mesh = ucl.Mesh.parse(to)
     results = []
     real = reshard_mod._execute
@@ -374,7 +374,7 @@ def test_a_failing_filler_publishes_nothing(tmp_path, monkeypatch):
     import ucl
     reshard_mod = importlib.import_module("ucl.ops.reshard")
     *_, src = _demo_source(tmp_path)
-    monkeypatch.setattr(reshard_mod, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(importlib.import_module("ucl.ops.shares"), "SPLIT_MIN_BYTES", 0)
     calls = []
 
     def failing(self, *a, **k):

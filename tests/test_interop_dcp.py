@@ -265,7 +265,7 @@ def test_torchtitan_layout_is_read_and_its_train_state_kept(tmp_path):
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as tdcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from ucl.formats.torchzip.read import kept_tensor
+    from ucl.formats.torchzip.plain import kept_tensor
     model, opt = _trained(torch)
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     step = torch.tensor(7, dtype=torch.int32)

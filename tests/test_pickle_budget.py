@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from tests.passes import examples
 from ucl.errors import StoreError, UclError
 from ucl.files import parse_json
-from ucl.formats.torchzip.read import plain, read_torch_file
+from ucl.formats.torchzip.read import read_torch_file
+from ucl.formats.torchzip.plain import plain
 from ucl.formats.torchzip.unpickle import PICKLE_BUDGET, PickleBudget, brief, scan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +61,8 @@ def _read_refused(tmp_path, payload: bytes, **limits) -> str:
     path = _pt(tmp_path / "a.pt", payload)
     return _isolated(tmp_path, f"""
         from ucl.errors import UclError
-        from ucl.formats.torchzip.read import plain, read_torch_file
+        from ucl.formats.torchzip.read import read_torch_file
+        from ucl.formats.torchzip.plain import plain
         try:
             tf = read_torch_file({path!r})
             plain(tf.obj, values=tf)

@@ -16,7 +16,7 @@ import ucl
 from tests.corrupt import flip_byte
 from tests.test_checkpoint import M, _copy, assert_intact, assert_nothing_left, demo, saved  # noqa: F401
 from ucl.errors import StoreError
-from ucl.store.checksum import Digests, checksums
+from ucl.store.digests import Digests, checksums
 from ucl.store.ledger import known_digests
 import ucl.store.writer as store_writer
 

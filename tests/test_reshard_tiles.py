@@ -13,7 +13,7 @@ import pytest
 import ucl
 from tests.test_checkpoint import M, assert_intact, demo, saved  # noqa: F401
 from ucl.ops import IOStats
-from ucl.store.checksum import tile_grid
+from ucl.store.tiles import tile_grid
 
 # the demo's Megatron-style rules: linear_qkv and linear_fc1 split rows (dim 0, or a factor of it),
 # linear_proj and linear_fc2 split columns (dim 1), the embedding pads and splits rows

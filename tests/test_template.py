@@ -133,7 +133,7 @@ def test_replaying_other_arrays_is_refused(tmp_path):
 def test_a_template_without_tiles_writes_flat_checksums_and_refuses_tiled_digests(tmp_path):
     """``tiles=False`` lays out and fills no tile table (the datasets read by flat chunks, as the
     format allows); digests computed with tiles do not fit it and are refused, not written short."""
-    from ucl.store.checksum import checksums
+    from ucl.store.digests import checksums
     a = np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096)
     w = CheckpointWriter(tmp_path / "ck", 1)
     t = w.template(0, {"param/a": ((64, 4096), "float32")}, tiles=False)

@@ -21,7 +21,8 @@ from ucl.dtypes import storage_dtype
 from ucl.errors import StoreError
 from ucl.layout.boxes import Slot, flat_runs
 from ucl.store import Checkpoint, CheckpointWriter, StoreSource
-from ucl.store.checksum import MIN_CHUNK_BYTES, chunk_count, chunk_size, tile_grid
+from ucl.store.checksum import MIN_CHUNK_BYTES, chunk_count, chunk_size
+from ucl.store.tiles import tile_grid
 from tests.corrupt import without_offsets
 from tests.passes import examples
 
@@ -397,7 +398,7 @@ def test_tile_attributes_on_a_flat_dataset_are_refused_by_verify(tmp_path):
 def test_incremental_checksums_of_any_pieces_equal_direct_hashes(rows, cols, item, cuts, seed):
     """Pieces of any size, in order: the whole, chunk and tile digests equal hashes taken directly
     of the whole bytes, of each chunk's bytes and of each tile copied out contiguously."""
-    from ucl.store.checksum import IncrementalChecksum, checksums
+    from ucl.store.digests import IncrementalChecksum, checksums
     dtype = np.dtype(f"u{item}")
     arr = np.random.default_rng(seed).integers(0, 255, (rows, cols), dtype=np.uint8).astype(dtype)
     flat, raw = arr.reshape(-1), arr.reshape(-1).view(np.uint8)
@@ -438,7 +439,7 @@ def test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes(shape, item,
     """The copy is exact, and its digests are those hashed directly of the bytes: whole, per flat
     chunk, and the tiles (none with ``tiles=False``, the flat digests unchanged); ``checksums``
     of the copy agrees."""
-    from ucl.store.checksum import checksums, copy_checksummed
+    from ucl.store.digests import checksums, copy_checksummed
     dtype = np.dtype(f"u{item}")
     src = np.random.default_rng(seed).integers(0, 255, shape, dtype=np.uint8).astype(dtype)
     dst = np.full_like(src, 7)
@@ -462,7 +463,7 @@ def test_copy_checksummed_copies_and_gives_the_digests_of_the_bytes(shape, item,
 
 
 def test_copy_checksummed_refuses_unlike_arrays():
-    from ucl.store.checksum import copy_checksummed
+    from ucl.store.digests import copy_checksummed
     with pytest.raises(ValueError):
         copy_checksummed(np.zeros((4, 4), np.float32), np.zeros((4, 4), np.float64))
     with pytest.raises(ValueError):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ucl.errors import StoreError
-from ucl.formats.torchzip.read import plain, read_torch_file
+from ucl.formats.torchzip.read import read_torch_file
+from ucl.formats.torchzip.plain import plain
 
 try:
     from numpy._core.multiarray import _reconstruct, scalar

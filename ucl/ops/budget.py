@@ -86,7 +86,7 @@ def load_budget(cap: MemoryCap) -> Budget:
 def budgeted(groups: Sequence[Any], plan: Plan, cap: MemoryCap, workers: int, *, compress: bool, durable: bool,
              forked: bool = False) -> tuple[int, Budget]:
     """A reshard's workers (at most ``workers``) and each one's budget under ``cap``, for the target
-    datasets ``groups`` (``reshard.ReplicaGroup``: ``key``, ``nbytes``, the plan ``rows`` filling it):
+    datasets ``groups`` (``shares.ReplicaGroup``: ``key``, ``nbytes``, the plan ``rows`` filling it):
     fewer workers where a share would be small (``worker_count``) or where a dataset that must be
     assembled whole (a compressed target's, or one the streamed path cannot take) would not fit
     one share; UCL011 when it fits none, before anything is written. ``forked``: workers are forked

@@ -13,7 +13,7 @@ from ..dtypes import storage_dtype
 from ..plan.buffers import Arena, ArenaRing
 from ..plan.ir import Plan
 from ..plan.stream import StridedCopy, fill_block, fill_parts, parts_in, strided_copies
-from ..store.checksum import Digests
+from ..store.digests import Digests
 from ..store.like import CheckpointLike
 from ..store.reader import Checkpoint
 from ..store.behind import STREAM_DEPTH

@@ -21,7 +21,8 @@ import numpy as np
 import xxhash
 
 from ..errors import StoreError
-from .checksum import chunk_size, format_checksum, tile_grid, TileGrid
+from .checksum import chunk_size, format_checksum
+from .tiles import tile_grid, TileGrid
 from .planes import (LAYOUTS, MAX_OFFSET, OFFSET_FLOATS, has_layout, join_into, offset_elements, plane_into,
                      planes_of, scratch, split_planes, unit_offset)
 

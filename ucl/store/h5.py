@@ -21,7 +21,9 @@ import xxhash
 
 from ..errors import StoreError
 from ..layout.boxes import flat_boxes
-from .checksum import Digests, IncrementalChecksum, TileGrid, chunk_count, chunk_size, format_checksum, tile_grid
+from .checksum import chunk_count, chunk_size, format_checksum
+from .tiles import TileGrid, tile_grid
+from .digests import Digests, IncrementalChecksum
 from .direct import BLOCK, MIN_DIRECT_BYTES
 
 

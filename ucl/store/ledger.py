@@ -10,7 +10,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ..errors import StoreError
-from .checksum import Digests, checksum_fields, chunk_count, chunk_size, is_checksum, tile_grid
+from .checksum import chunk_count, chunk_size, is_checksum
+from .tiles import tile_grid
+from .digests import Digests, checksum_fields
 from .manifest import split_key
 
 

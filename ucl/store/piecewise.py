@@ -13,7 +13,7 @@ from .. import dtypes as _dt
 from ..errors import StoreError
 from ..layout.boxes import flat_boxes
 from . import h5
-from .checksum import IncrementalChecksum
+from .digests import IncrementalChecksum
 from .manifest import split_key
 
 

@@ -19,8 +19,9 @@ from ..plan.buffers import Arena
 from . import h5
 from .atomic import is_tmp_name
 from . import raw
-from .checksum import (Digests, TileGrid, checksum_of, checksums, chunk_count, chunk_size, chunk_table_digest,
-                       tile_grid, tile_table_digest)
+from .checksum import checksum_of, chunk_count, chunk_size, chunk_table_digest, tile_table_digest
+from .tiles import TileGrid, tile_grid
+from .digests import Digests, checksums
 from .codec import units_of
 from .like import ManifestBacked
 from .manifest import MANIFEST_NAME, TABLES_NAME, DatasetInfo, Manifest

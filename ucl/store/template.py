@@ -22,7 +22,9 @@ import numpy as np
 from .. import dtypes as _dt
 from ..errors import StoreError
 from . import h5
-from .checksum import Digests, checksums, chunk_count, tile_grid
+from .checksum import chunk_count
+from .tiles import tile_grid
+from .digests import Digests, checksums
 from .direct import MIN_DIRECT_BYTES, pwrite_all
 from .manifest import FORMAT_NAME, FORMAT_VERSION, TABLES_NAME, split_key
 

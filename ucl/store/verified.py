@@ -12,7 +12,8 @@ import numpy as np
 from ..errors import StoreError
 from ..plan.buffers import Arena
 from . import h5
-from .checksum import TileGrid, TilePlan, band_digests, checksum_of, chunk_digests, raw_bytes, tile_plan
+from .checksum import checksum_of, chunk_digests, raw_bytes
+from .tiles import TileGrid, TilePlan, band_digests, tile_plan
 from .manifest import DatasetInfo
 from .runs import chunks_touched, columns_wanted, one_range
 

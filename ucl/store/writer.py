@@ -16,7 +16,8 @@ from ..errors import StoreError
 from . import h5, piecewise
 from .atomic import TempDir, final_name_of, fsync_path, is_tmp_name, publish_dir, write_atomic
 from .behind import WriteBehind
-from .checksum import Digests, IncrementalChecksum, checksums, raw_bytes
+from .checksum import raw_bytes
+from .digests import Digests, IncrementalChecksum, checksums
 from .codec import Encoded, check_codec, encode, frame_table_digest
 from .direct import MIN_DIRECT_BYTES
 from .ledger import Filled, Ledger, entry_fields, known_digests
@@ -154,7 +155,7 @@ class CheckpointWriter:
               digests: Digests | None = None, tiles: bool = True, coded: Encoded | None = None) -> None:
         """Write a whole dataset from an array or tensor; ``dtype`` declares raw-bit numpy input.
         ``digests``: its checksums, known already, so it is not hashed again: computed as it was filled
-        (``store.checksum.copy_checksummed``; the caller vouches that it has not changed since), or
+        (``store.digests.copy_checksummed``; the caller vouches that it has not changed since), or
         carried over from a verified source (``known_digests``). ``tiles=False``: a plain dataset hashed
         here gets no tile table (a writer may leave it out, docs/format.md). ``coded``: ``codec.encode``
         of these storage bytes with this writer's codec, done already (``store.ahead``), so not done here."""
@@ -317,7 +318,7 @@ class CheckpointWriter:
         storage array, exactly the template's datasets), with no HDF5 call. Readers see what
         ``write`` of each array gives, less the checksum attributes (the digests are in ``ucl_tables``).
         ``digests``: the checksums of some arrays, computed as they were filled
-        (``store.checksum.copy_checksummed``); the caller vouches that the arrays have not changed since."""
+        (``store.digests.copy_checksummed``); the caller vouches that the arrays have not changed since."""
         with self._lock:
             for key in template.datasets:
                 self._new_key(rank, key)

@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import StoreError
-from ..store.checksum import copy_checksummed
+from ..store.digests import copy_checksummed
 from .derive import TrainLayout
 from .progress import Progress, Stage
 from .ring import copy_streamed, host_bytes

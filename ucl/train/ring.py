@@ -13,7 +13,7 @@ import numpy as np
 
 from ..dtypes import logical_of_torch_dtype, storage_dtype
 from ..errors import StoreError
-from ..store.checksum import IncrementalChecksum
+from ..store.digests import IncrementalChecksum
 from .pool import HostPool, Region, piece_bytes
 
 HASH_BYTES = 1 << 20  # copied then hashed a megabyte at a time, while it is still in cache

@@ -25,7 +25,7 @@ class Snapshot:
     persist: bool  # written to disk (the local tier when there is one, else root)
     state: dict  # JSON: step, extra, rng, optimizer hyperparameters
     copied: threading.Event = field(default_factory=threading.Event)
-    digests: dict = field(default_factory=dict)  # key -> store.checksum.Digests, hashed while copied
+    digests: dict = field(default_factory=dict)  # key -> store.digests.Digests, hashed while copied
     holders: set = field(default_factory=set)
     ready_event: Any = None  # CUDA: recorded on the training stream at save(); the copy waits for it
     cuda_event: Any = None  # CUDA: recorded on the copy stream after the copy; the fence waits for it

@@ -33,26 +33,23 @@ with the allow-listed ``torch.save`` reader into ``state['dcp']['objects']``.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import re
-from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...dtypes import itemsize
 from ...errors import ForeignFormatError, StoreError
 from ...files import check_inside
 from ...store.extents import Extent
+from .grid import choose_mesh, saved_boxes, shown_offsets, split_options
 from .metadata import METADATA, Chunk, Metadata, TensorMeta, read_metadata
 from ..base import Description
-from ..torchzip.read import MAX_KEPT_TENSOR_BYTES, TensorRef, plain, read_torch_file
+from ..torchzip.read import TensorRef, read_torch_file
+from ..torchzip.plain import MAX_KEPT_TENSOR_BYTES, plain
 from ..torchzip.unpickle import brief
 
 MAX_OBJECT_BYTES = 16 << 20  # bytes items larger than this are listed, not read
-_MAX_LEVELS = 3  # nested splits of one dim
-_MAX_EMPTY = 64  # empty pieces a dim may have beyond its saved ones
 _MAX_ENTRIES = 20_000_000  # ranks x datasets of one description
 _NAME = re.compile(r"^[A-Za-z0-9_][\w\-]*(\.[\w\-]+)*$")  # names the spec language can spell
 _KIND = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -95,12 +92,12 @@ def describe_dcp(path: str, format: str, state: dict | None = None,
     trained = {f for _, f in states}
     frozen = [n for n in params if n not in trained]
     kinds = _kinds(params, states)
-    layouts = {n: _options(params[n]) for n in params}
+    layouts = {n: split_options(params[n]) for n in params}
     for (kind, fqn), t in states.items():
-        if kinds[kind] == "follow" and _boxes(t) != _boxes(params[fqn]):
-            raise ForeignFormatError(f"{t.key!r} is chunked at {_offsets(t)}, its parameter {params[fqn].key!r} at "
-                         f"{_offsets(params[fqn])}; ucl reads optimizer states laid out like their parameter")
-    chosen, axes = _choose_mesh(params, layouts)
+        if kinds[kind] == "follow" and saved_boxes(t) != saved_boxes(params[fqn]):
+            raise ForeignFormatError(f"{t.key!r} is chunked at {shown_offsets(t)}, its parameter {params[fqn].key!r} at "
+                         f"{shown_offsets(params[fqn])}; ucl reads optimizer states laid out like their parameter")
+    chosen, axes = choose_mesh(params, layouts)
     _check_writers(path, md, math.prod(s for _, s in axes))
     spec = _spec(os.path.basename(os.path.normpath(path)), params, states, kinds, frozen, chosen, axes)
     shapes = {n: t.shape for n, t in params.items()}
@@ -261,137 +258,6 @@ def _kinds(params: dict[str, TensorMeta], states: dict[tuple[str, str], TensorMe
     return out
 
 
-# ---- layouts: chunks -> nested uneven splits ------------------------------------------------------
-@dataclass(frozen=True)
-class _Option:
-    levels: tuple[tuple[int, tuple[int, ...]], ...]  # per split dim: (dim, sizes of its nested splits, outer first)
-    cells: int
-
-    @property
-    def sizes(self) -> Counter:
-        return Counter(s for _, f in self.levels for s in f)
-
-    @property
-    def depth(self) -> int:
-        return sum(len(f) for _, f in self.levels)
-
-
-def _boxes(t: TensorMeta) -> set[tuple]:
-    return {(c.offsets, c.sizes) for c in t.chunks if not c.empty}
-
-
-def _offsets(t: TensorMeta) -> str:
-    shown = [list(c.offsets) for c in t.chunks[:8]]
-    return f"{shown}{' ...' if len(t.chunks) > 8 else ''}"
-
-
-def _pieces(n: int, factors: tuple[int, ...]) -> list[int]:
-    """The piece sizes of nested ``split ... uneven`` over ``factors`` (outer first), in order."""
-    sizes = [n]
-    for p in factors:
-        out = []
-        for m in sizes:
-            c = -(-m // p)
-            out += [max(0, min(m, (i + 1) * c) - min(m, i * c)) for i in range(p)]
-        sizes = out
-    return sizes
-
-
-def _factorizations(p: int, depth: int) -> list[tuple[int, ...]]:
-    """``p`` as ordered products of at most ``depth`` factors > 1 (``()`` for 1)."""
-    if p == 1:
-        return [()]
-    out = [(p,)]
-    if depth > 1:
-        small = [a for a in range(2, math.isqrt(p) + 1) if p % a == 0]
-        for a in sorted(set(small) | {p // a for a in small}):
-            out += [(a,) + rest for rest in _factorizations(p // a, depth - 1) if rest]
-    return out
-
-
-def _options(t: TensorMeta) -> list[_Option]:
-    """The ways to split ``t`` that give exactly its saved (non-empty) chunks."""
-    if math.prod(t.shape) == 0 or not t.chunks:
-        if not t.chunks:
-            raise ForeignFormatError(f"{t.key!r} has no saved chunks")
-        return [_Option((), 1)]
-    boxes = _boxes(t)
-    empties = len({(c.offsets, c.sizes) for c in t.chunks if c.empty})
-    per_dim: list[list[tuple[tuple[int, ...], int]]] = []
-    grid = 1
-    for d, n in enumerate(t.shape):
-        proj = sorted({(o[d], s[d]) for o, s in boxes})
-        pos = 0
-        for o, s in proj:
-            if o != pos:
-                raise ForeignFormatError(f"{t.key!r}: its chunks at offsets {_offsets(t)} do not tile dim {d} "
-                             f"(a piece starts at {o}, expected {pos}); not a grid ucl can describe")
-            pos += s
-        if pos != n:
-            raise ForeignFormatError(f"{t.key!r}: its chunks at offsets {_offsets(t)} cover {pos} of {n} along dim {d}")
-        grid *= len(proj)
-        seen = [s for _, s in proj]
-        opts = []
-        for p in range(len(seen), len(seen) + min(empties, _MAX_EMPTY) + 1):
-            for f in _factorizations(p, _MAX_LEVELS):
-                if [s for s in _pieces(n, f) if s] == seen:
-                    opts.append((f, p))
-        if not opts:
-            raise ForeignFormatError(f"{t.key!r} {list(t.shape)}: its chunks at offsets {_offsets(t)} cut dim {d} into pieces "
-                         f"{seen}, which no split over a mesh axis gives (torch.chunk semantics, 'split {d} over AX "
-                         f"uneven', nested up to {_MAX_LEVELS} deep)")
-        per_dim.append(opts)
-    if grid != len(boxes):
-        raise ForeignFormatError(f"{t.key!r}: its chunks at offsets {_offsets(t)} are not a grid of boxes; ucl describes "
-                     "chunks that split each dim independently")
-    out = []
-    for combo in itertools.islice(itertools.product(*per_dim), 4096):
-        levels = tuple((d, f) for d, (f, _) in enumerate(combo) if f)
-        out.append(_Option(levels, math.prod(p for _, p in combo)))
-    return out
-
-
-def _union(m: Counter, o: Counter) -> Counter:
-    return Counter({s: max(m[s], o[s]) for s in set(m) | set(o)})
-
-
-def _choose_mesh(params: dict[str, TensorMeta], layouts: dict[str, list[_Option]]
-                 ) -> tuple[dict[str, dict[tuple[int, int], int]], list[tuple[str, int]]]:
-    """One option per parameter, a mesh they all fit (the smallest this greedy finds) and, per
-    parameter, the axis of each level: ``{name: {(dim, level): axis index}}`` and ``[(axis, size)]``."""
-    pick: dict[str, _Option] = {}
-    need: Counter = Counter()
-    order = sorted(params, key=lambda n: (len(layouts[n]), -max(o.depth for o in layouts[n])))
-    for n in order:
-        pick[n] = min(layouts[n], key=lambda o: (math.prod(s ** c for s, c in _union(need, o.sizes).items()),
-                                                 o.cells != len({(c.offsets, c.sizes) for c in params[n].chunks}),
-                                                 o.depth))
-        need = _union(need, pick[n].sizes)
-    axes = [[size, 0, 0] for size in sorted(need, reverse=True) for _ in range(need[size])]  # size, inner0, other
-    assign: dict[str, dict[tuple[int, int], int]] = {}
-    for n in params:
-        levels = [(d, i, s, d == 0 and i == len(f) - 1) for d, f in pick[n].levels for i, s in enumerate(f)]
-        levels.sort(key=lambda x: not x[3])  # the innermost split of dim 0 (FSDP's) chooses first
-        used: dict[tuple[int, int], int] = {}
-        for d, i, s, inner0 in levels:
-            free = [a for a in range(len(axes)) if axes[a][0] == s and a not in used.values()]
-            score = (lambda a: axes[a][1] - axes[a][2]) if inner0 else (lambda a: axes[a][2] - axes[a][1])
-            a = max(free, key=lambda a: (score(a), -a))
-            used[(d, i)] = a
-            axes[a][1 if inner0 else 2] += 1
-        assign[n] = used
-    names: list[str] = []
-    counts = Counter()
-    for size, inner0, other in axes:
-        base = "dp" if other == 0 else "tp"
-        counts[base] += 1
-        names.append(base if counts[base] == 1 else f"{base}{counts[base]}")
-    order_axes = sorted(range(len(axes)), key=lambda a: (not names[a].startswith("dp"), a))
-    final = {a: k for k, a in enumerate(order_axes)}
-    return ({n: {lv: final[a] for lv, a in used.items()} for n, used in assign.items()},
-            [(names[a], axes[a][0]) for a in order_axes])
-
-
 # ---- the spec ------------------------------------------------------------------------------------
 def _spec(folder: str, params: dict[str, TensorMeta], states: dict[tuple[str, str], TensorMeta], kinds: dict[str, str],
           frozen: list[str], chosen: dict, axes: list[tuple[str, int]]) -> str:
@@ -454,7 +320,7 @@ def _extents(path: str, model, sm, mesh, by_key: dict[str, TensorMeta]) -> list[
                 chunk = next((c for c in src.chunks if (c.offsets, c.sizes) == want), None)
                 if chunk is None:
                     raise ForeignFormatError(f"{src.key!r}: the layout ucl derived puts the box at {list(want[0])} of "
-                                 f"{list(shape)} on a rank, but DCP saved no such chunk (chunks at {_offsets(src)})")
+                                 f"{list(shape)} on a rank, but DCP saved no such chunk (chunks at {shown_offsets(src)})")
                 used.setdefault(src.key, set()).add(want)
                 e = read.get((src.key, want))
                 if e is None:
@@ -463,7 +329,7 @@ def _extents(path: str, model, sm, mesh, by_key: dict[str, TensorMeta]) -> list[
             for r in ranks:
                 out[int(r)][h.slot.key] = e
     for t in by_key.values():
-        left = _boxes(t) - used.get(t.key, set())
+        left = saved_boxes(t) - used.get(t.key, set())
         if left:
             raise ForeignFormatError(f"{t.key!r}: the chunks at {sorted(list(o) for o, _ in left)[:8]} are saved but the "
                          "layout ucl derived reads none of them")

@@ -10,7 +10,8 @@ from typing import Any
 
 from ...errors import ForeignFormatError
 from ...store.extents import Extent
-from ..torchzip.read import plain, read_torch_file, TensorRef, TorchFile
+from ..torchzip.read import read_torch_file, TensorRef, TorchFile
+from ..torchzip.plain import plain
 
 TAG = re.compile(r"^[A-Za-z0-9_.-]+$")
 OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

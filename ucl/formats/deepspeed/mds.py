@@ -32,7 +32,7 @@ from typing import Any
 
 from ...errors import ForeignFormatError
 from ..base import Description
-from ..torchzip.read import plain
+from ..torchzip.plain import plain
 from .common import as_dict, as_list, DsFolder
 from .tp import describe_tp, Placement, TpReader
 

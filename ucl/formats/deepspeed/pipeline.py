@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from ...errors import ForeignFormatError
 from ...store.extents import Extent
 from ..base import Description
-from ..torchzip.read import plain, TorchFile
+from ..torchzip.read import TorchFile
+from ..torchzip.plain import plain
 from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, check_world, DsFolder, extent, optimizer_dict, optimizer_state,
                      state_line, step_extents, zero12_group)
 

@@ -12,7 +12,8 @@ from typing import Any, Callable
 from ...errors import ForeignFormatError
 from ...store.extents import Extent
 from ..base import Description
-from ..torchzip.read import plain, TensorRef, TorchFile
+from ..torchzip.read import TensorRef, TorchFile
+from ..torchzip.plain import plain
 from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, DsFolder, extent, NAME, optimizer_dict,
                      optimizer_state, OPTIM, state_line, step_extents, weight_dtype, zero12_group)
 

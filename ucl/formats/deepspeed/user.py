@@ -15,7 +15,7 @@ from ...lang.expr import ExprError, evaluate_extent, evaluate_lets
 from ...lang.spec import Spec
 from ...layout.bind import PatternIndex
 from ..base import Description, UserSpec
-from ..torchzip.read import plain
+from ..torchzip.plain import plain
 from .common import DsFolder
 from .tp import describe_tp, Placement, TpReader
 

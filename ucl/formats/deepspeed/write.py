@@ -61,7 +61,7 @@ from ...memory import format_size
 from ...store.atomic import fsync_dir, staged_dir
 from ..base import ExportSource, Pieces, Written
 from ..torchzip import write as torchsave
-from ..torchzip.read import MAX_KEPT_TENSOR_BYTES, kept_tensor
+from ..torchzip.plain import MAX_KEPT_TENSOR_BYTES, kept_tensor
 
 UC_VERSION = 0.4  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE in 0.19.8
 DS_VERSION = "0.19.8"  # written when the source does not say; DeepSpeed's loader requires some version

@@ -10,7 +10,8 @@ from ...errors import ForeignFormatError, StoreError
 from ...files import read_bounded
 from ...store.extents import Extent
 from ..base import Description, UserSpec
-from ..torchzip.read import plain, TensorRef, TorchFile
+from ..torchzip.read import TensorRef, TorchFile
+from ..torchzip.plain import plain
 from .common import (ALIGN, as_dict, as_list, as_tensor, BULKY, check_world, DsFolder, extent, NAME, optimizer_dict,
                      optimizer_state, OPTIM, state_line, step_extents, TAG, weight_dtype, zero12_group, zero3_group)
 from .mds import describe_mds, is_pattern_form

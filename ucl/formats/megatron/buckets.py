@@ -50,7 +50,8 @@ from ...store.extents import ZEROS, Extent, Piece
 from ..dcp.metadata import METADATA, Metadata, TensorMeta
 from ..base import Description
 from .unstack import LAYERS, chunks_extent, infer_tp, stage_of, tensor_ref, unstack
-from ..torchzip.read import plain, read_torch_file
+from ..torchzip.read import read_torch_file
+from ..torchzip.plain import plain
 from ..torchzip.unpickle import brief
 
 PREFIX = "optimizer.distributed."

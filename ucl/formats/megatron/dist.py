@@ -35,7 +35,8 @@ from ..dcp.metadata import METADATA, read_metadata
 from ..base import Description
 from .buckets import describe_buckets, has_buckets
 from .stacked import describe_stacked
-from ..torchzip.read import plain, read_torch_file
+from ..torchzip.read import read_torch_file
+from ..torchzip.plain import plain
 
 META_JSON = "metadata.json"
 COMMON = "common.pt"

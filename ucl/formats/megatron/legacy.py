@@ -54,7 +54,8 @@ from ...store.extents import Extent
 from . import legacy_optim as optim
 from .legacy_spec import dims_from_args, global_shapes, int_arg, which_spec, with_dtypes
 from ..base import Description
-from ..torchzip.read import Record, TensorRef, TorchFile, plain, read_torch_file
+from ..torchzip.read import Record, TensorRef, TorchFile, read_torch_file
+from ..torchzip.plain import plain
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
