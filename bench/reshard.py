@@ -9,7 +9,10 @@ optimizer buffers) on TP2·PP2·DP2, against `cp -r` of the same directory measu
 Each operation runs as its own process (like a user would run it), in interleaved rounds after one
 warm-up round; the source is read (untimed) right before every run, so it is in the page cache
 ("warm") even on machines that reclaim cached pages; medians with min-max are printed, plus ratios to `cp -r`
-(of the medians, and of the fastest runs), the CPU time of each run's process tree (steadier than wall time
+(of the medians, and of the fastest runs); beside `cp -r` runs the "verified-copy floor" (bench/copy_floor.py: the
+same files copied by a Python process with one read, three XXH3 passes and one write per 2 MiB block, and
+nothing else: the least a copy with ucl's verification costs here, so a reshard's ratio can be read against
+what is possible at all); the CPU time of each run's process tree (steadier than wall time
 on a shared machine), bytes read vs needed, the peak RSS of the largest process and the peak PSS of each
 run's whole process tree (its forked workers included; tests/memprobe.py), less that of a reshard of a
 3 MB checkpoint (interpreter and imports: "added" is about what ``--max-memory`` caps, docs/memory.md). Each reshard and the
@@ -345,6 +348,9 @@ def compare(args, src: Path, work: Path, cores: int | None, cap: int = 0) -> Non
     ops = {
         "cp -r": lambda out: pin + ["cp", "-r", str(src), str(out)],
         "cp -r + sync": lambda out: pin + ["sh", "-c", f"cp -r '{src}' '{out}' && sync '{out}'/*"],
+        # the least any verified copy in Python pays here (bench/copy_floor.py): what the reshard's ratio is up against
+        "verified-copy floor": lambda out: pin + [sys.executable, str(ROOT / "bench" / "copy_floor.py"), str(src),
+                                                  str(out)],
         "reshard -> TP4·PP1·DP2": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "pp=1,dp=2,tp=4",
                                                          "--quiet", "--no-fsync"],
         "  -> TP4·PP1·DP2, fsync": lambda out: env_cli + ["reshard", str(src), str(out), "--to", "pp=1,dp=2,tp=4", "--quiet"],
