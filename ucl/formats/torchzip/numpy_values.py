@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import StoreError
-from .unpickle import brief
+from .unpickle import brief, pickle_error
 
-
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL500")
 
 
 _NUMERIC = frozenset("biufc")
@@ -22,20 +18,20 @@ class NumpyDtype:
 
     def __init__(self, spec):
         if not isinstance(spec, str) or len(spec) > 8:
-            raise _error(f"a pickle asked for the numpy dtype {brief(spec)}")
+            raise pickle_error(f"a pickle asked for the numpy dtype {brief(spec)}")
         try:
             dtype = np.dtype(spec)
         except TypeError:
-            raise _error(f"a pickle asked for the numpy dtype {spec!r}") from None
+            raise pickle_error(f"a pickle asked for the numpy dtype {spec!r}") from None
         if not dtype.isbuiltin or dtype.kind not in _NUMERIC:
-            raise _error(f"a pickle asked for the numpy dtype {spec!r}; ucl reads plain numeric ones only")
+            raise pickle_error(f"a pickle asked for the numpy dtype {spec!r}; ucl reads plain numeric ones only")
         self.dtype = dtype
 
     def __setstate__(self, state):
         if not isinstance(state, tuple) or len(state) < 2 or state[1] not in ("<", "|", "=", ">"):
-            raise _error("a pickle holds a malformed numpy dtype state")
+            raise pickle_error("a pickle holds a malformed numpy dtype state")
         if any(x is not None for x in state[2:5]) if len(state) >= 5 else False:
-            raise _error("a pickle gives a numpy dtype fields or a subarray; ucl reads plain numeric ones only")
+            raise pickle_error("a pickle gives a numpy dtype fields or a subarray; ucl reads plain numeric ones only")
         self.dtype = self.dtype.newbyteorder(state[1]) if state[1] == ">" else self.dtype
 
 
@@ -54,13 +50,13 @@ class NumpyArray:
         try:
             _version, shape, dtype, fortran, raw = state
         except (TypeError, ValueError):
-            raise _error("a pickle holds a malformed numpy array state") from None
+            raise pickle_error("a pickle holds a malformed numpy array state") from None
         if not isinstance(dtype, NumpyDtype) or not isinstance(raw, (bytes, bytearray)) or \
                 not isinstance(shape, tuple) or len(shape) > 32 or \
                 not all(type(n) is int and 0 <= n < 1 << 63 for n in shape):  # numpy's own limit: 32 dims
-            raise _error("a pickle holds a malformed numpy array")
+            raise pickle_error("a pickle holds a malformed numpy array")
         if int(np.prod(shape, dtype=object)) * dtype.dtype.itemsize != len(raw):
-            raise _error(f"a pickled numpy array of shape {brief(shape)} holds {len(raw)} bytes")
+            raise pickle_error(f"a pickled numpy array of shape {brief(shape)} holds {len(raw)} bytes")
         flat = np.frombuffer(bytes(raw), dtype.dtype)
         self.array = flat.reshape(shape, order="F" if fortran else "C")
 
@@ -68,11 +64,11 @@ class NumpyArray:
 def np_reconstruct(cls, shape, dtype_code):
     # numpy pickles every array as _reconstruct(ndarray, (0,), b'b') followed by its state
     if cls is not NDARRAY or shape != (0,) or dtype_code not in (b"b", "b"):
-        raise _error("a pickle asked to build a numpy array other than the way numpy pickles one")
+        raise pickle_error("a pickle asked to build a numpy array other than the way numpy pickles one")
     return NumpyArray()
 
 
 def np_scalar(dtype, data=None):
     if not isinstance(dtype, NumpyDtype) or not isinstance(data, bytes) or len(data) != dtype.dtype.itemsize:
-        raise _error("a pickle holds a malformed numpy scalar")
+        raise pickle_error("a pickle holds a malformed numpy scalar")
     return np.frombuffer(data, dtype.dtype)[0].item()

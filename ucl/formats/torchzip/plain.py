@@ -11,10 +11,9 @@ from typing import Any
 import numpy as np
 
 from ...dtypes import itemsize, storage_dtype
-from ...errors import StoreError
 from .numpy_values import NumpyArray, NumpyDtype
 from .read import Record, TensorRef, TorchFile
-from .unpickle import brief
+from .unpickle import brief, pickle_error
 
 
 MAX_PLAIN_DEPTH = 64  # nesting a manifest's state keeps; deeper is summarised, never recursed into
@@ -47,8 +46,8 @@ class _Plain:
     def count(self, n: int) -> None:
         self.nodes += n
         if self.nodes > MAX_PLAIN_NODES:
-            raise StoreError(f"{self.where}: a value writes out more than {MAX_PLAIN_NODES:,} values (shared "
-                         "references expanded); docs/security.md", code="UCL500")
+            raise pickle_error(f"{self.where}: a value writes out more than {MAX_PLAIN_NODES:,} values (shared "
+                         "references expanded); docs/security.md")
 
     def value(self, obj: Any, depth: int) -> Any:
         if depth > MAX_PLAIN_DEPTH:
@@ -63,8 +62,7 @@ class _Plain:
             self.count(hit[1])
             return hit[0]
         if key in self.open:
-            raise StoreError(f"{self.where}: a value contains itself (a reference cycle); checkpoint state never does",
-                             code="UCL500")
+            raise pickle_error(f"{self.where}: a value contains itself (a reference cycle); checkpoint state never does")
         self.open.add(key)
         self.kept.append(obj)
         before = self.nodes
@@ -99,7 +97,7 @@ class _Plain:
                 f.seek(values.byte_offset(obj))
                 data = f.read(n)
             if len(data) != n:
-                raise StoreError(f"{values.path}: a tensor of {n} bytes runs past the end of the file", code="UCL500")
+                raise pickle_error(f"{values.path}: a tensor of {n} bytes runs past the end of the file")
             out["base64"] = base64.b64encode(data).decode("ascii")
         return out
 
@@ -128,5 +126,5 @@ def kept_tensor(value: Any) -> "tuple[np.ndarray, str] | None":
     data = base64.b64decode(value["base64"], validate=True)
     dt = storage_dtype(dtype)
     if len(data) != math.prod(shape) * dt.itemsize:
-        raise StoreError(f"a kept tensor of shape {list(shape)} {dtype} holds {len(data)} bytes", code="UCL500")
+        raise pickle_error(f"a kept tensor of shape {list(shape)} {dtype} holds {len(data)} bytes")
     return np.frombuffer(data, dt).reshape(shape).copy(), dtype

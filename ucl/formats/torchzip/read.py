@@ -26,7 +26,7 @@ from ...dtypes import DTYPES, itemsize
 from ...errors import StoreError
 from ...files import check_inside
 from .numpy_values import NDARRAY, np_dtype, np_reconstruct, np_scalar
-from .unpickle import PICKLE_ERRORS, BudgetedUnpickler, Call, brief
+from .unpickle import PICKLE_ERRORS, BudgetedUnpickler, Call, brief, pickle_error
 
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl holds structure, not tensors; a bigger one is hostile
 
@@ -50,15 +50,12 @@ ENUM_CLASSES = frozenset({("deepspeed.runtime.zero.config", "ZeroStageEnum"),
                           ("megatron.core.enums", "ModelType")})
 
 
-def _error(msg: str) -> StoreError:
-    return StoreError(msg, code="UCL500")
-
 
 class _NoState:
     """A pickle's BUILD must not rewrite a record after its checks (frozen dataclasses do not stop it)."""
 
     def __setstate__(self, state):
-        raise _error("a pickle tried to set the state of a tensor or storage reference")
+        raise pickle_error("a pickle tried to set the state of a tensor or storage reference")
 
 
 @dataclass(frozen=True)
@@ -135,16 +132,16 @@ def _count(x: Any) -> bool:
 
 def _rebuild_tensor(storage, offset, size, stride, *rest):
     if not isinstance(storage, StorageRef):
-        raise _error(f"a tensor refers to {type(storage).__name__}, not a storage")
+        raise pickle_error(f"a tensor refers to {type(storage).__name__}, not a storage")
     if not (isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride) <= MAX_NDIM
             and all(map(_count, size)) and all(map(_count, stride)) and _count(offset)):
-        raise _error(f"a tensor has an invalid view: size {brief(size)}, stride {brief(stride)}, "
+        raise pickle_error(f"a tensor has an invalid view: size {brief(size)}, stride {brief(stride)}, "
                      f"offset {brief(offset)}")
     shape, stride = size, stride
     if all(shape):  # the last element it reaches must lie in its storage
         last = int(offset) + sum((s - 1) * t for s, t in zip(shape, stride))
         if last >= storage.numel:
-            raise _error(f"a tensor of size {shape} reaches element {last} of a storage of {storage.numel}")
+            raise pickle_error(f"a tensor of size {shape} reaches element {last} of a storage of {storage.numel}")
     return TensorRef(storage, int(offset), shape, stride)
 
 
@@ -152,10 +149,10 @@ def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtyp
     # torch's form for dtypes without a typed storage class (fp8): an UntypedStorage of bytes
     logical = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
     if not isinstance(storage, StorageRef) or storage.dtype != _UNTYPED or logical not in DTYPES:
-        raise _error(f"a tensor of {brief(dtype)} refers to {type(storage).__name__}, not an untyped storage")
+        raise pickle_error(f"a tensor of {brief(dtype)} refers to {type(storage).__name__}, not an untyped storage")
     size_of = itemsize(logical)
     if storage.numel % size_of:
-        raise _error(f"an untyped storage of {storage.numel} bytes does not hold whole {logical} elements")
+        raise pickle_error(f"an untyped storage of {storage.numel} bytes does not hold whole {logical} elements")
     return _rebuild_tensor(StorageRef(storage.key, logical, storage.numel // size_of), offset, size, stride)
 
 
@@ -168,7 +165,7 @@ _REBUILD, _REBUILD_V3 = Call(_rebuild_tensor), Call(_rebuild_tensor_v3)
 def _rebuild_from_type(func, new_type, args, state=None):
     # a tensor saved with its Python type and attributes: the tensor is what matters
     if (func is not _REBUILD and func is not _REBUILD_V3) or new_type is not _TENSOR_TYPE or type(args) is not tuple:
-        raise _error("a pickle asked to rebuild a tensor subclass ucl does not know")
+        raise pickle_error("a pickle asked to rebuild a tensor subclass ucl does not know")
     return func(*args)
 
 
@@ -178,50 +175,50 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *rest):
 
 def _ordered_dict(*args):
     if args:  # a pickled OrderedDict is made empty and filled by SETITEMS, whose keys are checked
-        raise _error("a pickle asked for an OrderedDict built from arguments")
+        raise pickle_error("a pickle asked for an OrderedDict built from arguments")
     return collections.OrderedDict()
 
 
 def _size(dims=()):
     if not isinstance(dims, (tuple, list)) or len(dims) > MAX_NDIM or \
             any(isinstance(d, (tuple, list, dict, set, frozenset)) for d in dims):  # numbers: checked where used
-        raise _error(f"a pickled torch.Size holds {brief(dims)}, not up to {MAX_NDIM} sizes")
+        raise pickle_error(f"a pickled torch.Size holds {brief(dims)}, not up to {MAX_NDIM} sizes")
     return tuple(dims)
 
 
 def _device(kind, index=None):
     if not isinstance(kind, str) or len(kind) > 32 or not (index is None or type(index) is int):
-        raise _error(f"a pickle asked for the torch device {brief(kind)}, {brief(index)}")
+        raise pickle_error(f"a pickle asked for the torch device {brief(kind)}, {brief(index)}")
     return f"device:{kind}" if index is None else f"device:{kind}:{index}"
 
 
 def _complex(real=0.0, imag=0.0):
     if not all(type(x) in (int, float) for x in (real, imag)):
-        raise _error(f"a pickle asked for a complex number of {brief(real)}, {brief(imag)}")
+        raise pickle_error(f"a pickle asked for a complex number of {brief(real)}, {brief(imag)}")
     return complex(float(real), float(imag))  # an int beyond a float's range: OverflowError, refused
 
 
 def _slice(*args):
     if not 1 <= len(args) <= 3 or not all(x is None or type(x) is int for x in args):
-        raise _error(f"a pickle asked for a slice of {brief(args)}")
+        raise pickle_error(f"a pickle asked for a slice of {brief(args)}")
     return slice(*args)
 
 
 def _latin1_encode(text, encoding="latin1"):
     if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
-        raise _error("a pickle asked for an unsupported byte encoding")
+        raise pickle_error("a pickle asked for an unsupported byte encoding")
     return text.encode("latin1")
 
 
 def _bytearray(data=b"", *rest):
     if not isinstance(data, (bytes, str)):  # bytearray(n) would allocate n zeroed bytes
-        raise _error("a pickle asked for a bytearray of a given size")
+        raise pickle_error("a pickle asked for a bytearray of a given size")
     if isinstance(data, str):  # pickled bytearrays are latin-1 text; any other codec is refused
         if rest not in (("latin1",), ("latin-1",)):
-            raise _error(f"a pickle asked for a bytearray in the encoding {brief(rest)}")
+            raise pickle_error(f"a pickle asked for a bytearray in the encoding {brief(rest)}")
         return bytearray(data, "latin-1")
     if rest:
-        raise _error("a pickle asked for a bytearray of bytes with an encoding")
+        raise pickle_error("a pickle asked for a bytearray of bytes with an encoding")
     return bytearray(data)
 
 
@@ -251,13 +248,13 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 
 class _Unpickler(BudgetedUnpickler):
     def __init__(self, data: bytes, where: str):
-        super().__init__(data, where, _error)
+        super().__init__(data, where, pickle_error)
         self.sets = {("builtins", "set"): Call(self.checked_set), ("builtins", "frozenset"): Call(self.checked_frozenset)}
 
     def find_class(self, module: str, name: str) -> Any:
         found = _ALLOWED.get((module, name)) or self.sets.get((module, name))
         if found is None:
-            raise _error(f"{self.where} needs the class {module}.{name}, which ucl does not load from a file "
+            raise pickle_error(f"{self.where} needs the class {module}.{name}, which ucl does not load from a file "
                          "(only tensors, plain containers and a short allow-list of framework records; "
                          "docs/interop.md)")
         return found
@@ -265,10 +262,10 @@ class _Unpickler(BudgetedUnpickler):
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], tuple) and pid[1][:1] == ("storage-type",)):
-            raise _error(f"{self.where} refers to an unsupported persistent object {brief(pid)}")
+            raise pickle_error(f"{self.where} refers to an unsupported persistent object {brief(pid)}")
         _, (_, dtype), key, _location, numel = pid
         if type(dtype) is not str or not isinstance(key, str) or not key.isalnum() or len(key) > 64 or not _count(numel):
-            raise _error(f"{self.where} has a malformed storage reference {brief(pid)}")
+            raise pickle_error(f"{self.where} has a malformed storage reference {brief(pid)}")
         return StorageRef(key, dtype, numel)
 
 
@@ -284,7 +281,7 @@ class TorchFile:
     def byte_offset(self, t: TensorRef) -> int:
         """Where ``t``'s first element is in the file (``t`` must be contiguous)."""
         if not t.contiguous:
-            raise _error(f"{self.path}: a tensor of size {t.shape} is stored with stride {t.stride}, not "
+            raise pickle_error(f"{self.path}: a tensor of size {t.shape} is stored with stride {t.stride}, not "
                          "row-major; ucl reads tensors in place only when they are contiguous")
         return self.storage_offsets[t.storage.key] + t.offset * itemsize(t.dtype)
 
@@ -301,7 +298,7 @@ def read_torch_file(path: str, inside: str | None = None, *, offset: int = 0, le
     try:
         st = os.stat(path)
     except OSError as e:
-        raise _error(f"cannot read {where}: {e.strerror or e}") from None
+        raise pickle_error(f"cannot read {where}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
         raise StoreError(f"{where} is not a regular file", code="UCL416")
     size = st.st_size - offset if length is None else length
@@ -312,19 +309,19 @@ def read_torch_file(path: str, inside: str | None = None, *, offset: int = 0, le
             infos = {i.filename: i for i in z.infolist()}
             pkl = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkl) != 1:
-                raise _error(f"{where} is not a torch.save zip archive (no single <prefix>/data.pkl)")
+                raise pickle_error(f"{where} is not a torch.save zip archive (no single <prefix>/data.pkl)")
             prefix = pkl[0][:-len("data.pkl")]
             packed = [n for n, i in infos.items() if i.compress_type != zipfile.ZIP_STORED]
             if packed:  # torch.save stores every member; a compressed one could be a decompression bomb
-                raise _error(f"{where}: member {brief(packed[0])} is compressed; torch.save files store every member")
+                raise pickle_error(f"{where}: member {brief(packed[0])} is compressed; torch.save files store every member")
             locked = [n for n, i in infos.items() if i.flag_bits & 0x1]
             if locked:  # zipfile would ask for a password (RuntimeError); torch.save never encrypts
-                raise _error(f"{where}: member {brief(locked[0])} is marked encrypted; torch.save files never are")
+                raise pickle_error(f"{where}: member {brief(locked[0])} is marked encrypted; torch.save files never are")
             if infos[pkl[0]].file_size > MAX_PICKLE_BYTES:
-                raise _error(f"{where}: data.pkl is {infos[pkl[0]].file_size:,} bytes, beyond the limit")
+                raise pickle_error(f"{where}: data.pkl is {infos[pkl[0]].file_size:,} bytes, beyond the limit")
             order = infos.get(prefix + "byteorder")
             if order is not None and (order.file_size > 16 or z.read(order).strip() not in (b"little",)):
-                raise _error(f"{where} was written big-endian; ucl reads little-endian files only")
+                raise pickle_error(f"{where} was written big-endian; ucl reads little-endian files only")
             data = z.read(pkl[0])
             obj = _Unpickler(data, where).load_checked()
             offsets, sizes = {}, {}
@@ -333,21 +330,21 @@ def read_torch_file(path: str, inside: str | None = None, *, offset: int = 0, le
                     continue
                 key = name[len(prefix + "data/"):]
                 if info.compress_type != zipfile.ZIP_STORED:
-                    raise _error(f"{where}: storage {key} is compressed; ucl reads stored tensors in place only")
+                    raise pickle_error(f"{where}: storage {key} is compressed; ucl reads stored tensors in place only")
                 f.seek(info.header_offset)
                 head = f.read(30)
                 if len(head) != 30 or head[:4] != b"PK\x03\x04":
-                    raise _error(f"{where}: the zip entry of storage {key} is damaged")
+                    raise pickle_error(f"{where}: the zip entry of storage {key} is damaged")
                 name_len, extra_len = struct.unpack("<HH", head[26:30])
                 start = info.header_offset + 30 + name_len + extra_len
                 if start + info.file_size > size:
-                    raise _error(f"{where}: storage {key} runs past the end of the file (truncated?)")
+                    raise pickle_error(f"{where}: storage {key} runs past the end of the file (truncated?)")
                 offsets[key], sizes[key] = offset + start, info.file_size
     except StoreError:
         raise
     except (zipfile.BadZipFile, OSError, *PICKLE_ERRORS) as e:
         text = str(e) if isinstance(e, OSError) else e.args[0] if e.args and isinstance(e.args[0], str) else ""
-        raise _error(f"{where} is not a readable torch.save file: {type(e).__name__}: {text[:160]}") from None
+        raise pickle_error(f"{where} is not a readable torch.save file: {type(e).__name__}: {text[:160]}") from None
     _check_storages(obj, offsets, sizes, where)
     return TorchFile(path, obj, offsets, sizes)
 
@@ -400,12 +397,12 @@ def _check_storages(obj: Any, offsets: dict, sizes: dict, where: str) -> None:
         if isinstance(x, TensorRef):
             s = x.storage
             if type(s) is not StorageRef or type(x.offset) is not int or not isinstance(x.shape, tuple):
-                raise _error(f"{where}: a malformed tensor reference")
+                raise pickle_error(f"{where}: a malformed tensor reference")
             _rebuild_tensor(s, x.offset, x.shape, x.stride)  # its view checked again: inside its storage
             if s.key not in offsets:
-                raise _error(f"{where}: storage {s.key} is referenced but missing from the archive")
+                raise pickle_error(f"{where}: storage {s.key} is referenced but missing from the archive")
             if s.numel * itemsize(s.dtype) != sizes[s.key]:
-                raise _error(f"{where}: storage {s.key} holds {sizes[s.key]:,} bytes, not the "
+                raise pickle_error(f"{where}: storage {s.key} holds {sizes[s.key]:,} bytes, not the "
                              f"{s.numel:,} x {s.dtype} its tensors claim")
         elif isinstance(x, dict):
             stack.extend(x.values())

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import xxhash
 
-from ...errors import UclError
+from ...errors import StoreError, UclError
 
 OP_BYTES = 64  # the most one opcode makes the process hold: one small object, one slot, or one mark
 
@@ -57,6 +57,11 @@ _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxtuple, _REPR.maxlist, _REPR.maxdict = 3, 4, 4, 4
 _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdeque = _REPR.maxarray = 4
 _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 60, 160, 40
+
+
+def pickle_error(msg: str) -> StoreError:
+    """A torch.save file or pickle ucl refuses to read (UCL500): the one error of this package's readers."""
+    return StoreError(msg, code="UCL500")
 
 
 def brief(value: Any) -> str:
